@@ -1,0 +1,129 @@
+"""The one error hierarchy of pdps.
+
+Every layer raises these; adapters translate library exceptions into them with
+``raise ... from exc`` so callers never catch ``grpc.RpcError`` or a redis error.
+Each class carries a stable ``code`` so a transport can carry the error across
+a process boundary and rebuild the same class on the other side.
+"""
+
+from __future__ import annotations
+
+
+class PdpsError(Exception):
+    """Base class of every error pdps raises on purpose."""
+
+    code = "pdps"
+
+
+class ConfigError(PdpsError, ValueError):
+    """A job or role was configured with a value that cannot work."""
+
+    code = "config"
+
+
+class UnknownSchemeError(ConfigError):
+    """A URL names a scheme no registered adapter serves."""
+
+    code = "unknown_scheme"
+
+
+class MissingExtraError(ConfigError, ImportError):
+    """The adapter for a URL needs an optional dependency that is not installed."""
+
+    code = "missing_extra"
+
+
+class DatasetError(PdpsError):
+    """A dataset is missing, unreadable or not in the expected format."""
+
+    code = "dataset"
+
+
+class InvalidTransition(PdpsError):
+    """A state machine was fed an event its current state does not allow.
+
+    Carries the subject (task id, ...), its state and the event.
+    """
+
+    code = "invalid_transition"
+
+    def __init__(self, subject: object, state: object, event: object, detail: str = "") -> None:
+        self.subject = subject
+        self.state = state
+        self.event = event
+        msg = f"{subject!r} in state {state!s} cannot take event {event!s}"
+        super().__init__(f"{msg}: {detail}" if detail else msg)
+
+
+class UnknownTaskError(PdpsError, KeyError):
+    """A report names a task id the queue never had."""
+
+    code = "unknown_task"
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else "unknown task"
+
+
+class GradientRejected(PdpsError, ValueError):
+    """A pushed gradient failed validation; nothing was applied."""
+
+    code = "gradient_rejected"
+
+
+class StalePush(PdpsError):
+    """A push was computed on parameters too old (or for a finished round): pull, then retry."""
+
+    code = "stale_push"
+
+
+class StoreError(PdpsError):
+    """The coordination store failed or is unreachable."""
+
+    code = "store"
+
+
+class FencingError(StoreError):
+    """A guarded write was refused because the writer no longer holds its lock."""
+
+    code = "fencing"
+
+
+class LeaseExpired(StoreError):
+    """A lease is gone: its keys were deleted and it cannot be kept alive."""
+
+    code = "lease_expired"
+
+
+class StorageError(PdpsError):
+    """Blob storage failed: missing object, unreachable bucket, ..."""
+
+    code = "storage"
+
+
+class TransportError(PdpsError):
+    """A call could not be delivered or answered (unknown address or method, deadline)."""
+
+    code = "transport"
+
+
+class Timeout(TransportError, TimeoutError):
+    """A wait or a call ran past its deadline."""
+
+    code = "timeout"
+
+
+class NotReady(PdpsError):
+    """The callee is up but not ready for this request yet (e.g. parameters not initialized)."""
+
+    code = "not_ready"
+
+
+def error_classes() -> dict[str, type[PdpsError]]:
+    """Map each ``code`` to its class, for transports that rebuild remote errors."""
+    out: dict[str, type[PdpsError]] = {}
+    stack: list[type[PdpsError]] = [PdpsError]
+    while stack:
+        cls = stack.pop()
+        out[cls.code] = cls
+        stack.extend(cls.__subclasses__())
+    return out

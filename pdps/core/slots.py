@@ -1,0 +1,222 @@
+"""How the model's parameters are spread over the pservers.
+
+* A parameter is cut into *blocks* of whole rows (along dim 0), each at least
+  ``min_block`` elements; a parameter smaller than that is one block. The rows that
+  do not fill a block join the previous one, so only a whole parameter is ever
+  smaller than ``min_block``.
+* A block hashes (blake2b of ``"<name>@<first row>"``, never Python's salted ``hash``)
+  into one of ``num_slots`` slots; a versioned :class:`SlotMap` assigns slots to
+  pservers. Moving a slot later moves all its blocks, so elastic scaling re-places
+  slots, never individual rows.
+* :meth:`SlotMap.rebalance` to M pservers keeps the map balanced (pserver loads
+  differ by at most one slot) and moves the fewest slots a balanced map allows.
+
+Everything here is a pure function of its inputs, so every process computes the
+same layout from the same model description.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Mapping, Sequence
+
+import attrs
+
+from pdps.core.errors import ConfigError
+
+DEFAULT_NUM_SLOTS = 256
+DEFAULT_MIN_BLOCK = 4096
+
+_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
+
+
+@attrs.frozen
+class ParamSpec:
+    """A named parameter: its shape and dtype (``torch`` dtype name without prefix)."""
+
+    name: str
+    shape: tuple[int, ...] = attrs.field(converter=tuple)
+    dtype: str
+
+    def __attrs_post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ConfigError(f"parameter {self.name!r}: dtype {self.dtype!r} is not a floating dtype pdps trains ({sorted(_DTYPES)})")
+        if any(d < 0 for d in self.shape):
+            raise ConfigError(f"parameter {self.name!r}: negative dimension in shape {self.shape}")
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def row_numel(self) -> int:
+        return math.prod(self.shape[1:]) if self.shape else 1
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0] if self.shape else 1
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
+
+    @classmethod
+    def from_json(cls, d: Mapping) -> ParamSpec:
+        return cls(name=str(d["name"]), shape=tuple(int(x) for x in d["shape"]), dtype=str(d["dtype"]))
+
+
+@attrs.frozen
+class Block:
+    """Rows ``[row_start, row_end)`` of one parameter.
+
+    ``offset`` is the block's first element in the model's flat buffer (parameters
+    laid out in order, each row-major), so a block is one contiguous range there.
+    """
+
+    param: str
+    index: int  # position of the parameter in the model
+    row_start: int
+    row_end: int
+    offset: int
+    numel: int
+    shape: tuple[int, ...]  # the block's own shape: (rows, *param.shape[1:])
+    dtype: str
+
+    @property
+    def key(self) -> str:
+        return f"{self.param}@{self.row_start}"
+
+    def describe(self) -> str:
+        return f"{self.param}[{self.row_start}:{self.row_end}]"
+
+
+def cut_blocks(params: Sequence[ParamSpec], min_block: int = DEFAULT_MIN_BLOCK) -> list[Block]:
+    """Cut parameters into row-aligned blocks of at least ``min_block`` elements."""
+    if min_block < 1:
+        raise ConfigError(f"min_block must be >= 1 element, got {min_block}")
+    names = [p.name for p in params]
+    if len(set(names)) != len(names):
+        raise ConfigError("parameter names must be unique")
+    blocks: list[Block] = []
+    offset = 0
+    for index, p in enumerate(params):
+        rows, row_numel = p.rows, p.row_numel
+        per = max(1, math.ceil(min_block / row_numel)) if row_numel else rows or 1
+        starts = list(range(0, rows, per)) or [0]
+        if len(starts) > 1 and (rows - starts[-1]) * row_numel < min_block:
+            starts.pop()  # the short tail joins the previous block
+        bounds = starts + [rows]
+        for a, b in zip(bounds, bounds[1:]):
+            n = (b - a) * row_numel if p.shape else 1
+            shape = (b - a, *p.shape[1:]) if p.shape else ()
+            blocks.append(Block(p.name, index, a, b, offset + a * row_numel, n, shape, p.dtype))
+        offset += p.numel
+    return blocks
+
+
+def slot_of(block_key: str, num_slots: int) -> int:
+    digest = hashlib.blake2b(block_key.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") % num_slots
+
+
+@attrs.frozen
+class SlotMap:
+    """Which pserver owns each slot. ``owners[s]`` is the pserver index of slot ``s``."""
+
+    version: int
+    num_pservers: int
+    owners: tuple[int, ...] = attrs.field(converter=tuple)
+
+    def __attrs_post_init__(self) -> None:
+        if self.num_pservers < 1:
+            raise ConfigError(f"a slot map needs at least one pserver, got {self.num_pservers}")
+        if len(self.owners) < self.num_pservers:
+            raise ConfigError(f"{len(self.owners)} slots cannot cover {self.num_pservers} pservers")
+        if any(not 0 <= o < self.num_pservers for o in self.owners):
+            raise ConfigError("slot owner out of range")
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.owners)
+
+    @classmethod
+    def initial(cls, num_pservers: int, num_slots: int = DEFAULT_NUM_SLOTS) -> SlotMap:
+        """Round-robin: balanced, and the same in every process."""
+        if num_slots < 1:
+            raise ConfigError(f"num_slots must be >= 1, got {num_slots}")
+        if num_pservers < 1:  # checked here too: the round-robin below would divide by zero first
+            raise ConfigError(f"a slot map needs at least one pserver, got {num_pservers}")
+        return cls(version=1, num_pservers=num_pservers, owners=tuple(s % num_pservers for s in range(num_slots)))
+
+    def load(self) -> list[int]:
+        """Slots per pserver."""
+        out = [0] * self.num_pservers
+        for o in self.owners:
+            out[o] += 1
+        return out
+
+    def rebalance(self, num_pservers: int) -> SlotMap:
+        """A balanced map for ``num_pservers`` that moves the fewest slots.
+
+        Each surviving pserver keeps its slots up to its new quota (``S // M``, and
+        one more for the ``S % M`` pservers that hold the most now); only the surplus
+        and the slots of removed pservers move, lowest slot first, to the pservers
+        below quota, lowest index first.
+        """
+        m = num_pservers
+        if m < 1:
+            raise ConfigError(f"cannot rebalance onto {m} pservers")
+        if m > self.num_slots:
+            raise ConfigError(f"{self.num_slots} slots cannot cover {m} pservers")
+        have = [0] * m
+        for o in self.owners:
+            if o < m:
+                have[o] += 1
+        base, extra = divmod(self.num_slots, m)
+        by_load = sorted(range(m), key=lambda p: (-have[p], p))
+        quota = [base] * m
+        for p in by_load[:extra]:
+            quota[p] += 1
+        kept = [0] * m
+        owners = list(self.owners)
+        moving: list[int] = []
+        for s, o in enumerate(owners):
+            if o < m and kept[o] < quota[o]:
+                kept[o] += 1
+            else:
+                moving.append(s)
+        receivers = (p for p in range(m) for _ in range(quota[p] - kept[p]))
+        for s, p in zip(moving, receivers):
+            owners[s] = p
+        return SlotMap(version=self.version + 1, num_pservers=m, owners=tuple(owners))
+
+    def moved(self, other: SlotMap) -> int:
+        return sum(a != b for a, b in zip(self.owners, other.owners))
+
+    def to_json(self) -> dict:
+        return {"version": self.version, "num_pservers": self.num_pservers, "owners": list(self.owners)}
+
+    @classmethod
+    def from_json(cls, d: Mapping) -> SlotMap:
+        return cls(version=int(d["version"]), num_pservers=int(d["num_pservers"]), owners=tuple(int(x) for x in d["owners"]))
+
+
+@attrs.frozen
+class Layout:
+    """The blocks of a model and the pserver each one lives on."""
+
+    blocks: tuple[Block, ...]
+    slot_map: SlotMap
+    slots: tuple[int, ...]  # slot of each block, parallel to ``blocks``
+
+    @classmethod
+    def build(cls, params: Sequence[ParamSpec], slot_map: SlotMap, min_block: int = DEFAULT_MIN_BLOCK) -> Layout:
+        blocks = tuple(cut_blocks(params, min_block))
+        return cls(blocks, slot_map, tuple(slot_of(b.key, slot_map.num_slots) for b in blocks))
+
+    def pserver_of(self, i: int) -> int:
+        return self.slot_map.owners[self.slots[i]]
+
+    def blocks_of(self, pserver: int) -> list[Block]:
+        """The blocks a pserver holds, in model order (the order of every push and pull)."""
+        return [b for i, b in enumerate(self.blocks) if self.pserver_of(i) == pserver]

@@ -1,0 +1,452 @@
+"""The master's task queue: everything that changes a task's state lives in this file.
+
+Rules, in a few lines:
+
+* A task is in exactly one of four states: todo, pending, done, failed.
+* ``dispatch`` moves the head of todo to pending for one trainer and increments the
+  task's *attempt*. Every later report names that attempt; a report for another
+  attempt, or for a task no longer pending, changes nothing (it is returned as
+  :class:`Ignored`). The attempt never resets, not even across passes, so it fences
+  reports from earlier passes too.
+* A timeout, a failure report, or the loss of the owning trainer (its lease expired)
+  sends the task back to todo with ``failures + 1``; once ``failures`` exceeds
+  ``failure_max`` the task is failed for this pass. A graceful give-back returns it
+  to todo without counting a failure.
+* A pass is complete when todo and pending are both empty, however many tasks failed.
+  The next pass puts every task, failed ones included, back into todo with zero
+  failures.
+* A trainer holds at most ``max_in_flight`` pending tasks.
+
+The queue does no I/O and reads no clock: ``now`` is an argument. Every transition
+returns the list of *changes* it made, one :class:`TaskChanged` per touched task
+(and :class:`PassStarted` for a new pass, which rewrites no task: a record whose
+``pass_no`` is older than the queue's pass *is* todo), so the shell persists each
+transition with O(1) writes.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Union
+
+import attrs
+
+from pdps.core.errors import ConfigError, InvalidTransition, UnknownTaskError
+
+
+class State(str, enum.Enum):
+    TODO = "todo"
+    PENDING = "pending"
+    DONE = "done"
+    FAILED = "failed"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Event(str, enum.Enum):
+    DISPATCH = "dispatch"
+    FINISH = "finish"
+    FAIL = "fail"  # the trainer reported that it could not train the task
+    TIMEOUT = "timeout"
+    TRAINER_LOST = "trainer_lost"  # the owning trainer's lease expired
+    GIVE_BACK = "give_back"  # graceful shutdown: not a failure
+    NEW_PASS = "new_pass"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+_FAILURES = frozenset({Event.FAIL, Event.TIMEOUT, Event.TRAINER_LOST})
+
+#: The legal transitions. A failure event leads to TODO, or to FAILED once the
+#: failure count exceeds ``failure_max``; the queue picks which.
+TRANSITIONS: Mapping[tuple[State, Event], frozenset[State]] = {
+    (State.TODO, Event.DISPATCH): frozenset({State.PENDING}),
+    (State.PENDING, Event.FINISH): frozenset({State.DONE}),
+    (State.PENDING, Event.FAIL): frozenset({State.TODO, State.FAILED}),
+    (State.PENDING, Event.TIMEOUT): frozenset({State.TODO, State.FAILED}),
+    (State.PENDING, Event.TRAINER_LOST): frozenset({State.TODO, State.FAILED}),
+    (State.PENDING, Event.GIVE_BACK): frozenset({State.TODO}),
+    (State.DONE, Event.NEW_PASS): frozenset({State.TODO}),
+    (State.FAILED, Event.NEW_PASS): frozenset({State.TODO}),
+}
+
+
+@attrs.frozen
+class TaskSpec:
+    """What a task is: one readable part of the dataset (e.g. a Parquet row group)."""
+
+    id: int
+    location: str  # a shard URL or path the data source understands
+    part: int  # index inside the shard (row group, ...)
+    records: int  # number of records, for progress and sample accounting
+
+    def to_json(self) -> dict:
+        return attrs.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: Mapping) -> TaskSpec:
+        return cls(id=int(d["id"]), location=str(d["location"]), part=int(d["part"]), records=int(d["records"]))
+
+
+@attrs.frozen
+class TaskRecord:
+    """Where one task stands. This is what the shell persists, one key per task."""
+
+    id: int
+    pass_no: int
+    state: State
+    attempt: int = 0
+    failures: int = 0
+    trainer: str | None = None
+    deadline: float | None = None
+
+    def to_json(self) -> dict:
+        d = attrs.asdict(self)
+        d["state"] = self.state.value
+        return d
+
+    @classmethod
+    def from_json(cls, d: Mapping) -> TaskRecord:
+        return cls(
+            id=int(d["id"]),
+            pass_no=int(d["pass_no"]),
+            state=State(d["state"]),
+            attempt=int(d["attempt"]),
+            failures=int(d["failures"]),
+            trainer=d.get("trainer"),
+            deadline=None if d.get("deadline") is None else float(d["deadline"]),
+        )
+
+
+# --- what a transition returns ------------------------------------------------------
+
+
+@attrs.frozen
+class TaskChanged:
+    """Persist this record (the task's key)."""
+
+    record: TaskRecord
+    event: Event
+
+
+@attrs.frozen
+class PassStarted:
+    """Persist the pass number. Records of older passes now read as todo."""
+
+    pass_no: int
+
+
+@attrs.frozen
+class PassCompleted:
+    """Todo and pending are empty: the pass is over. A notice; nothing to persist."""
+
+    pass_no: int
+    done: int
+    failed: tuple[int, ...]
+
+
+@attrs.frozen
+class Ignored:
+    """A report that changed nothing (stale attempt, task no longer pending)."""
+
+    task_id: int
+    attempt: int
+    event: Event
+    reason: str
+
+
+Change = Union[TaskChanged, PassStarted, PassCompleted, Ignored]
+
+
+@attrs.frozen
+class Assignment:
+    """A task handed to a trainer, with the attempt its reports must carry."""
+
+    task: TaskSpec
+    attempt: int
+    pass_no: int
+    deadline: float
+
+
+class WaitReason(str, enum.Enum):
+    AT_CAP = "at_cap"  # the trainer already holds max_in_flight tasks
+    DRAINED = "drained"  # todo is empty but tasks are pending elsewhere: ask again later
+    PASS_COMPLETE = "pass_complete"  # todo and pending are empty
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@attrs.frozen
+class Counts:
+    pass_no: int
+    todo: int
+    pending: int
+    done: int
+    failed: int
+
+
+@attrs.define
+class TaskQueue:
+    """The todo / pending / done / failed queues of one job.
+
+    Build it with :meth:`create` for a new job or :meth:`restore` from persisted
+    records; drive it with the event methods, each of which returns its changes.
+    """
+
+    failure_max: int
+    timeout: float
+    max_in_flight: int
+    _specs: dict[int, TaskSpec]
+    _records: dict[int, TaskRecord]
+    _pass_no: int
+    _todo: OrderedDict[int, None] = attrs.field(factory=OrderedDict)
+    _pending: dict[int, None] = attrs.field(factory=dict)
+    _by_trainer: dict[str, set[int]] = attrs.field(factory=dict)
+    _completion_announced: bool = False
+
+    # --- construction -----------------------------------------------------------------
+
+    @classmethod
+    def create(
+        cls,
+        specs: Sequence[TaskSpec],
+        *,
+        failure_max: int = 3,
+        timeout: float = 60.0,
+        max_in_flight: int = 1,
+    ) -> TaskQueue:
+        """A new job at pass 0 with every task in todo (in the order given)."""
+        return cls.restore(specs, (), pass_no=0, failure_max=failure_max, timeout=timeout, max_in_flight=max_in_flight)
+
+    @classmethod
+    def restore(
+        cls,
+        specs: Sequence[TaskSpec],
+        records: Iterable[TaskRecord],
+        *,
+        pass_no: int,
+        failure_max: int = 3,
+        timeout: float = 60.0,
+        max_in_flight: int = 1,
+    ) -> TaskQueue:
+        """Rebuild a queue from persisted records; a task without a record, or with a
+        record from an older pass, is todo. Pending tasks keep their deadlines."""
+        _check_config(failure_max, timeout, max_in_flight)
+        if not specs:
+            raise ConfigError("the dataset produced no tasks; a job needs at least one")
+        by_id: dict[int, TaskSpec] = {}
+        for s in specs:
+            if s.id in by_id:
+                raise ConfigError(f"duplicate task id {s.id}")
+            by_id[s.id] = s
+        q = cls(
+            failure_max=failure_max,
+            timeout=timeout,
+            max_in_flight=max_in_flight,
+            specs=by_id,
+            records={},
+            pass_no=pass_no,
+        )
+        seen = {r.id: r for r in records}
+        unknown = set(seen) - set(by_id)
+        if unknown:
+            raise ConfigError(f"persisted records for task ids the dataset does not have: {sorted(unknown)[:10]}")
+        for tid in by_id:
+            rec = seen.get(tid)
+            if rec is None:
+                rec = TaskRecord(id=tid, pass_no=pass_no, state=State.TODO)
+            elif rec.pass_no < pass_no:
+                rec = TaskRecord(id=tid, pass_no=pass_no, state=State.TODO, attempt=rec.attempt)
+            elif rec.pass_no > pass_no:
+                raise ConfigError(f"task {tid} has a record for pass {rec.pass_no}, beyond the job's pass {pass_no}")
+            q._index(rec)
+        q._completion_announced = False
+        return q
+
+    # --- reading ----------------------------------------------------------------------
+
+    @property
+    def pass_no(self) -> int:
+        return self._pass_no
+
+    @property
+    def pass_complete(self) -> bool:
+        return not self._todo and not self._pending
+
+    def record(self, task_id: int) -> TaskRecord:
+        try:
+            return self._records[task_id]
+        except KeyError:
+            raise UnknownTaskError(f"no task {task_id} in this job") from None
+
+    def spec(self, task_id: int) -> TaskSpec:
+        try:
+            return self._specs[task_id]
+        except KeyError:
+            raise UnknownTaskError(f"no task {task_id} in this job") from None
+
+    def records(self) -> list[TaskRecord]:
+        return list(self._records.values())
+
+    def specs(self) -> list[TaskSpec]:
+        return list(self._specs.values())
+
+    def ids_in(self, state: State) -> set[int]:
+        return {tid for tid, r in self._records.items() if r.state is state}
+
+    def in_flight(self, trainer: str) -> set[int]:
+        return set(self._by_trainer.get(trainer, ()))
+
+    def counts(self) -> Counts:
+        done = failed = 0
+        for r in self._records.values():
+            done += r.state is State.DONE
+            failed += r.state is State.FAILED
+        return Counts(self._pass_no, len(self._todo), len(self._pending), done, failed)
+
+    def next_deadline(self) -> float | None:
+        """The earliest deadline among pending tasks, for the shell's timer."""
+        deadlines = [self._records[t].deadline for t in self._pending]
+        return min((d for d in deadlines if d is not None), default=None)
+
+    # --- events -----------------------------------------------------------------------
+
+    def dispatch(self, trainer: str, now: float) -> tuple[Assignment | WaitReason, list[Change]]:
+        """Hand the head of todo to ``trainer``, or say why it must wait."""
+        if not trainer:
+            raise ConfigError("a trainer id must be a non-empty string")
+        if len(self._by_trainer.get(trainer, ())) >= self.max_in_flight:
+            return WaitReason.AT_CAP, []
+        if not self._todo:
+            return (WaitReason.DRAINED if self._pending else WaitReason.PASS_COMPLETE), []
+        tid = next(iter(self._todo))
+        rec = self._records[tid]
+        new = self._move(
+            rec, Event.DISPATCH, State.PENDING, attempt=rec.attempt + 1, trainer=trainer, deadline=now + self.timeout
+        )
+        assignment = Assignment(task=self._specs[tid], attempt=new.attempt, pass_no=self._pass_no, deadline=now + self.timeout)
+        return assignment, [TaskChanged(new, Event.DISPATCH)]
+
+    def finish(self, task_id: int, attempt: int) -> list[Change]:
+        """The trainer of ``attempt`` trained the task."""
+        rec, ignored = self._current(task_id, attempt, Event.FINISH)
+        if ignored:
+            return [ignored]
+        new = self._move(rec, Event.FINISH, State.DONE, trainer=None, deadline=None)
+        return [TaskChanged(new, Event.FINISH), *self._completion()]
+
+    def fail(self, task_id: int, attempt: int) -> list[Change]:
+        """The trainer of ``attempt`` could not train the task (counts as a failure)."""
+        rec, ignored = self._current(task_id, attempt, Event.FAIL)
+        if ignored:
+            return [ignored]
+        return [self._failure(rec, Event.FAIL), *self._completion()]
+
+    def give_back(self, task_id: int, attempt: int) -> list[Change]:
+        """Graceful shutdown: the task goes back to the front of todo, not counted as a failure."""
+        rec, ignored = self._current(task_id, attempt, Event.GIVE_BACK)
+        if ignored:
+            return [ignored]
+        new = self._move(rec, Event.GIVE_BACK, State.TODO, trainer=None, deadline=None)
+        self._todo.move_to_end(task_id, last=False)
+        return [TaskChanged(new, Event.GIVE_BACK)]
+
+    def expire(self, now: float) -> list[Change]:
+        """Send every pending task whose deadline has passed back to todo (a failure)."""
+        late = [t for t in self._pending if (self._records[t].deadline or 0.0) <= now]
+        changes: list[Change] = [self._failure(self._records[t], Event.TIMEOUT) for t in late]
+        return changes + self._completion() if changes else changes
+
+    def trainer_lost(self, trainer: str) -> list[Change]:
+        """The trainer's lease expired: re-queue its pending tasks at once (a failure each)."""
+        tids = sorted(self._by_trainer.get(trainer, ()))
+        changes: list[Change] = [self._failure(self._records[t], Event.TRAINER_LOST) for t in tids]
+        return changes + self._completion() if changes else changes
+
+    def start_next_pass(self) -> list[Change]:
+        """Begin the next pass: every task back to todo with zero failures.
+
+        Raises :class:`InvalidTransition` while tasks are still todo or pending.
+        """
+        if not self.pass_complete:
+            busy = next(iter(self._todo or self._pending))
+            raise InvalidTransition(
+                f"task {busy}", self._records[busy].state, Event.NEW_PASS, f"pass {self._pass_no} is not complete"
+            )
+        self._pass_no += 1
+        for rec in list(self._records.values()):
+            _check(rec, Event.NEW_PASS, State.TODO)
+            self._drop(rec)
+            self._index(TaskRecord(id=rec.id, pass_no=self._pass_no, state=State.TODO, attempt=rec.attempt))
+        self._completion_announced = False
+        return [PassStarted(self._pass_no)]
+
+    # --- internals --------------------------------------------------------------------
+
+    def _current(self, task_id: int, attempt: int, event: Event) -> tuple[TaskRecord, Ignored | None]:
+        rec = self.record(task_id)
+        if attempt != rec.attempt:
+            return rec, Ignored(task_id, attempt, event, f"stale attempt {attempt}; current is {rec.attempt}")
+        if rec.state is not State.PENDING:
+            return rec, Ignored(task_id, attempt, event, f"task is {rec.state}, no longer pending")
+        return rec, None
+
+    def _failure(self, rec: TaskRecord, event: Event) -> TaskChanged:
+        failures = rec.failures + 1
+        target = State.FAILED if failures > self.failure_max else State.TODO
+        new = self._move(rec, event, target, failures=failures, trainer=None, deadline=None)
+        return TaskChanged(new, event)
+
+    def _completion(self) -> list[Change]:
+        if self.pass_complete and not self._completion_announced:
+            self._completion_announced = True
+            c = self.counts()
+            return [PassCompleted(self._pass_no, c.done, tuple(sorted(self.ids_in(State.FAILED))))]
+        return []
+
+    def _move(self, rec: TaskRecord, event: Event, target: State, **fields: object) -> TaskRecord:
+        _check(rec, event, target)
+        new = attrs.evolve(rec, state=target, **fields)
+        self._drop(rec)
+        self._index(new)
+        return new
+
+    def _drop(self, rec: TaskRecord) -> None:
+        self._todo.pop(rec.id, None)
+        self._pending.pop(rec.id, None)
+        if rec.trainer is not None:
+            held = self._by_trainer.get(rec.trainer)
+            if held is not None:
+                held.discard(rec.id)
+                if not held:
+                    del self._by_trainer[rec.trainer]
+
+    def _index(self, rec: TaskRecord) -> None:
+        self._records[rec.id] = rec
+        if rec.state is State.TODO:
+            self._todo[rec.id] = None
+        elif rec.state is State.PENDING:
+            self._pending[rec.id] = None
+            if rec.trainer is None:
+                raise InvalidTransition(f"task {rec.id}", rec.state, "restore", "a pending record must name its trainer")
+            self._by_trainer.setdefault(rec.trainer, set()).add(rec.id)
+
+
+def _check(rec: TaskRecord, event: Event, target: State) -> None:
+    allowed = TRANSITIONS.get((rec.state, event))
+    if allowed is None or target not in allowed:
+        raise InvalidTransition(f"task {rec.id}", rec.state, event)
+
+
+def _check_config(failure_max: int, timeout: float, max_in_flight: int) -> None:
+    if failure_max < 0:
+        raise ConfigError(f"failure_max must be >= 0, got {failure_max}")
+    if not timeout > 0:
+        raise ConfigError(f"task timeout must be > 0 seconds, got {timeout}")
+    if max_in_flight < 1:
+        raise ConfigError(f"max_in_flight must be >= 1, got {max_in_flight}")

@@ -1,0 +1,1 @@
+"""Runnable examples; ``pdps.examples.digits:train`` is the demo's training function."""

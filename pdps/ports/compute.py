@@ -1,0 +1,86 @@
+"""Compute port: the tensor math of trainers and pservers.
+
+Two holders:
+
+* :class:`ModelReplica` (trainer side) binds a user's model to *one flat parameter
+  buffer and one flat gradient buffer*: every parameter becomes a view of the
+  first, its ``.grad`` a view of the second, so autograd accumulates straight into
+  the buffer and a block of the layout is a contiguous range of it. Pushing hands
+  out views (no copy); pulling copies into the buffer.
+* :class:`ParameterShard` (pserver side) holds the blocks one pserver owns in a flat
+  buffer, with the job's optimizer over it. Because pdps only runs *element-wise*
+  optimizers, updating shards independently is exactly updating the whole model.
+
+Tensors crossing this port are shaped like their block (``Block.shape``). Validation
+(:meth:`ParameterShard.check`) happens before any state changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from pdps.core.slots import Block, ParamSpec
+
+
+class ModelReplica(Protocol):
+    specs: list[ParamSpec]
+    device: str
+
+    def grads(self, blocks: Sequence[Block]) -> list[Any]:
+        """Views of the gradient buffer, one per block, shaped like the block."""
+        ...
+
+    def values(self, blocks: Sequence[Block]) -> list[Any]:
+        """Views of the parameter buffer, one per block."""
+        ...
+
+    def load(self, blocks: Sequence[Block], tensors: Sequence[Any]) -> None:
+        """Copy pulled values into the model."""
+        ...
+
+    def zero_grad(self) -> None: ...
+
+
+class ParameterShard(Protocol):
+    blocks: tuple[Block, ...]
+    initialized: bool
+
+    def initialize(self, tensors: Sequence[Any], trainer: str) -> None:
+        """Take the initial values (copied). Raises GradientRejected on a mismatch."""
+        ...
+
+    def check(self, tensors: Sequence[Any], trainer: str) -> None:
+        """Raise GradientRejected naming the parameter and trainer unless ``tensors``
+        match the blocks in count, shape and dtype and hold only finite values."""
+        ...
+
+    def accumulate(self, tensors: Sequence[Any], weight: float) -> None:
+        """Sync rounds: ``acc += weight * g``."""
+        ...
+
+    def apply_accumulated(self, scale: float) -> None:
+        """Close a sync round: one optimizer step with gradient ``acc * scale``; acc reset."""
+        ...
+
+    def apply(self, tensors: Sequence[Any]) -> None:
+        """Async: one optimizer step with these gradients."""
+        ...
+
+    def views(self) -> list[Any]:
+        """Current values, one view per block (aliases the shard: read, never write)."""
+        ...
+
+
+@runtime_checkable
+class Compute(Protocol):
+    device: str
+
+    def check_optimizer(self, name: str, kwargs: Mapping[str, Any]) -> None:
+        """Raise ConfigError unless ``name`` is an element-wise rule and ``kwargs`` are
+        JSON-safe and accepted by it."""
+        ...
+
+    def replica(self, module: Any) -> ModelReplica: ...
+
+    def shard(self, blocks: Sequence[Block], optimizer: str, optimizer_args: Mapping[str, Any]) -> ParameterShard: ...

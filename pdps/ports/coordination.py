@@ -1,0 +1,191 @@
+"""Coordination store port: the job's shared, consistent key-value state.
+
+Keys are ``str`` (pdps namespaces them as ``/pdps/<job>/...``), values are
+``bytes``. Every successful write bumps one store-wide *revision*; each key records
+the revision of its last write (``mod_revision``), which is what compare-and-set
+compares, so a key deleted and re-created never looks unchanged (no ABA).
+
+Contract (every adapter passes ``tests/unit/contract_store.py``):
+
+* ``get`` of a missing key returns ``None``; ``range(prefix)`` returns the live keys
+  starting with ``prefix`` sorted by key.
+* ``commit`` is atomic: either every compare holds and every ``success`` op is
+  applied with one new revision, or none is (then ``failure`` ops run instead).
+* A lease is granted with a TTL in seconds. Keys written with a lease are deleted
+  when it expires or is revoked. ``keep_alive`` on an expired or unknown lease
+  raises :class:`~pdps.core.errors.LeaseExpired`; writing with one does too.
+* ``watch(prefix, callback)`` delivers every later PUT and DELETE under the prefix
+  (expiry deletions included) in revision order, on a thread of the adapter's;
+  callbacks must not block for long. ``Watch.cancel()`` stops delivery.
+* The fenced lock: ``acquire_lock(name, lease)`` takes the lock key if it is free
+  (tied to the lease, so it vanishes with its holder) and returns a :class:`Fence`.
+  ``commit(..., fence=f)`` adds "the lock key still holds this owner, at this
+  revision" to the compares and raises :class:`~pdps.core.errors.FencingError`
+  when it does not hold: a master that lost its lock can never write.
+* Failures of the backend raise :class:`~pdps.core.errors.StoreError`.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from typing import Protocol, Union, runtime_checkable
+
+import attrs
+
+
+@attrs.frozen
+class KeyValue:
+    key: str
+    value: bytes
+    mod_revision: int
+    lease: int | None = None
+
+
+class Op(str, enum.Enum):
+    EQ = "=="
+    NE = "!="
+    LT = "<"
+    GT = ">"
+
+
+@attrs.frozen
+class Compare:
+    """One condition of a transaction.
+
+    ``Compare.revision(key, Op.EQ, 0)`` means "the key does not exist";
+    ``Compare.value(key, Op.EQ, b"x")`` compares the stored bytes.
+    """
+
+    key: str
+    target: str  # "revision" | "value"
+    op: Op
+    operand: int | bytes
+
+    @classmethod
+    def revision(cls, key: str, op: Op, rev: int) -> Compare:
+        return cls(key, "revision", op, rev)
+
+    @classmethod
+    def value(cls, key: str, op: Op, value: bytes) -> Compare:
+        return cls(key, "value", op, value)
+
+    @classmethod
+    def absent(cls, key: str) -> Compare:
+        return cls(key, "revision", Op.EQ, 0)
+
+    def holds(self, current: KeyValue | None) -> bool:
+        """Evaluate against the key's current state (shared by the in-memory adapters)."""
+        if self.target == "revision":
+            left: int | bytes = current.mod_revision if current else 0
+        else:
+            if current is None:
+                return False
+            left = current.value
+        op = self.op
+        if op is Op.EQ:
+            return left == self.operand
+        if op is Op.NE:
+            return left != self.operand
+        if op is Op.LT:
+            return left < self.operand  # type: ignore[operator]
+        return left > self.operand  # type: ignore[operator]
+
+
+@attrs.frozen
+class Put:
+    key: str
+    value: bytes
+    lease: int | None = None
+
+
+@attrs.frozen
+class Delete:
+    key: str
+
+
+TxnOp = Union[Put, Delete]
+
+
+@attrs.frozen
+class TxnResult:
+    succeeded: bool
+    revision: int  # the store revision after the transaction
+
+
+@attrs.frozen
+class Fence:
+    """Proof of lock ownership: the lock key, its owner value and the revision it was taken at."""
+
+    key: str
+    owner: bytes
+    revision: int
+
+    def compares(self) -> tuple[Compare, Compare]:
+        return (Compare.value(self.key, Op.EQ, self.owner), Compare.revision(self.key, Op.EQ, self.revision))
+
+
+class EventType(str, enum.Enum):
+    PUT = "put"
+    DELETE = "delete"
+
+
+@attrs.frozen
+class WatchEvent:
+    type: EventType
+    key: str
+    value: bytes | None
+    revision: int
+
+
+class Watch(Protocol):
+    def cancel(self) -> None: ...
+
+
+@runtime_checkable
+class CoordinationStore(Protocol):
+    url: str
+
+    def get(self, key: str) -> KeyValue | None: ...
+
+    def range(self, prefix: str) -> list[KeyValue]: ...
+
+    def put(self, key: str, value: bytes, *, lease: int | None = None) -> int:
+        """Write unconditionally; returns the new revision."""
+        ...
+
+    def delete(self, key: str) -> bool:
+        """Returns whether the key existed."""
+        ...
+
+    def delete_prefix(self, prefix: str) -> int:
+        """Delete every key under ``prefix`` in one revision; returns how many."""
+        ...
+
+    def commit(
+        self,
+        compares: Sequence[Compare],
+        success: Sequence[TxnOp],
+        failure: Sequence[TxnOp] = (),
+        *,
+        fence: Fence | None = None,
+    ) -> TxnResult:
+        """Atomic compare-then-write. With ``fence``, raises FencingError if the lock is lost
+        (nothing is written, not even ``failure``)."""
+        ...
+
+    def grant_lease(self, ttl: float) -> int: ...
+
+    def keep_alive(self, lease: int) -> None: ...
+
+    def revoke_lease(self, lease: int) -> None:
+        """Delete the lease and its keys; revoking an unknown lease is a no-op."""
+        ...
+
+    def watch(self, prefix: str, callback: Callable[[WatchEvent], None]) -> Watch: ...
+
+    def acquire_lock(self, name: str, lease: int, owner: bytes) -> Fence | None:
+        """Take lock ``name`` for ``owner`` if free; ``None`` if someone else holds it."""
+        ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,84 @@
+"""Adapters chosen by URL: scheme -> lazy import path, per port.
+
+Like fsspec's protocol registry: nothing is imported until a URL asks for it, and a
+missing optional dependency names the extra to install. This module and the entry
+points are the only places that import adapters.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from pdps.core.errors import MissingExtraError, UnknownSchemeError
+
+# port -> scheme -> (import path of a factory taking the URL, extra that provides it)
+_REGISTRY: dict[str, dict[str, tuple[str, str | None]]] = {
+    "store": {
+        "memory": ("pdps.adapters.memory_store:open_memory_store", None),
+    },
+    "transport": {
+        "inproc": ("pdps.adapters.inproc:InprocTransport", None),
+    },
+    "storage": {
+        "file": ("pdps.adapters.fsspec_storage:FsspecStorage", None),
+        "memory": ("pdps.adapters.fsspec_storage:FsspecStorage", None),
+        "s3": ("pdps.adapters.fsspec_storage:FsspecStorage", "s3"),
+    },
+    "data": {
+        "file": ("pdps.adapters.parquet:ParquetSource", "parquet"),
+        "memory": ("pdps.adapters.parquet:ParquetSource", "parquet"),
+        "s3": ("pdps.adapters.parquet:ParquetSource", "parquet"),
+    },
+}
+
+_WHAT = {"store": "coordination store", "transport": "transport", "storage": "storage", "data": "data source"}
+
+
+def register(port: str, scheme: str, target: str, extra: str | None = None) -> None:
+    """Add or replace an adapter (``target`` is ``"module:attr"``)."""
+    _REGISTRY.setdefault(port, {})[scheme] = (target, extra)
+
+
+def scheme_of(url: str) -> str:
+    return url.split("://", 1)[0].lower() if "://" in url else "file"
+
+
+def known(port: str) -> list[str]:
+    return sorted(_REGISTRY[port])
+
+
+def _factory(port: str, url: str) -> Any:
+    scheme = scheme_of(url)
+    entry = _REGISTRY[port].get(scheme)
+    if entry is None:
+        options = ", ".join(
+            f"{s}://" + (f" (pip install 'pdps[{e}]')" if e else " (built in)") for s, (_, e) in sorted(_REGISTRY[port].items())
+        )
+        raise UnknownSchemeError(f"unknown {_WHAT[port]} scheme {scheme!r} in {url!r}; known schemes: {options}")
+    target, extra = entry
+    module_name, _, attr = target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        hint = f"pip install 'pdps[{extra}]'" if extra else "reinstall pdps"
+        raise MissingExtraError(f"{scheme}:// {_WHAT[port]} needs a package that is not installed ({exc.name}): {hint}") from exc
+    return getattr(module, attr)
+
+
+def open_store(url: str) -> Any:
+    """A :class:`~pdps.ports.coordination.CoordinationStore` for ``url``."""
+    return _factory("store", url)(url)
+
+
+def open_transport(url: str) -> Any:
+    """The :class:`~pdps.ports.transport.Transport` serving ``url``'s scheme."""
+    return _factory("transport", url)()
+
+
+def open_storage(url: str, **options: Any) -> Any:
+    return _factory("storage", url)(url, **options)
+
+
+def open_data_source(url: str, **options: Any) -> Any:
+    return _factory("data", url)(url, **options)

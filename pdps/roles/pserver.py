@@ -1,0 +1,219 @@
+"""A parameter server: holds the blocks of its slots and applies the job's optimizer.
+
+It claims an index ``/ps/<i>`` (the first free one below the desired count, by
+transaction), learns the model and slot map from the store when the first trainer
+arrives, and serves ``init``, ``push`` and ``pull``. The consistency rules are the
+core's (:mod:`pdps.core.sgd`); this shell adds locking, waiting and membership.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+
+from pdps.core.errors import ConfigError, GradientRejected, NotReady, StoreError, Timeout
+from pdps.core.job import JobConfig, Keys
+from pdps.core.sgd import Barrier, Mode, check_staleness
+from pdps.core.slots import Layout, ParamSpec, SlotMap
+from pdps.ports.compute import Compute, ParameterShard
+from pdps.ports.coordination import Compare, CoordinationStore, EventType, Put, WatchEvent
+from pdps.ports.transport import Endpoint, Message, Transport
+
+log = logging.getLogger(__name__)
+
+#: A waiting pull logs whom it waits for after this many seconds, and again as often.
+WAIT_LOG_EVERY = 5.0
+
+
+def claim_index(store: CoordinationStore, keys: Keys, lease: int, value: bytes) -> int:
+    """Claim the first free ``/ps/<i>`` below the desired count, by transaction."""
+    kv = store.get(keys.ps_desired)
+    if kv is None:
+        raise ConfigError(f"job has no {keys.ps_desired}; start the master (or publish the job) first")
+    desired = int(kv.value)
+    for i in range(desired):
+        if store.commit((Compare.absent(keys.pserver(i)),), (Put(keys.pserver(i), value, lease),)).succeeded:
+            return i
+    raise ConfigError(f"all {desired} pserver indexes of job {keys.job!r} are taken")
+
+
+class Pserver:
+    def __init__(
+        self,
+        store: CoordinationStore,
+        transport: Transport,
+        compute: Compute,
+        config: JobConfig,
+        *,
+        address: str = "inproc://",
+    ) -> None:
+        self.config = config
+        self._store = store
+        self._transport = transport
+        self._compute = compute
+        self._address = address
+        self._keys = Keys(config.name)
+        self._cond = threading.Condition(threading.RLock())
+        self._shard: ParameterShard | None = None
+        self._barrier = Barrier()
+        self._members: set[str] = set()
+        self.version = 0  # updates applied
+        self.index: int | None = None
+        self._endpoint: Endpoint | None = None
+        self._keeper = None
+        self._watch = None
+
+    def start(self) -> None:
+        from pdps.roles.lease import LeaseKeeper
+
+        self._endpoint = self._transport.serve(self._address, {"init": self._init, "push": self._push, "pull": self._pull})
+        self._keeper = LeaseKeeper(self._store, self.config.lease_ttl, name="pserver")
+        value = json.dumps({"addr": self._endpoint.address}).encode()
+        self.index = claim_index(self._store, self._keys, self._keeper.lease, value)
+        self._watch = self._store.watch(self._keys.trainers, self._on_trainer_event)
+        log.info("pserver %d of job %r serving at %s", self.index, self.config.name, self._endpoint.address)
+
+    def stop(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+        if self._endpoint is not None:
+            self._endpoint.close()
+        if self._keeper is not None:
+            self._keeper.stop()
+        with self._cond:
+            self._cond.notify_all()
+
+    @property
+    def steps(self) -> int:
+        return self.version
+
+    # --- handlers ---------------------------------------------------------------------
+
+    def _init(self, req: Message) -> Message:
+        with self._cond:
+            shard = self._ensure_shard()
+            if not shard.initialized:
+                shard.initialize(req.tensors, str(req.meta["trainer"]))
+                log.info("pserver %s initialized %d blocks from trainer %s", self.index, len(shard.blocks), req.meta["trainer"])
+            return Message({"version": self.version})
+
+    def _push(self, req: Message) -> Message:
+        trainer = str(req.meta["trainer"])
+        samples = int(req.meta.get("samples", 0))
+        with self._cond:
+            shard = self._ready_shard()
+            if self.config.mode is Mode.SYNC:
+                if samples:
+                    self._check_blocks(req.meta.get("blocks"), trainer)  # before any state changes
+                    shard.check(req.tensors, trainer)
+                elif req.tensors:
+                    raise ConfigError(f"trainer {trainer!r} pushed tensors with zero samples")
+                self._barrier.contribute(trainer, int(req.meta["round"]), samples)
+                if samples:
+                    shard.accumulate(req.tensors, float(samples))
+                self._members.add(trainer)
+                self._maybe_close_round()
+                return Message({"round": self._barrier.round_no, "version": self.version})
+            self._check_blocks(req.meta.get("blocks"), trainer)
+            shard.check(req.tensors, trainer)
+            check_staleness(int(req.meta["version"]), self.version, self.config.staleness)
+            shard.apply(req.tensors)
+            self.version += 1
+            return Message({"version": self.version})
+
+    def _pull(self, req: Message) -> Message:
+        after = req.meta.get("after_round")
+        timeout = float(req.meta.get("timeout", 600.0))
+        with self._cond:
+            shard = self._ready_shard()
+            if after is not None:
+                self._wait_round_closed(int(after), timeout)
+            return Message({"round": self._barrier.round_no, "version": self.version}, shard.views())
+
+    def _check_blocks(self, keys: object, trainer: str) -> None:
+        """The push must name exactly this pserver's blocks, in order (``param@row``)."""
+        assert self._shard is not None
+        mine = [b.key for b in self._shard.blocks]
+        if keys == mine:
+            return
+        if not isinstance(keys, list):
+            raise GradientRejected(f"push from trainer {trainer!r} does not name its blocks")
+        known = set(mine)
+        unknown = [k for k in keys if k not in known]
+        if unknown:
+            raise GradientRejected(
+                f"trainer {trainer!r} pushed a gradient for parameter {str(unknown[0]).split('@')[0]!r} "
+                f"(block {unknown[0]!r}), which pserver {self.index} does not hold"
+            )
+        missing = [b.describe() for b in self._shard.blocks if b.key not in set(keys)]
+        raise GradientRejected(f"push from trainer {trainer!r} lacks gradients for {missing[:5]} (or has them out of order)")
+
+    # --- sync rounds ------------------------------------------------------------------
+
+    def _wait_round_closed(self, round_no: int, timeout: float) -> None:
+        start = last_log = time.monotonic()
+        while self._barrier.round_no <= round_no:
+            now = time.monotonic()
+            if now - start >= timeout:
+                raise Timeout(f"pserver {self.index}: round {round_no} did not close in {timeout:.0f}s; waiting for {sorted(self._barrier.waiting_for(self._members))}")
+            if now - last_log >= WAIT_LOG_EVERY:
+                last_log = now
+                log.warning(
+                    "pserver %s: round %d waiting %.0fs for trainers %s",
+                    self.index, round_no, now - start, sorted(self._barrier.waiting_for(self._members)),
+                )
+            self._cond.wait(min(1.0, timeout - (now - start)))
+
+    def _maybe_close_round(self) -> None:
+        """Close the open round if every current member has contributed (lock held)."""
+        if not self._barrier.ready(self._members):
+            return
+        # The watch may lag behind the store: confirm membership with an authoritative read,
+        # so a trainer that has registered but not been announced yet is still waited for.
+        try:
+            live = {kv.key[len(self._keys.trainers) :] for kv in self._store.range(self._keys.trainers)}
+        except StoreError as exc:
+            log.warning("pserver %s could not read membership (%s); round stays open", self.index, exc)
+            return
+        self._members = live | {t for t in self._members if self._barrier.contributed(t) and t in live}
+        if not self._barrier.ready(self._members):
+            return
+        result = self._barrier.close()
+        if result.applies_update:
+            assert self._shard is not None
+            self._shard.apply_accumulated(1.0 / result.total)
+            self.version += 1
+        self._cond.notify_all()
+
+    def _on_trainer_event(self, event: WatchEvent) -> None:
+        trainer = event.key[len(self._keys.trainers) :]
+        with self._cond:
+            if event.type is EventType.DELETE:
+                self._members.discard(trainer)
+                if self._shard is not None and self._shard.initialized:
+                    self._maybe_close_round()
+            else:
+                self._members.add(trainer)
+
+    # --- model ------------------------------------------------------------------------
+
+    def _ensure_shard(self) -> ParameterShard:
+        if self._shard is None:
+            model = self._store.get(self._keys.model)
+            slots = self._store.get(self._keys.slotmap)
+            if model is None or slots is None:
+                raise NotReady(f"job {self.config.name!r} has no model description yet; a trainer must attach first")
+            specs = [ParamSpec.from_json(d) for d in json.loads(model.value)]
+            layout = Layout.build(specs, SlotMap.from_json(json.loads(slots.value)), self.config.min_block)
+            assert self.index is not None
+            self._shard = self._compute.shard(layout.blocks_of(self.index), self.config.optimizer, self.config.optimizer_args)
+            self._members = {kv.key[len(self._keys.trainers) :] for kv in self._store.range(self._keys.trainers)}
+        return self._shard
+
+    def _ready_shard(self) -> ParameterShard:
+        shard = self._ensure_shard()
+        if not shard.initialized:
+            raise NotReady(f"pserver {self.index} has no initial parameters yet; call init first")
+        return shard

@@ -1,0 +1,389 @@
+"""The trainer role and :class:`TrainerContext`, the object a training function receives.
+
+A training function looks the same in one process and across many::
+
+    def train(ctx: pdps.TrainerContext) -> None:
+        model = ctx.attach(make_model())          # parameters now come from the pservers
+        for batch in ctx.batches():               # tasks leased from the master, cut into batches
+            loss = loss_fn(model(batch["x"]), batch["y"])
+            ctx.step(loss)                        # backward, then push/pull as the mode says
+
+``attach`` binds the model to flat buffers, publishes its parameter layout (the
+first trainer's initial values win) and pulls. ``batches`` leases tasks, reads
+their records and reports each task finished after its last batch; a task whose
+records cannot be read is reported failed. ``step`` runs ``loss.backward()`` and
+then follows the job's mode: sync pushes every batch into a barrier round and
+pulls the round's result; async sums gradients for ``push_every`` batches, pushes,
+and pulls every ``pull_every`` batches.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from pdps.core.errors import ConfigError, NotReady, PdpsError, StalePush, Timeout
+from pdps.core.job import JobConfig, Keys
+from pdps.core.sgd import Mode
+from pdps.core.slots import Block, Layout, ParamSpec, SlotMap
+from pdps.core.tasks import TaskSpec
+from pdps.ports.compute import Compute, ModelReplica
+from pdps.ports.coordination import Compare, CoordinationStore, Put
+from pdps.ports.data import DataSource
+from pdps.ports.transport import Channel, Message, Transport
+
+log = logging.getLogger(__name__)
+
+#: How long a role waits for another to appear in the store before giving up.
+DISCOVERY_TIMEOUT = 120.0
+
+
+class Killed(BaseException):
+    """Raised inside a training function to simulate a crash (``pdps.simulate``'s ``kill``).
+
+    A BaseException, so a user's ``except Exception`` does not swallow it.
+    """
+
+
+@attrs.frozen
+class Batch(Mapping[str, Any]):
+    """One mini-batch: named tensors (columns of the task's records) and where it came from."""
+
+    columns: Mapping[str, Any]
+    size: int
+    task: TaskSpec
+    pass_no: int
+
+    def __getitem__(self, name: str) -> Any:
+        try:
+            return self.columns[name]
+        except KeyError:
+            raise KeyError(f"batch has no column {name!r}; columns: {sorted(self.columns)}") from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.columns)
+
+    def __len__(self) -> int:
+        return len(self.columns)
+
+
+def wait_for_key(store: CoordinationStore, key: str, what: str, timeout: float = DISCOVERY_TIMEOUT) -> bytes:
+    start = last = time.monotonic()
+    while True:
+        kv = store.get(key)
+        if kv is not None:
+            return kv.value
+        now = time.monotonic()
+        if now - start > timeout:
+            raise Timeout(f"gave up after {timeout:.0f}s waiting for {what} ({key})")
+        if now - last > 5.0:
+            last = now
+            log.warning("waiting %.0fs for %s (%s)", now - start, what, key)
+        time.sleep(0.02)
+
+
+@attrs.define
+class _Part:
+    """One pserver as a trainer sees it: its channel and the blocks it holds."""
+
+    index: int
+    channel: Channel
+    blocks: list[Block]
+    keys: list[str] = attrs.field(init=False)
+    round_no: int = 0
+    version: int = 0
+
+    def __attrs_post_init__(self) -> None:
+        self.keys = [b.key for b in self.blocks]
+
+
+class PserverGroup:
+    """The pservers of a job, for pushing to and pulling from (trainers and tools)."""
+
+    def __init__(self, store: CoordinationStore, transport: Transport, config: JobConfig, specs: Sequence[ParamSpec]) -> None:
+        keys = Keys(config.name)
+        slot_map = SlotMap.from_json(json.loads(wait_for_key(store, keys.slotmap, "the job's slot map")))
+        self.layout = Layout.build(specs, slot_map, config.min_block)
+        self.parts: list[_Part] = []
+        for i in range(slot_map.num_pservers):
+            blocks = self.layout.blocks_of(i)
+            if not blocks:
+                continue  # a pserver whose slots hold no block of this model is never called
+            addr = json.loads(wait_for_key(store, keys.pserver(i), f"pserver {i}"))["addr"]
+            self.parts.append(_Part(i, transport.connect(addr), blocks))
+
+    def call(self, part: _Part, method: str, request: Message) -> Message:
+        """Call one pserver, retrying while it is not ready (it learns the model lazily)."""
+        deadline = time.monotonic() + DISCOVERY_TIMEOUT
+        while True:
+            try:
+                return part.channel.call(method, request)
+            except NotReady:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.02)
+
+    def close(self) -> None:
+        for p in self.parts:
+            p.channel.close()
+
+
+class TrainerContext:
+    """What a training function receives. See the module docstring for the loop."""
+
+    def __init__(
+        self,
+        store: CoordinationStore,
+        transport: Transport,
+        compute: Compute,
+        source: DataSource,
+        config: JobConfig,
+        *,
+        trainer_id: str | None = None,
+    ) -> None:
+        self.config = config
+        self.trainer_id = trainer_id or f"trainer-{uuid.uuid4().hex[:8]}"
+        self._store = store
+        self._transport = transport
+        self._compute = compute
+        self._source = source
+        self._keys = Keys(config.name)
+        self._replica: ModelReplica | None = None
+        self._group: PserverGroup | None = None
+        self._master: Channel | None = None
+        self._keeper = None
+        self._batch: Batch | None = None
+        self._batches_since_pull = 0
+        self._batch_no = 0
+        self._stop = threading.Event()
+        self._kill_after: int | None = None
+        self.killed = False
+        self.steps = 0  # mini-batches stepped
+        self.pushes = 0
+        self.stale_pushes = 0
+        self.tasks_done = 0
+        self.metrics: dict[str, float] = {}  # free for the training function; shown as progress
+
+    # --- lifecycle --------------------------------------------------------------------
+
+    @property
+    def device(self) -> str:
+        return self._compute.device
+
+    def register(self) -> None:
+        """Join the job: a leased key under ``trainers/`` (the barrier waits for members)."""
+        from pdps.roles.lease import LeaseKeeper
+
+        if self._keeper is not None:
+            return
+        self._keeper = LeaseKeeper(self._store, self.config.lease_ttl, name=self.trainer_id)
+        info = json.dumps({"id": self.trainer_id, "since": time.time()}).encode()
+        ok = self._store.commit((Compare.absent(self._keys.trainer(self.trainer_id)),), (Put(self._keys.trainer(self.trainer_id), info, self._keeper.lease),))
+        if not ok.succeeded:
+            self._keeper.stop()
+            self._keeper = None
+            raise ConfigError(f"trainer id {self.trainer_id!r} is already registered in job {self.config.name!r}")
+
+    def leave(self, *, crashed: bool = False) -> None:
+        """Leave the job. ``crashed`` lets the lease run out instead, as a dead process would."""
+        if self._keeper is not None:
+            self._keeper.stop(revoke=not crashed)
+        if self._group is not None:
+            self._group.close()
+
+    def request_stop(self) -> None:
+        """Finish the current batch, give the current task back and stop (graceful shutdown)."""
+        self._stop.set()
+
+    def kill_after(self, steps: int) -> None:
+        """Make :meth:`step` raise :class:`Killed` once ``steps`` batches have been stepped."""
+        self._kill_after = steps
+
+    # --- the model --------------------------------------------------------------------
+
+    def attach(self, model: Any) -> Any:
+        """Bind ``model`` to the job: publish its layout, initialize the pservers, pull.
+
+        Returns the same model, whose parameters now hold the job's current values.
+        """
+        self.register()
+        replica = self._compute.replica(model)
+        specs_json = json.dumps([s.to_json() for s in replica.specs]).encode()
+        self._store.commit((Compare.absent(self._keys.model),), (Put(self._keys.model, specs_json),))
+        stored = json.loads(self._store.get(self._keys.model).value)  # type: ignore[union-attr]
+        if stored != json.loads(specs_json):
+            raise ConfigError(f"trainer {self.trainer_id!r}: the model does not match the job's ({self._keys.model}): {_diff(stored, replica.specs)}")
+        group = PserverGroup(self._store, self._transport, self.config, replica.specs)
+        for part in group.parts:
+            group.call(part, "init", Message({"trainer": self.trainer_id}, replica.values(part.blocks)))
+        self._replica, self._group = replica, group
+        self._pull()
+        replica.zero_grad()
+        return model
+
+    def pull(self) -> None:
+        """Fetch the current parameters from every pserver into the model now."""
+        self._pull()
+
+    # --- data -------------------------------------------------------------------------
+
+    def batches(self) -> Iterator[Batch]:
+        """Mini-batches of the tasks leased from the master, until the job is done."""
+        import torch  # the context hands torch tensors to the user's model
+
+        master = self._master_channel()
+        held: tuple[int, int] | None = None
+        try:
+            while not self._stop.is_set():
+                reply = master.call("get_task", Message({"trainer": self.trainer_id}))
+                if reply.meta.get("done"):
+                    break
+                if "wait" in reply.meta:
+                    if self.config.mode is Mode.SYNC and self._replica is not None:
+                        self._idle_round()
+                    else:
+                        time.sleep(float(reply.meta.get("retry_in", 0.05)))
+                    continue
+                task = TaskSpec.from_json(reply.meta["task"])
+                attempt, pass_no = int(reply.meta["attempt"]), int(reply.meta["pass"])
+                held = (task.id, attempt)
+                try:
+                    columns = self._source.read(task)
+                except Exception as exc:  # an unreadable task fails, the trainer goes on
+                    log.error("trainer %s cannot read task %d (%s part %d): %s", self.trainer_id, task.id, task.location, task.part, exc)
+                    master.call("fail_task", Message({"trainer": self.trainer_id, "task": task.id, "attempt": attempt, "error": str(exc)}))
+                    held = None
+                    continue
+                n = len(next(iter(columns.values()))) if columns else 0
+                for start in range(0, n, self.config.batch_size):
+                    cols = {k: torch.from_numpy(v[start : start + self.config.batch_size]) for k, v in columns.items()}
+                    if self._replica is not None and self._replica.device != "cpu":
+                        cols = {k: v.to(self._replica.device) for k, v in cols.items()}
+                    self._batch = Batch(cols, min(self.config.batch_size, n - start), task, pass_no)
+                    yield self._batch
+                    if self._stop.is_set():
+                        break
+                else:
+                    master.call("finish_task", Message({"trainer": self.trainer_id, "task": task.id, "attempt": attempt}))
+                    self.tasks_done += 1
+                    held = None
+            self._flush()
+        finally:
+            self._batch = None
+            # A crash reports nothing (the lease runs out and the master re-queues); any other
+            # way out of the loop, a user's ``break`` included, gives the task back.
+            if held is not None and not self.killed:
+                try:
+                    master.call("give_back", Message({"trainer": self.trainer_id, "task": held[0], "attempt": held[1]}))
+                except PdpsError as exc:
+                    log.warning("trainer %s could not give task %d back: %s", self.trainer_id, held[0], exc)
+
+    # --- steps ------------------------------------------------------------------------
+
+    def step(self, loss: Any, samples: int | None = None) -> None:
+        """Backward ``loss``, then push and pull as the job's mode says.
+
+        ``samples`` defaults to the size of the current batch; sync-SGD weights each
+        trainer's gradient (of a *mean*-reduced loss) by it.
+        """
+        if self._replica is None or self._group is None:
+            raise ConfigError("call ctx.attach(model) before ctx.step()")
+        if self._kill_after is not None and self.steps >= self._kill_after:
+            self.killed = True
+            raise Killed(self.trainer_id)
+        if samples is None:
+            if self._batch is None:
+                raise ConfigError("ctx.step() outside ctx.batches() needs samples=")
+            samples = self._batch.size
+        loss.backward()
+        self.steps += 1
+        if self.config.mode is Mode.SYNC:
+            self._sync_round(samples)
+        else:
+            self._async_step()
+
+    def _sync_round(self, samples: int) -> None:
+        assert self._replica is not None and self._group is not None
+        stale = False
+        for part in self._group.parts:
+            grads = self._replica.grads(part.blocks) if samples else []
+            try:
+                self._group.call(part, "push", Message({"trainer": self.trainer_id, "round": part.round_no, "samples": samples, "blocks": part.keys}, grads))
+                self.pushes += 1 if samples else 0
+            except StalePush as exc:
+                stale = True
+                self.stale_pushes += 1
+                log.warning("trainer %s: push to pserver %d was stale (%s); pulling", self.trainer_id, part.index, exc)
+        self._replica.zero_grad()
+        self._pull(after_round=not stale)
+
+    def _idle_round(self) -> None:
+        """Contribute zero samples so the barrier need not wait for an idle trainer."""
+        self._sync_round(0)
+
+    def _async_step(self) -> None:
+        assert self._replica is not None
+        self._batch_no += 1
+        cadence = self.config.cadence
+        must_pull = False
+        if cadence.push_due(self._batch_no):
+            must_pull = self._async_push()
+        if must_pull or cadence.pull_due(self._batch_no):
+            self._pull()
+
+    def _async_push(self) -> bool:
+        """Push the summed gradients to every pserver; True if one of them said pull."""
+        assert self._replica is not None and self._group is not None
+        stale = False
+        for part in self._group.parts:
+            try:
+                self._group.call(part, "push", Message({"trainer": self.trainer_id, "version": part.version, "blocks": part.keys}, self._replica.grads(part.blocks)))
+                self.pushes += 1
+            except StalePush as exc:
+                stale = True
+                self.stale_pushes += 1
+                log.info("trainer %s: pserver %d dropped a stale push: %s", self.trainer_id, part.index, exc)
+        self._replica.zero_grad()
+        return stale
+
+    def _flush(self) -> None:
+        """Async: push what was accumulated since the last push, so no batch is lost."""
+        if self.config.mode is Mode.ASYNC and self._replica is not None and self._batch_no % self.config.push_every:
+            self._async_push()
+            self._batch_no = 0
+
+    def _pull(self, after_round: bool = False) -> None:
+        """Load every pserver's values; with ``after_round``, first wait for the round this
+        trainer just pushed to close (sync)."""
+        assert self._group is not None
+        replica = self._replica
+        for part in self._group.parts:
+            meta: dict[str, Any] = {"trainer": self.trainer_id}
+            if after_round:
+                meta["after_round"] = part.round_no
+            reply = self._group.call(part, "pull", Message(meta))
+            part.round_no = int(reply.meta["round"])
+            part.version = int(reply.meta["version"])
+            if replica is not None:
+                replica.load(part.blocks, reply.tensors)
+
+    def _master_channel(self) -> Channel:
+        if self._master is None:
+            addr = wait_for_key(self._store, self._keys.master_addr, "the master").decode()
+            self._master = self._transport.connect(addr)
+        return self._master
+
+
+def _diff(stored: list[dict], specs: Sequence[ParamSpec]) -> str:
+    mine = [s.to_json() for s in specs]
+    for a, b in zip(stored, mine):
+        if a != b:
+            return f"job has {a}, this trainer has {b}"
+    return f"job has {len(stored)} parameters, this trainer has {len(mine)}"

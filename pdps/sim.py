@@ -1,0 +1,192 @@
+"""``pdps.simulate``: a whole job — master, pservers, trainers — in one process.
+
+The composition root for in-process jobs: it builds the roles from adapters
+(``memory://`` store, ``inproc://`` transport and torch compute unless told
+otherwise), runs each trainer's training function on its own thread, and returns
+the final parameters *pulled from the pservers* with the job's counters.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+
+from pdps.core.errors import ConfigError, PdpsError, Timeout
+from pdps.core.job import JobConfig, Keys
+from pdps.core.slots import ParamSpec
+from pdps.ports.compute import Compute
+from pdps.ports.coordination import CoordinationStore
+from pdps.ports.data import DataSource
+from pdps.ports.transport import Message, Transport
+from pdps.roles.master import Master
+from pdps.roles.pserver import Pserver
+from pdps.roles.trainer import Killed, PserverGroup, TrainerContext
+
+log = logging.getLogger(__name__)
+
+TrainFn = Callable[[TrainerContext], Any]
+
+
+@attrs.frozen
+class SimulationResult:
+    """How a simulated job ended."""
+
+    params: dict[str, Any]  # name -> torch.Tensor, pulled from the pservers
+    passes: int  # passes completed
+    tasks_done: int  # task completions summed over passes
+    tasks_failed: int  # tasks failed, summed over passes
+    steps: int  # updates applied (sync: global steps; async: pushes applied), busiest pserver
+    seconds: float  # wall time of training
+    trainers: dict[str, Any]  # trainer id -> what its function returned (None if killed)
+    killed: tuple[str, ...]
+    config: JobConfig
+
+
+def simulate(
+    train: TrainFn,
+    *,
+    dataset: str | DataSource,
+    kill: Mapping[int, int] | None = None,
+    store: str | CoordinationStore = "memory://",
+    transport: str | Transport = "inproc://",
+    compute: Compute | None = None,
+    timeout: float = 600.0,
+    progress: Callable[[dict[str, Any]], None] | None = None,
+    **settings: Any,
+) -> SimulationResult:
+    """Run a whole job in this process and return its outcome.
+
+    ``train`` is the training function every trainer runs (see :class:`TrainerContext`).
+    ``settings`` are :class:`~pdps.core.job.JobConfig` fields (``trainers``,
+    ``pservers``, ``mode``, ``optimizer``, ``optimizer_args``, ``batch_size``,
+    ``passes``, ...). ``kill={i: k}`` crashes trainer ``i`` after ``k`` steps: it
+    reports nothing, its lease runs out (``lease_ttl``), the master re-queues its
+    tasks as failures and the remaining trainers finish the job.
+    ``progress`` is called about once a second with the current pass's queue counts
+    and each trainer's ``ctx.metrics``.
+    """
+    from pdps.registry import open_data_source, open_store, open_transport
+
+    settings.setdefault("name", f"sim-{uuid.uuid4().hex[:8]}")
+    settings.setdefault("lease_ttl", 2.0)
+    source = open_data_source(dataset) if isinstance(dataset, str) else dataset
+    config = JobConfig(dataset=getattr(source, "url", str(dataset)), **settings)
+    kill = dict(kill or {})
+    bad = [i for i in kill if not 0 <= i < config.trainers]
+    if bad:
+        raise ConfigError(f"kill names trainers {bad}, but the job has trainers 0..{config.trainers - 1}")
+    if compute is None:
+        from pdps.adapters.torch_compute import TorchCompute
+
+        compute = TorchCompute()
+    compute.check_optimizer(config.optimizer, config.optimizer_args)  # refuse a bad rule before anything starts
+    st = open_store(store) if isinstance(store, str) else store
+    tr = open_transport(transport) if isinstance(transport, str) else transport
+
+    master = Master(st, tr, source, config)
+    master.start()
+    pservers = [Pserver(st, tr, compute, config) for _ in range(config.pservers)]
+    contexts = [TrainerContext(st, tr, compute, source, config, trainer_id=f"trainer-{i}") for i in range(config.trainers)]
+    results: dict[str, Any] = {}
+    errors: dict[str, BaseException] = {}
+    killed: list[str] = []
+    try:
+        for ps in pservers:
+            ps.start()
+        # Register every trainer before any trains, so the first sync round waits for all.
+        for ctx in contexts:
+            ctx.register()
+        for i, steps in kill.items():
+            contexts[i].kill_after(steps)
+
+        def run(ctx: TrainerContext) -> None:
+            try:
+                results[ctx.trainer_id] = train(ctx)
+                ctx.leave()
+            except Killed:
+                killed.append(ctx.trainer_id)
+                ctx.leave(crashed=True)
+            except BaseException as exc:  # reported after the join, with the trainer's name
+                errors[ctx.trainer_id] = exc
+                ctx.leave()
+
+        start = time.monotonic()
+        threads = [threading.Thread(target=run, args=(c,), name=c.trainer_id, daemon=True) for c in contexts]
+        for t in threads:
+            t.start()
+        deadline = start + timeout
+        while alive := [t for t in threads if t.is_alive()]:
+            if time.monotonic() > deadline:
+                raise Timeout(f"simulated job {config.name!r} did not finish in {timeout:.0f}s; queue: {master.counts()}")
+            alive[0].join(timeout=1.0)
+            if progress is not None:
+                c = master.counts()
+                metrics = {ctx.trainer_id: dict(ctx.metrics) for ctx in contexts}
+                progress({"pass": c.pass_no, "todo": c.todo, "pending": c.pending, "done": c.done, "failed": c.failed, "metrics": metrics})
+        seconds = time.monotonic() - start
+        if errors:
+            tid, exc = sorted(errors.items())[0]
+            raise PdpsError(f"trainer {tid} failed: {exc!r}") from exc
+        if not master.done.is_set():
+            raise PdpsError(f"all trainers returned but job {config.name!r} is not done: {master.counts()}")
+        params = fetch_parameters(st, tr, config)
+        done, failed = _pass_totals(st, config)
+        return SimulationResult(
+            params=params,
+            passes=master.passes_completed,
+            tasks_done=done,
+            tasks_failed=failed,
+            steps=max(ps.steps for ps in pservers),
+            seconds=seconds,
+            trainers=results,
+            killed=tuple(sorted(killed)),
+            config=config,
+        )
+    finally:
+        for ctx in contexts:
+            if ctx.trainer_id not in killed:
+                ctx.leave()
+        for ps in pservers:
+            ps.stop()
+        master.stop()
+
+
+def fetch_parameters(store: CoordinationStore, transport: Transport, config: JobConfig) -> dict[str, Any]:
+    """The model's current parameters, pulled from the pservers, as ``name -> tensor``."""
+    import torch
+
+    kv = store.get(Keys(config.name).model)
+    if kv is None:
+        raise PdpsError(f"job {config.name!r} has no model: no trainer attached one")
+    specs = [ParamSpec.from_json(d) for d in json.loads(kv.value)]
+    group = PserverGroup(store, transport, config, specs)
+    flats = {s.name: torch.empty(s.numel, dtype=getattr(torch, s.dtype)) for s in specs}
+    try:
+        for part in group.parts:
+            reply = group.call(part, "pull", Message({"trainer": "fetch"}))
+            for block, tensor in zip(part.blocks, reply.tensors):
+                start = block.offset - _param_offset(specs, block.index)
+                flats[block.param][start : start + block.numel].copy_(tensor.reshape(-1))
+    finally:
+        group.close()
+    return {s.name: flats[s.name].view(s.shape) for s in specs}
+
+
+def _param_offset(specs: list[ParamSpec], index: int) -> int:
+    return sum(s.numel for s in specs[:index])
+
+
+def _pass_totals(store: CoordinationStore, config: JobConfig) -> tuple[int, int]:
+    done = failed = 0
+    for kv in store.range(Keys(config.name).passes):
+        summary = json.loads(kv.value)
+        done += int(summary["done"])
+        failed += len(summary["failed"])
+    return done, failed

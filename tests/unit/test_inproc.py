@@ -1,0 +1,59 @@
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from pdps.adapters.inproc import InprocTransport
+from pdps.core.errors import TransportError
+from pdps.ports.transport import Message
+from tests.unit.contract_transport import TransportContract
+
+_names = itertools.count()
+
+
+class TestInproc(TransportContract):
+    @pytest.fixture
+    def transport(self):
+        return InprocTransport()
+
+    @pytest.fixture
+    def address(self):
+        return f"inproc://contract-{next(_names)}"
+
+    @pytest.fixture
+    def unreachable(self):
+        return "inproc://nobody-serves-this"
+
+
+def test_no_copies_either_way():
+    """The handler sees the caller's storage and the caller sees the handler's."""
+    state = torch.arange(6, dtype=torch.float32)
+    seen = []
+
+    def handler(req: Message) -> Message:
+        seen.append(req.tensors[0].data_ptr())
+        return Message({}, [state[2:4]])
+
+    t = InprocTransport()
+    ep = t.serve("inproc://", {"h": handler})
+    sent = torch.ones(1024)
+    reply = t.connect(ep.address).call("h", Message({}, [sent]))
+    assert seen == [sent.data_ptr()]
+    assert reply.tensors[0].data_ptr() == state[2:].data_ptr()
+    ep.close()
+
+
+def test_auto_names_are_unique_and_duplicates_refused():
+    t = InprocTransport()
+    a, b = t.serve("inproc://", {}), t.serve("inproc://", {})
+    assert a.address != b.address
+    with pytest.raises(TransportError, match="already served"):
+        t.serve(a.address, {})
+    a.close(), b.close()
+
+
+def test_bad_address():
+    with pytest.raises(TransportError, match="inproc://name"):
+        InprocTransport().connect("grpc://x:1").call("m", Message({}))

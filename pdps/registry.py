@@ -60,6 +60,8 @@ def _factory(port: str, url: str) -> Any:
     module_name, _, attr = target.partition(":")
     try:
         module = importlib.import_module(module_name)
+    except MissingExtraError:
+        raise  # the adapter already named its extra
     except ImportError as exc:
         hint = f"pip install 'pdps[{extra}]'" if extra else "reinstall pdps"
         raise MissingExtraError(f"{scheme}:// {_WHAT[port]} needs a package that is not installed ({exc.name}): {hint}") from exc

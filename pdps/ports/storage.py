@@ -6,8 +6,11 @@ Paths are relative to the root, ``/``-separated. Contract (every adapter passes
 * ``put`` is atomic: a reader sees the old object or the whole new one, never a
   prefix (local files are written to a temporary name and renamed).
 * ``get`` of a missing path raises :class:`~pdps.core.errors.StorageError` naming it.
-* ``list(prefix)`` returns the relative paths of objects under ``prefix``, sorted.
-* ``delete`` of a missing path is a no-op.
+* ``list(prefix)`` returns the relative paths of objects whose path starts with
+  ``prefix`` as a string (as S3 does: ``list("a")`` finds ``a/1`` and ``ab``), sorted.
+* ``exists`` and ``delete`` concern objects, not folders; deleting a missing path is
+  a no-op.
+* Paths with ``..``, ``.``, empty parts or a leading ``/`` are refused before any I/O.
 """
 
 from __future__ import annotations

@@ -12,7 +12,14 @@ Two holders:
   optimizers, updating shards independently is exactly updating the whole model.
 
 Tensors crossing this port are shaped like their block (``Block.shape``). Validation
-(:meth:`ParameterShard.check`) happens before any state changes.
+(:meth:`ParameterShard.check`) happens before any state changes; ``accumulate`` and
+``apply`` trust their input, so the caller checks first.
+
+Aliasing: ``grads`` and ``values`` hand out views, so a pushed gradient must be
+consumed (accumulated or applied) before the trainer's next ``zero_grad``, which
+holds while calls are synchronous. ``views`` alias the shard: in async mode a pull
+copied outside the pserver's lock may mix two versions, as Downpour's reads do; in
+sync mode pulls happen between rounds and see one version.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from typing import Any, Protocol, runtime_checkable
 from pdps.core.slots import Block, ParamSpec
 
 
+@runtime_checkable
 class ModelReplica(Protocol):
     specs: list[ParamSpec]
     device: str
@@ -42,6 +50,7 @@ class ModelReplica(Protocol):
     def zero_grad(self) -> None: ...
 
 
+@runtime_checkable
 class ParameterShard(Protocol):
     blocks: tuple[Block, ...]
     initialized: bool
@@ -60,7 +69,10 @@ class ParameterShard(Protocol):
         ...
 
     def apply_accumulated(self, scale: float) -> None:
-        """Close a sync round: one optimizer step with gradient ``acc * scale``; acc reset."""
+        """Close a sync round: one optimizer step with gradient ``acc * scale``; acc reset.
+
+        Not for an empty round: momentum rules would still move the parameters.
+        """
         ...
 
     def apply(self, tensors: Sequence[Any]) -> None:
@@ -70,6 +82,12 @@ class ParameterShard(Protocol):
     def views(self) -> list[Any]:
         """Current values, one view per block (aliases the shard: read, never write)."""
         ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """Values and optimizer state as flat tensors only (safetensors-friendly, no pickle)."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 @runtime_checkable

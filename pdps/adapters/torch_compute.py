@@ -1,0 +1,517 @@
+"""The torch adapter of the compute port: flat buffers on trainers, optimizer shards on pservers.
+
+* :class:`TorchReplica` rebinds a user's ``nn.Module`` so every parameter is a view of
+  one flat buffer and every ``.grad`` a view of one flat gradient buffer: autograd
+  accumulates in place, and a block of the layout is a slice, never a copy.
+* :class:`TorchShard` keeps the blocks one pserver owns in one flat tensor with the
+  job's ``torch.optim`` rule over it. Only *element-wise* rules are allowed (each
+  element's update depends on that element's value, gradient and state alone), so
+  stepping every shard on its own is exactly stepping the whole model.
+* Optimizers are named: a ``torch.optim`` class name from :data:`ELEMENTWISE`, or a
+  user rule by import path (``"package.module:ClassName"``) whose class declares
+  ``pdps_elementwise = True``. Their keyword arguments must be JSON-safe, because they
+  travel in the job config.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from pdps.core.errors import ConfigError, GradientRejected, NotReady
+from pdps.core.slots import Block, ParamSpec
+
+log = logging.getLogger(__name__)
+
+ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adadelta", "Adamax", "NAdam", "RAdam", "Rprop", "ASGD")
+
+REFUSED = {
+    "LBFGS": "it needs a closure that re-evaluates the loss and works on the whole parameter vector, "
+    "which no pserver holds",
+    "SparseAdam": "it takes sparse gradients only, and pdps pushes dense gradients",
+    "Adafactor": "it factors the second moment over the rows and columns of each whole matrix, "
+    "so a shard of rows cannot be updated on its own",
+    "Muon": "it orthogonalises each whole weight matrix, so a shard of rows cannot be updated on its own",
+}
+
+# Arguments pdps cannot honour: a pserver steps outside autograd.
+REFUSED_ARGS = {"differentiable": "pdps steps the optimizer outside autograd, so there is no graph to differentiate"}
+
+# Fused kernels: one launch per step for the whole shard, on CUDA.
+_FUSED_ON_CUDA = ("Adam", "AdamW", "SGD")
+
+_USER_RULE_HELP = (
+    "a user rule is named by import path 'package.module:ClassName'; the class must subclass "
+    "torch.optim.Optimizer and declare pdps_elementwise = True (each pserver updates its shard "
+    "independently, so only element-wise rules give the same result as updating the whole model)"
+)
+
+
+# --- optimizers -------------------------------------------------------------------------
+
+
+def resolve_optimizer(name: str) -> type[torch.optim.Optimizer]:
+    """The optimizer class ``name`` names, or ConfigError saying why pdps cannot run it."""
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"optimizer must be a non-empty name, got {name!r}")
+    if name in REFUSED:
+        raise ConfigError(f"optimizer {name!r} is not supported by pdps: {REFUSED[name]}")
+    if name in ELEMENTWISE:
+        cls = getattr(torch.optim, name, None)
+        if cls is None:
+            raise ConfigError(f"optimizer {name!r} does not exist in torch {torch.__version__}")
+        return cls
+    if ":" in name or "." in name:
+        return _import_rule(name)
+    hint = next((f" (did you mean {a!r}?)" for a in ELEMENTWISE if a.lower() == name.lower()), "")
+    raise ConfigError(
+        f"unknown optimizer {name!r}{hint}; pdps runs the element-wise torch.optim rules "
+        f"{', '.join(ELEMENTWISE)}, or {_USER_RULE_HELP}"
+    )
+
+
+def _import_rule(path: str) -> type[torch.optim.Optimizer]:
+    module_name, _, attr = path.partition(":") if ":" in path else path.rpartition(".")
+    if not module_name or not attr:
+        raise ConfigError(f"optimizer {path!r} is not an import path; {_USER_RULE_HELP}")
+    try:
+        obj: Any = functools.reduce(getattr, attr.split("."), importlib.import_module(module_name))
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"cannot import optimizer {path!r}: {exc}") from exc
+    if not (isinstance(obj, type) and issubclass(obj, torch.optim.Optimizer)):
+        raise ConfigError(f"optimizer {path!r} is {obj!r}, not a torch.optim.Optimizer subclass; {_USER_RULE_HELP}")
+    builtin = getattr(torch.optim, obj.__name__, None)
+    if obj is builtin:  # "torch.optim.Adam" follows the rules of "Adam"
+        return resolve_optimizer(obj.__name__)
+    if getattr(obj, "pdps_elementwise", False) is not True:
+        raise ConfigError(f"optimizer {path!r} does not declare pdps_elementwise = True; {_USER_RULE_HELP}")
+    return obj
+
+
+def _lists(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return [_lists(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _lists(v) for k, v in value.items()}
+    return value
+
+
+def _tuples(value: Any) -> Any:
+    # torch.optim declares its pair arguments (betas, etas, step_sizes) as tuples.
+    if isinstance(value, list):
+        return tuple(_tuples(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _tuples(v) for k, v in value.items()}
+    return value
+
+
+def optimizer_kwargs(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """Validate JSON-safe optimizer arguments; returns them with lists as tuples."""
+    if not isinstance(kwargs, Mapping):
+        raise ConfigError(f"optimizer arguments must be a mapping, got {type(kwargs).__name__}")
+    out: dict[str, Any] = {}
+    for key, value in kwargs.items():
+        if not isinstance(key, str):
+            raise ConfigError(f"optimizer argument names must be strings, got {key!r}")
+        if key in REFUSED_ARGS:
+            raise ConfigError(f"optimizer argument {key!r} is not allowed: {REFUSED_ARGS[key]}")
+        plain = _lists(value)
+        try:
+            same = json.loads(json.dumps(plain, allow_nan=False)) == plain
+        except (TypeError, ValueError):
+            same = False
+        if not same:
+            raise ConfigError(
+                f"optimizer argument {key!r} = {value!r} is not JSON-safe: use finite numbers, strings, "
+                "booleans, null, and lists or string-keyed objects of them (it travels in the job config)"
+            )
+        out[key] = _tuples(plain)
+    return out
+
+
+def _accepts(cls: type, arg: str) -> bool:
+    try:
+        return arg in inspect.signature(cls.__init__).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _with_kernel_choice(cls: type, kwargs: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """Pick fused or foreach kernels unless the user chose."""
+    if "foreach" in kwargs or "fused" in kwargs:
+        return kwargs
+    if device.type == "cuda" and cls is getattr(torch.optim, cls.__name__, None) and cls.__name__ in _FUSED_ON_CUDA:
+        return {**kwargs, "fused": True}
+    if _accepts(cls, "foreach"):
+        return {**kwargs, "foreach": True}
+    return kwargs
+
+
+def _build(cls: type[torch.optim.Optimizer], name: str, param: torch.Tensor, kwargs: dict[str, Any]) -> torch.optim.Optimizer:
+    try:
+        return cls([param], **kwargs)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise ConfigError(f"optimizer {name!r} refused its arguments {kwargs}: {exc}") from exc
+
+
+# --- dtypes and devices -------------------------------------------------------------------
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ConfigError(f"{name!r} is not a floating torch dtype")
+    return dtype
+
+
+def _device(device: str | torch.device) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigError(f"invalid torch device {device!r}: {exc}") from exc
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {device!r} asked for, but torch sees no CUDA device here")
+    return dev
+
+
+# --- the port -------------------------------------------------------------------------------
+
+
+class TorchCompute:
+    """The compute port over torch. ``device`` defaults to CUDA when there is one."""
+
+    def __init__(self, device: str | None = None) -> None:
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = str(_device(device))
+
+    def check_optimizer(self, name: str, kwargs: Mapping[str, Any]) -> None:
+        """ConfigError unless ``name`` is an element-wise rule that accepts ``kwargs``.
+
+        Builds the rule on a one-element tensor and takes one step, so arguments torch
+        only checks when stepping are caught here too.
+        """
+        cls = resolve_optimizer(name)
+        args = _with_kernel_choice(cls, optimizer_kwargs(kwargs), torch.device(self.device))
+        dummy = torch.zeros(1, device=self.device)
+        dummy.grad = torch.zeros_like(dummy)
+        opt = _build(cls, name, dummy, args)
+        try:
+            opt.step()
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise ConfigError(f"optimizer {name!r} failed a step with arguments {args}: {exc}") from exc
+
+    def replica(self, module: torch.nn.Module) -> TorchReplica:
+        return TorchReplica(module, self.device)
+
+    def shard(self, blocks: Sequence[Block], optimizer: str, optimizer_args: Mapping[str, Any]) -> TorchShard:
+        self.check_optimizer(optimizer, optimizer_args)
+        return TorchShard(blocks, optimizer, optimizer_args, self.device)
+
+
+class TorchReplica:
+    """A model bound to one flat parameter buffer and one flat gradient buffer.
+
+    Trainable parameters are taken in ``named_parameters()`` order (tied parameters
+    once); frozen ones are left alone and never sent to a pserver. The
+    module is moved to ``device`` (its buffers too). After binding, ``p.data`` is a view
+    of :attr:`flat_params` and ``p.grad`` a view of :attr:`flat_grads`; if user code
+    replaces either (``model.zero_grad(set_to_none=True)``, ``model.to(...)``),
+    :meth:`ensure_bound` puts the view back and keeps the values.
+    """
+
+    def __init__(self, module: torch.nn.Module, device: str | torch.device) -> None:
+        # Frozen parameters (requires_grad=False) stay local: the pservers would move them
+        # through weight decay or momentum even with zero gradients.
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if not named:
+            raise ConfigError("the model has no trainable parameters (all have requires_grad=False)")
+        first_name, first = named[0]
+        for name, p in named:
+            if not p.dtype.is_floating_point:
+                raise ConfigError(f"parameter {name!r} has dtype {dtype_name(p.dtype)}; pdps trains floating parameters only")
+            if p.dtype != first.dtype:
+                raise ConfigError(
+                    f"parameter {name!r} is {dtype_name(p.dtype)} but {first_name!r} is {dtype_name(first.dtype)}: "
+                    "pdps keeps the model in one flat buffer, so all parameters must share one dtype "
+                    "(convert the model, e.g. model.to(torch.float32))"
+                )
+            if p.device != first.device:
+                raise ConfigError(
+                    f"parameter {name!r} is on {p.device} but {first_name!r} is on {first.device}: "
+                    "all parameters must be on one device"
+                )
+        self.device = str(_device(device))
+        self.module = module
+        self.specs = [ParamSpec(name, tuple(p.shape), dtype_name(p.dtype)) for name, p in named]
+        self.numel = sum(s.numel for s in self.specs)
+        self._params = [p for _, p in named]
+        self.flat_params = torch.empty(self.numel, dtype=first.dtype, device=self.device)
+        self.flat_grads = torch.zeros(self.numel, dtype=first.dtype, device=self.device)
+        self._value_views: list[torch.Tensor] = []
+        self._grad_views: list[torch.Tensor] = []
+        offset = 0
+        with torch.no_grad():
+            for spec, p in zip(self.specs, self._params):
+                n = spec.numel
+                value = self.flat_params[offset : offset + n].view(spec.shape)
+                value.copy_(p.detach())
+                self._value_views.append(value)
+                self._grad_views.append(self.flat_grads[offset : offset + n].view(spec.shape))
+                offset += n
+        for p, value, grad in zip(self._params, self._value_views, self._grad_views):
+            p.data = value
+            p.grad = grad
+        module.to(self.device)  # buffers; the parameters are already there, so they stay bound
+
+    def ensure_bound(self) -> None:
+        """Re-bind any parameter or gradient user code replaced, keeping what it holds.
+
+        A gradient set to ``None`` means zero; a replaced gradient (autograd fills a new
+        one after ``set_to_none``) is copied into the view so accumulated values survive.
+        """
+        for p, value, grad in zip(self._params, self._value_views, self._grad_views):
+            if p.data_ptr() != value.data_ptr() or p.shape != value.shape:
+                if p.shape != value.shape or p.dtype != value.dtype:
+                    raise ConfigError(
+                        f"a parameter of shape {tuple(p.shape)} ({dtype_name(p.dtype)}) replaced the bound one "
+                        f"{tuple(value.shape)} ({dtype_name(value.dtype)}): do not change the model's shapes or "
+                        "dtype after handing it to pdps"
+                    )
+                with torch.no_grad():
+                    value.copy_(p.detach())
+                p.data = value
+            g = p.grad
+            if g is None:
+                grad.zero_()
+                p.grad = grad
+            elif g.data_ptr() != grad.data_ptr() or g.shape != grad.shape:
+                grad.copy_(g.detach())
+                p.grad = grad
+
+    def _check(self, blocks: Sequence[Block]) -> None:
+        for b in blocks:
+            spec = self.specs[b.index] if 0 <= b.index < len(self.specs) else None
+            if spec is None or spec.name != b.param or spec.dtype != b.dtype or b.offset + b.numel > self.numel:
+                raise ConfigError(f"block {b.describe()} does not belong to this model's layout")
+
+    def grads(self, blocks: Sequence[Block]) -> list[torch.Tensor]:
+        self._check(blocks)
+        self.ensure_bound()
+        return [self.flat_grads[b.offset : b.offset + b.numel].view(b.shape) for b in blocks]
+
+    def values(self, blocks: Sequence[Block]) -> list[torch.Tensor]:
+        self._check(blocks)
+        self.ensure_bound()
+        return [self.flat_params[b.offset : b.offset + b.numel].view(b.shape) for b in blocks]
+
+    def load(self, blocks: Sequence[Block], tensors: Sequence[torch.Tensor]) -> None:
+        if len(blocks) != len(tensors):
+            raise ConfigError(f"load got {len(tensors)} tensors for {len(blocks)} blocks")
+        self._check(blocks)
+        self.ensure_bound()
+        with torch.no_grad():
+            for b, t in zip(blocks, tensors):
+                if tuple(t.shape) != b.shape:
+                    raise ConfigError(f"pulled value for {b.describe()} has shape {tuple(t.shape)}, the block is {b.shape}")
+            for b, t in zip(blocks, tensors):
+                self.flat_params[b.offset : b.offset + b.numel].view(b.shape).copy_(t)
+
+    def zero_grad(self) -> None:
+        self.flat_grads.zero_()
+        for p, grad in zip(self._params, self._grad_views):
+            if p.grad is None or p.grad.data_ptr() != grad.data_ptr() or p.grad.shape != grad.shape:
+                p.grad = grad
+
+
+class TorchShard:
+    """The blocks one pserver owns, in one flat tensor, with the job's optimizer over it.
+
+    Blocks are laid out in the given order. Gradients go through one reused buffer
+    (``values.grad``); the sync accumulator is allocated on the first
+    :meth:`accumulate`, in float32 when the blocks are half precision. Callers run
+    :meth:`check` before :meth:`accumulate` and :meth:`apply`, which do not re-validate.
+    """
+
+    def __init__(
+        self,
+        blocks: Sequence[Block],
+        optimizer: str,
+        optimizer_args: Mapping[str, Any],
+        device: str | torch.device = "cpu",
+    ) -> None:
+        self.blocks = tuple(blocks)
+        dtypes = sorted({b.dtype for b in self.blocks})
+        if len(dtypes) > 1:
+            raise ConfigError(f"the blocks of one shard must share a dtype, got {dtypes}")
+        self.dtype = torch_dtype(dtypes[0] if dtypes else "float32")
+        self.device = str(_device(device))
+        self.numel = sum(b.numel for b in self.blocks)
+        self.values = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        self._grad = torch.zeros_like(self.values)
+        self.values.grad = self._grad
+        self._acc: torch.Tensor | None = None
+        self._acc_views: list[torch.Tensor] = []
+        self._ranges: list[tuple[int, int]] = []
+        offset = 0
+        for b in self.blocks:
+            self._ranges.append((offset, b.numel))
+            offset += b.numel
+        self._value_views = self._views_of(self.values)
+        self._grad_views = self._views_of(self._grad)
+        self.optimizer_name = optimizer
+        cls = resolve_optimizer(optimizer)
+        self.optimizer_args = _with_kernel_choice(cls, optimizer_kwargs(optimizer_args), torch.device(self.device))
+        self.optimizer = _build(cls, optimizer, self.values, self.optimizer_args)
+        self.initialized = False
+        log.debug("shard of %d blocks (%d elements) on %s with %s(%r)", len(self.blocks), self.numel, self.device, optimizer, self.optimizer_args)
+
+    def _views_of(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        return [flat[a : a + n].view(b.shape) for b, (a, n) in zip(self.blocks, self._ranges)]
+
+    def _ready(self) -> None:
+        if not self.initialized:
+            raise NotReady("the parameters of this shard are not initialized yet")
+
+    def _on_device(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        return [t.to(self.device, non_blocking=True) for t in tensors]
+
+    def check(self, tensors: Sequence[Any], trainer: str, what: str = "gradient") -> None:
+        if len(tensors) != len(self.blocks):
+            raise GradientRejected(
+                f"{what}s from trainer {trainer!r}: got {len(tensors)} tensors, but this pserver holds "
+                f"{len(self.blocks)} blocks; the trainer's layout is out of date, re-fetch it"
+            )
+        for b, t in zip(self.blocks, tensors):
+            if not isinstance(t, torch.Tensor):
+                raise GradientRejected(f"{what} for {b.describe()} from trainer {trainer!r} is a {type(t).__name__}, not a tensor")
+            if tuple(t.shape) != b.shape:
+                raise GradientRejected(
+                    f"{what} for {b.describe()} from trainer {trainer!r} has shape {tuple(t.shape)} but the block is {b.shape}"
+                )
+            if t.dtype != self.dtype:
+                raise GradientRejected(
+                    f"{what} for {b.describe()} from trainer {trainer!r} has dtype {dtype_name(t.dtype)} but the block is {b.dtype}"
+                )
+        # One host sync per device, not one per block.
+        flags = [torch.isfinite(t).all() for t in tensors]
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for f in flags:
+            by_device.setdefault(f.device, []).append(f)
+        if all(bool(torch.stack(fs).all()) for fs in by_device.values()):
+            return
+        for b, t, f in zip(self.blocks, tensors, flags):
+            if not bool(f):
+                nan = int(torch.isnan(t).sum())
+                inf = int(torch.isinf(t).sum())
+                raise GradientRejected(
+                    f"{what} for {b.describe()} from trainer {trainer!r} is not finite: {nan} NaN and {inf} infinite values"
+                )
+
+    def initialize(self, tensors: Sequence[Any], trainer: str) -> None:
+        """Take initial values (copied); resets optimizer state and the accumulator."""
+        self.check(tensors, trainer, what="initial value")
+        with torch.no_grad():
+            for view, t in zip(self._value_views, self._on_device(tensors)):
+                view.copy_(t)
+        self.optimizer.state.clear()
+        if self._acc is not None:
+            self._acc.zero_()
+        self.initialized = True
+
+    def accumulate(self, tensors: Sequence[torch.Tensor], weight: float) -> None:
+        self._ready()
+        if self._acc is None:
+            acc_dtype = torch.float32 if self.dtype in (torch.float16, torch.bfloat16) else self.dtype
+            self._acc = torch.zeros(self.numel, dtype=acc_dtype, device=self.device)
+            self._acc_views = self._views_of(self._acc)
+        if self._acc_views:
+            torch._foreach_add_(self._acc_views, self._on_device(tensors), alpha=float(weight))
+
+    def apply_accumulated(self, scale: float) -> None:
+        self._ready()
+        if self._acc is None:
+            self._grad.zero_()
+        else:
+            torch.mul(self._acc, float(scale), out=self._grad)
+        self._step()
+        if self._acc is not None:
+            self._acc.zero_()
+
+    def apply(self, tensors: Sequence[torch.Tensor]) -> None:
+        self._ready()
+        for view, t in zip(self._grad_views, tensors):
+            view.copy_(t, non_blocking=True)
+        self._step()
+
+    def _step(self) -> None:
+        self.values.grad = self._grad  # in case a rule cleared it
+        self.optimizer.step()
+
+    def views(self) -> list[torch.Tensor]:
+        self._ready()
+        return list(self._value_views)
+
+    # --- checkpoints -------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Flat tensors only (safetensors-friendly): ``values``, ``state.<key>`` for each
+        optimizer state tensor, ``scalar.<key>`` (0-d) for plain-number state.
+
+        The tensors alias the live shard: serialize them before the next step.
+        """
+        out = {"values": self.values.detach()}
+        for key, value in self.optimizer.state.get(self.values, {}).items():
+            if isinstance(value, torch.Tensor):
+                out[f"state.{key}"] = value.detach()
+            elif isinstance(value, (bool, int, float)):
+                out[f"scalar.{key}"] = torch.tensor(value)
+            elif value is not None:
+                raise ConfigError(f"optimizer state {key!r} is a {type(value).__name__}; pdps checkpoints tensors and numbers only")
+        return out
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Restore :meth:`state_dict` output (copied); the shard is then initialized."""
+        values = state.get("values")
+        if not isinstance(values, torch.Tensor) or tuple(values.shape) != (self.numel,) or values.dtype != self.dtype:
+            got = f"{tuple(values.shape)} {dtype_name(values.dtype)}" if isinstance(values, torch.Tensor) else repr(values)
+            raise ConfigError(f"checkpoint values are {got}, this shard needs ({self.numel},) {dtype_name(self.dtype)}")
+        opt_state: dict[str, Any] = {}
+        for key, value in state.items():
+            prefix, _, name = key.partition(".")
+            if key == "values":
+                continue
+            if not isinstance(value, torch.Tensor) or not name or prefix not in ("state", "scalar"):
+                raise ConfigError(f"unexpected entry {key!r} in a shard checkpoint")
+            if prefix == "state" and (value.dim() == 0 or tuple(value.shape) == (self.numel,)):
+                opt_state[name] = value.detach().clone()
+            elif prefix == "scalar" and value.dim() == 0:
+                opt_state[name] = value.item()
+            else:
+                raise ConfigError(f"checkpoint entry {key!r} has shape {tuple(value.shape)}, this shard has {self.numel} elements")
+        saved_dtypes = {k: v.dtype for k, v in opt_state.items() if isinstance(v, torch.Tensor)}
+        groups = self.optimizer.state_dict()["param_groups"]
+        try:
+            self.optimizer.load_state_dict({"state": {0: opt_state} if opt_state else {}, "param_groups": groups})
+        except (KeyError, ValueError, RuntimeError) as exc:
+            raise ConfigError(f"cannot load optimizer state into {self.optimizer_name!r}: {exc}") from exc
+        live = self.optimizer.state[self.values]
+        for key, dtype in saved_dtypes.items():
+            if live[key].dtype != dtype:  # torch casts scalar state to the parameter dtype; keep it exact
+                live[key] = live[key].to(dtype)
+        with torch.no_grad():
+            self.values.copy_(values)
+        if self._acc is not None:
+            self._acc.zero_()
+        self.initialized = True

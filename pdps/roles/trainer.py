@@ -211,18 +211,23 @@ class TrainerContext:
     def attach(self, model: Any) -> Any:
         """Bind ``model`` to the job: publish its layout, initialize the pservers, pull.
 
-        Returns the same model, whose parameters now hold the job's current values.
+        The first trainer to attach publishes the model's layout and initial values;
+        every other trainer waits for the pservers and pulls. Returns the same model,
+        whose parameters now hold the job's current values.
         """
         self.register()
         replica = self._compute.replica(model)
         specs_json = json.dumps([s.to_json() for s in replica.specs]).encode()
-        self._store.commit((Compare.absent(self._keys.model),), (Put(self._keys.model, specs_json),))
+        # The trainer that publishes the model initializes every pserver, so the initial
+        # values come from one replica even if the trainers' own initializations differ.
+        first = self._store.commit((Compare.absent(self._keys.model),), (Put(self._keys.model, specs_json),)).succeeded
         stored = json.loads(self._store.get(self._keys.model).value)  # type: ignore[union-attr]
         if stored != json.loads(specs_json):
             raise ConfigError(f"trainer {self.trainer_id!r}: the model does not match the job's ({self._keys.model}): {_diff(stored, replica.specs)}")
         group = PserverGroup(self._store, self._transport, self.config, replica.specs)
-        for part in group.parts:
-            group.call(part, "init", Message({"trainer": self.trainer_id}, replica.values(part.blocks)))
+        if first:
+            for part in group.parts:
+                group.call(part, "init", Message({"trainer": self.trainer_id}, replica.values(part.blocks)))
         self._replica, self._group = replica, group
         self._pull()
         replica.zero_grad()

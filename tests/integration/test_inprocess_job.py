@@ -1,0 +1,308 @@
+"""Whole jobs through ``pdps.simulate``: the sync-SGD equivalence, sharding, a crashed
+trainer, and bad input rejected before it changes anything."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import pdps
+from pdps.adapters.parquet import ParquetSource, write_parquet_shards
+from pdps.core.errors import ConfigError, DatasetError, GradientRejected, UnknownSchemeError
+from pdps.core.job import Keys
+
+K = 20  # steps
+B = 8  # batch per trainer
+N = 3  # trainers
+
+
+def make_model(dtype: torch.dtype) -> nn.Module:
+    g = torch.Generator().manual_seed(1234)  # not the global RNG: trainers build models on threads
+    model = nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 3)).to(dtype)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.uniform_(-0.5, 0.5, generator=g)
+    return model
+
+
+def regression_dataset(root, dtype: np.dtype, *, short: int = 0) -> ParquetSource:
+    """N tasks (one row group each) of K*B rows; the last task is ``short`` rows shorter."""
+    rng = np.random.default_rng(7)
+    sizes = [K * B] * (N - 1) + [K * B - short]
+    parts = []
+    for i, n in enumerate(sizes):
+        x = rng.normal(size=(n, 5)).astype(dtype)
+        y = np.stack([x[:, 0] * 2 - x[:, 1], np.sin(x[:, 2]), x[:, 3] * x[:, 4]], axis=1).astype(dtype)
+        url = f"{root}/t{i}"
+        write_parquet_shards({"x": x, "y": y}, url, shards=1, row_group_size=n)
+        parts.append(url)
+    # one directory per task keeps the row groups whole; gather them into one dataset dir
+    import fsspec
+
+    fs, base = fsspec.core.url_to_fs(f"{root}/all")
+    fs.makedirs(base, exist_ok=True)
+    for i, url in enumerate(parts):
+        src_fs, src = fsspec.core.url_to_fs(f"{url}/part-00000.parquet")
+        fs.pipe_file(f"{base}/part-{i:05d}.parquet", src_fs.cat_file(src))
+    return ParquetSource(f"{root}/all")
+
+
+def train_mse(dtype: torch.dtype):
+    def train(ctx: pdps.TrainerContext) -> None:
+        model = ctx.attach(make_model(dtype))
+        for batch in ctx.batches():
+            ctx.step(F.mse_loss(model(batch["x"]), batch["y"]))
+
+    return train
+
+
+def reference(source: ParquetSource, dtype: torch.dtype, optimizer: str, kwargs: dict) -> dict[str, torch.Tensor]:
+    """Single-process torch on the concatenated N*B batch of step k, for k < K."""
+    model = make_model(dtype)
+    opt = getattr(torch.optim, optimizer)(model.parameters(), **kwargs)
+    tasks = [source.read(t) for t in source.tasks()]
+    for k in range(K):
+        xs = torch.cat([torch.from_numpy(t["x"][k * B : (k + 1) * B]) for t in tasks])
+        ys = torch.cat([torch.from_numpy(t["y"][k * B : (k + 1) * B]) for t in tasks])
+        opt.zero_grad()
+        F.mse_loss(model(xs), ys).backward()
+        opt.step()
+    return {name: p.detach() for name, p in model.named_parameters()}
+
+
+def run_sync(source, dtype, optimizer, kwargs, *, pservers=2, min_block=8):
+    return pdps.simulate(
+        train_mse(dtype),
+        dataset=source,
+        trainers=N,
+        pservers=pservers,
+        mode="sync",
+        batch_size=B,
+        optimizer=optimizer,
+        optimizer_args=kwargs,
+        min_block=min_block,
+        num_slots=64,
+    )
+
+
+OPTIMIZERS = [
+    ("SGD", {"lr": 0.1}),
+    ("SGD", {"lr": 0.05, "momentum": 0.9}),
+    ("Adam", {"lr": 0.01}),
+]
+
+
+@pytest.mark.parametrize("optimizer,kwargs", OPTIMIZERS, ids=["sgd", "momentum", "adam"])
+@pytest.mark.parametrize(
+    "dtype,np_dtype,tol",
+    [(torch.float64, np.float64, {"rtol": 1e-9, "atol": 1e-10}), (torch.float32, np.float32, {"rtol": 1e-4, "atol": 1e-5})],
+    ids=["float64", "float32"],
+)
+@pytest.mark.parametrize("short", [0, 3], ids=["even", "ragged"])
+def test_sync_sgd_equals_single_process_training(tmp_path, optimizer, kwargs, dtype, np_dtype, tol, short):
+    source = regression_dataset(tmp_path.as_uri(), np_dtype, short=short)
+    result = run_sync(source, dtype, optimizer, kwargs)
+    want = reference(source, dtype, optimizer, kwargs)
+    assert result.steps == K
+    assert set(result.params) == set(want)
+    moved = False
+    for name, w in want.items():
+        got = result.params[name]
+        assert got.dtype == dtype
+        torch.testing.assert_close(got, w, **tol, msg=lambda m, n=name: f"{n}: {m}")
+        moved |= not torch.equal(w, make_model(dtype).state_dict()[name])
+    assert moved  # training changed the parameters: the comparison is not between two initial states
+
+
+def test_sharding_changes_nothing(tmp_path):
+    source = regression_dataset(tmp_path.as_uri(), np.float64, short=3)
+    one = run_sync(source, torch.float64, "Adam", {"lr": 0.01}, pservers=1)
+    three = run_sync(source, torch.float64, "Adam", {"lr": 0.01}, pservers=3)
+    for name in one.params:
+        torch.testing.assert_close(one.params[name], three.params[name], rtol=0, atol=1e-10)
+
+
+def test_three_pservers_really_split_the_model(tmp_path):
+    from pdps.core.slots import Layout, ParamSpec, SlotMap
+
+    specs = [ParamSpec(n, tuple(p.shape), "float64") for n, p in make_model(torch.float64).named_parameters()]
+    layout = Layout.build(specs, SlotMap.initial(3, 64), 8)
+    assert all(layout.blocks_of(i) for i in range(3))  # else the sharding test would prove little
+
+
+def digits_like(root, rows=600, parts=12):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(rows, 4)).astype(np.float32)
+    y = (x[:, 0] + x[:, 1] > 0).astype(np.int64)
+    write_parquet_shards({"x": x, "y": y}, f"{root}/d", shards=3, row_group_size=rows // parts)
+    return ParquetSource(f"{root}/d")
+
+
+def classify(ctx: pdps.TrainerContext) -> int:
+    torch.manual_seed(0)
+    model = ctx.attach(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)))
+    for batch in ctx.batches():
+        ctx.step(F.cross_entropy(model(batch["x"]), batch["y"]))
+    return ctx.tasks_done
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_crashed_trainer_loses_no_task(tmp_path, mode):
+    source = digits_like(tmp_path.as_uri())
+    n_tasks = len(source.tasks())
+    result = pdps.simulate(
+        classify, dataset=source, trainers=3, pservers=2, mode=mode, batch_size=10, passes=2,
+        optimizer="SGD", optimizer_args={"lr": 0.1}, lease_ttl=1.0, task_timeout=60.0, kill={1: 3},
+    )
+    assert result.killed == ("trainer-1",)
+    assert result.passes == 2
+    assert result.tasks_done == 2 * n_tasks and result.tasks_failed == 0
+    assert sum(v for v in result.trainers.values() if v is not None) == result.tasks_done - 0  # survivors did all
+    # the crashed trainer's task came back through its lease (1 s), long before the 60 s timeout
+    assert result.seconds < 30
+
+
+def test_graceful_stop_gives_tasks_back_without_failures(tmp_path):
+    source = digits_like(tmp_path.as_uri())
+    n_tasks = len(source.tasks())
+
+    def quits_early(ctx: pdps.TrainerContext) -> str:
+        model = ctx.attach(nn.Sequential(nn.Linear(4, 2)))
+        for i, batch in enumerate(ctx.batches()):
+            ctx.step(F.cross_entropy(model(batch["x"]), batch["y"]))
+            if ctx.trainer_id == "trainer-0" and i == 2:
+                break  # mid-task: the task goes back, not counted as a failure
+        return ctx.trainer_id
+
+    store = pdps.open_store("memory://graceful-stop")
+    result = pdps.simulate(quits_early, dataset=source, trainers=2, pservers=1, mode="async", batch_size=10, store=store, name="g")
+    assert result.tasks_done == n_tasks and result.tasks_failed == 0
+    records = [json.loads(kv.value) for kv in store.range(Keys("g").tasks)]
+    assert all(r["failures"] == 0 for r in records)
+    assert max(r["attempt"] for r in records) == 2  # the given-back task was dispatched again
+
+
+# --- bad input ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def live_job(tmp_path):
+    """A master and one pserver with a trainer attached, for sending bad pushes."""
+    from pdps.adapters.inproc import InprocTransport
+    from pdps.adapters.memory_store import MemoryStore
+    from pdps.adapters.torch_compute import TorchCompute
+    from pdps.core.job import JobConfig
+    from pdps.roles.master import Master
+    from pdps.roles.pserver import Pserver
+
+    source = digits_like(tmp_path.as_uri())
+    store, transport, compute = MemoryStore(), InprocTransport(), TorchCompute("cpu")
+    config = pdps.JobConfig(name="bad-input", dataset=source.url, mode="async", optimizer="SGD", optimizer_args={"lr": 0.1})
+    master = Master(store, transport, source, config)
+    master.start()
+    ps = Pserver(store, transport, compute, config)
+    ps.start()
+    ctx = pdps.TrainerContext(store, transport, compute, source, config, trainer_id="t-bad")
+    torch.manual_seed(0)
+    ctx.attach(nn.Sequential(nn.Linear(4, 2)))
+    yield store, transport, config, ctx
+    ctx.leave()
+    ps.stop()
+    master.stop()
+
+
+def _push(ctx, tensors, keys=None):
+    part = ctx._group.parts[0]
+    from pdps.ports.transport import Message
+
+    return ctx._group.call(part, "push", Message({"trainer": "t-bad", "version": part.version, "blocks": keys or part.keys}, tensors))
+
+
+@pytest.mark.parametrize(
+    "mutate,expect",
+    [
+        (lambda g: [torch.zeros(3)] + g[1:], r"0\.weight.*t-bad.*shape"),
+        (lambda g: [g[0].double()] + g[1:], r"0\.weight.*t-bad.*dtype"),
+        (lambda g: [torch.full_like(g[0], float("nan"))] + g[1:], r"0\.weight.*t-bad"),
+        (lambda g: g[:-1] + [torch.full_like(g[-1], float("inf"))], r"0\.bias.*t-bad"),
+    ],
+    ids=["shape", "dtype", "nan", "inf"],
+)
+def test_bad_gradient_is_rejected_and_changes_nothing(live_job, mutate, expect):
+    store, transport, config, ctx = live_job
+    before = pdps.fetch_parameters(store, transport, config)
+    good = [torch.ones_like(t) for t in ctx._replica.grads(ctx._group.parts[0].blocks)]
+    with pytest.raises(GradientRejected, match=expect):
+        _push(ctx, mutate(good))
+    after = pdps.fetch_parameters(store, transport, config)
+    for name in before:
+        assert torch.equal(before[name], after[name])
+    _push(ctx, good)  # the pserver still serves and applies a good push
+    assert not torch.equal(pdps.fetch_parameters(store, transport, config)["0.weight"], before["0.weight"])
+
+
+def test_gradient_for_unknown_parameter_is_rejected(live_job):
+    store, transport, config, ctx = live_job
+    before = pdps.fetch_parameters(store, transport, config)
+    grads = [torch.ones_like(t) for t in ctx._replica.grads(ctx._group.parts[0].blocks)]
+    keys = list(ctx._group.parts[0].keys)
+    keys[0] = "decoder.weight@0"
+    with pytest.raises(GradientRejected, match=r"'decoder\.weight'.*|t-bad"):
+        _push(ctx, grads, keys)
+    after = pdps.fetch_parameters(store, transport, config)
+    assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+@pytest.mark.parametrize("make", ["missing", "not_parquet"])
+def test_bad_dataset_fails_before_any_task_exists(tmp_path, make):
+    if make == "missing":
+        url = (tmp_path / "nope").as_uri()
+    else:
+        (tmp_path / "data").mkdir()
+        (tmp_path / "data" / "part-0.parquet").write_bytes(b"this is not parquet")
+        url = (tmp_path / "data").as_uri()
+    store = pdps.open_store("memory://bad-dataset-" + make)
+    with pytest.raises(DatasetError):
+        pdps.simulate(classify, dataset=url, store=store, name="bd")
+    assert store.range("/pdps/bd/") == []
+
+
+def test_unknown_scheme_names_known_schemes_and_extras():
+    with pytest.raises(UnknownSchemeError) as info:
+        pdps.open_store("zookeeper://127.0.0.1:2181")
+    msg = str(info.value)
+    assert "zookeeper" in msg and "memory://" in msg
+    with pytest.raises(UnknownSchemeError, match=r"pdps\[s3\]"):
+        pdps.open_storage("gopher://x")
+
+
+@pytest.mark.parametrize("optimizer", ["LBFGS", "NoSuchRule", "pdps.core.tasks:TaskQueue"])
+def test_non_elementwise_optimizer_is_refused_at_configuration(tmp_path, optimizer):
+    source = digits_like(tmp_path.as_uri())
+    store = pdps.open_store("memory://refused-" + optimizer.replace(":", "-"))
+    with pytest.raises(ConfigError):
+        pdps.simulate(classify, dataset=source, optimizer=optimizer, optimizer_args={"lr": 1.0}, store=store, name="r")
+    assert store.range("/pdps/r/") == []
+
+
+def test_initial_values_come_from_one_trainer(tmp_path):
+    """Trainers that initialize differently still start the job from one consistent model."""
+    source = digits_like(tmp_path.as_uri())
+
+    def differs(ctx: pdps.TrainerContext) -> None:
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(float(ctx.trainer_id.rsplit("-", 1)[1]) + 1.0)
+        ctx.attach(model)
+        for _ in ctx.batches():
+            pass  # no step: the parameters stay the initial ones
+
+    result = pdps.simulate(differs, dataset=source, trainers=3, pservers=3, min_block=2, num_slots=16, mode="async")
+    values = torch.cat([p.reshape(-1) for p in result.params.values()]).unique()
+    assert values.numel() == 1 and values.item() in (1.0, 2.0, 3.0)

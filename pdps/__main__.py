@@ -1,0 +1,5 @@
+import sys
+
+from pdps.cli import main
+
+sys.exit(main())

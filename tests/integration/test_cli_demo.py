@@ -1,0 +1,55 @@
+"""``pdps demo``: the fixed CLI contract, run as a real process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+FIELDS = {"accuracy", "mode", "trainers", "pservers", "passes", "tasks_done", "tasks_failed", "steps", "seconds"}
+
+
+def pdps(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pdps", *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_demo_reaches_the_bar(mode):
+    proc = pdps("demo", "--trainers", "3", "--pservers", "2", "--mode", mode, "--json")
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(summary) == FIELDS
+    assert summary["accuracy"] >= 0.95
+    assert summary["tasks_failed"] == 0 and summary["steps"] > 0
+    assert (summary["mode"], summary["trainers"], summary["pservers"], summary["passes"]) == (mode, 3, 2, 10)
+    tasks_per_pass = summary["tasks_done"] // summary["passes"]
+    assert tasks_per_pass * summary["passes"] == summary["tasks_done"] and tasks_per_pass > 3 * 3  # well over N tasks
+    assert "pass 10/10" in proc.stderr  # progress goes to stderr
+
+
+def test_demo_passes_and_seed_are_honoured():
+    proc = pdps("demo", "--trainers", "1", "--pservers", "1", "--passes", "2", "--seed", "5", "--json")
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["passes"] == 2 and summary["trainers"] == 1
+    assert summary["steps"] > 0
+
+
+def test_demo_help_shows_the_defaults():
+    proc = pdps("demo", "--help")
+    assert proc.returncode == 0
+    for text in ["--passes", "default: 10", "--batch-size", "default: 32", "--optimizer", "default: Adam", "--lr", "default: 0.003"]:
+        assert text in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "args,expect",
+    [(["--mode", "eventual"], "invalid choice"), (["--trainers", "0"], "at least 1"), (["--optimizer", "LBFGS"], "LBFGS")],
+)
+def test_demo_bad_input_is_a_clear_error(args, expect):
+    proc = pdps("demo", *args)
+    assert proc.returncode == 2
+    assert expect in proc.stderr
+    assert "Traceback" not in proc.stderr

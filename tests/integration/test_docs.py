@@ -1,0 +1,31 @@
+"""The docs' runnable examples run, and say what the code does."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+
+
+def python_blocks(path: Path) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.S)
+
+
+def test_user_guide_example_runs(capsys):
+    blocks = python_blocks(DOCS / "user-guide.md")
+    assert blocks, "the user guide has no runnable example"
+    namespace: dict = {"__name__": "user_guide_example"}
+    exec(compile("\n".join(blocks), "docs/user-guide.md", "exec"), namespace)  # the example asserts its own outcome
+    assert "accuracy" in capsys.readouterr().out
+    assert namespace["result"].tasks_failed == 0
+
+
+def test_user_guide_lists_every_job_setting():
+    import attrs
+
+    from pdps.core.job import JobConfig
+
+    text = (DOCS / "user-guide.md").read_text()
+    missing = [f.name for f in attrs.fields(JobConfig) if f"`{f.name}`" not in text and f.name != "dataset"]
+    assert not missing, f"settings not documented in docs/user-guide.md: {missing}"

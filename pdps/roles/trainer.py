@@ -193,10 +193,12 @@ class TrainerContext:
 
     def leave(self, *, crashed: bool = False) -> None:
         """Leave the job. ``crashed`` lets the lease run out instead, as a dead process would."""
-        if self._keeper is not None:
-            self._keeper.stop(revoke=not crashed)
-        if self._group is not None:
-            self._group.close()
+        keeper, self._keeper = self._keeper, None
+        if keeper is not None:
+            keeper.stop(revoke=not crashed)
+        group, self._group = self._group, None
+        if group is not None:
+            group.close()
 
     def request_stop(self) -> None:
         """Finish the current batch, give the current task back and stop (graceful shutdown)."""

@@ -404,15 +404,17 @@ class TorchShard:
                 raise GradientRejected(
                     f"{what} for {b.describe()} from trainer {trainer!r} has dtype {dtype_name(t.dtype)} but the block is {b.dtype}"
                 )
-        # One host sync per device, not one per block.
-        flags = [torch.isfinite(t).all() for t in tensors]
-        by_device: dict[torch.device, list[torch.Tensor]] = {}
-        for f in flags:
-            by_device.setdefault(f.device, []).append(f)
-        if all(bool(torch.stack(fs).all()) for fs in by_device.values()):
+        # A sum is finite only if every element is (NaN and inf propagate), and summing
+        # reads each element once without writing a mask, several times cheaper than
+        # isfinite(t).all(). A non-finite sum may also be overflow of finite values, so
+        # only then is each block checked element by element. One host sync per device.
+        sums: dict[torch.device, list[torch.Tensor]] = {}
+        for t in tensors:
+            sums.setdefault(t.device, []).append(t.sum())
+        if all(bool(torch.isfinite(torch.stack(ss)).all()) for ss in sums.values()):
             return
-        for b, t, f in zip(self.blocks, tensors, flags):
-            if not bool(f):
+        for b, t in zip(self.blocks, tensors):
+            if not bool(torch.isfinite(t).all()):
                 nan = int(torch.isnan(t).sum())
                 inf = int(torch.isinf(t).sum())
                 raise GradientRejected(

@@ -550,3 +550,17 @@ def test_frozen_parameters_stay_local():
     replica = TorchReplica(model, "cpu")
     assert [s.name for s in replica.specs] == ["0.bias", "1.weight", "1.bias"]
     assert replica.numel == 4 + 8 + 2
+
+
+def test_check_accepts_finite_values_whose_sum_overflows():
+    """The fast path sums each block; an overflowing sum of finite values must still pass."""
+    from pdps.adapters.torch_compute import TorchShard
+    from pdps.core.slots import ParamSpec, cut_blocks
+
+    blocks = cut_blocks([ParamSpec("w", (4,), "float32")], min_block=1024)
+    shard = TorchShard(blocks, "SGD", {"lr": 0.1})
+    big = torch.full((4,), torch.finfo(torch.float32).max)
+    shard.initialize([torch.zeros(4)], "t0")
+    shard.check([big], "t0")  # every element is finite though the sum is inf
+    with pytest.raises(GradientRejected, match="1 NaN"):
+        shard.check([torch.tensor([1.0, float("nan"), 2.0, 3.0])], "t0")

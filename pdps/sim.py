@@ -88,6 +88,8 @@ def simulate(
         compute = TorchCompute()
     compute.check_optimizer(config.optimizer, config.optimizer_args)  # refuse a bad rule before anything starts
     st = open_store(store) if isinstance(store, str) else store
+    # an anonymous memory store is this job's alone: close it (and its threads) at the end
+    own_store = isinstance(store, str) and store.rstrip("/") == "memory:"
     tr = open_transport(transport) if isinstance(transport, str) else transport
 
     master = Master(st, tr, source, config)
@@ -156,6 +158,8 @@ def simulate(
         for ps in pservers:
             ps.stop()
         master.stop()
+        if own_store:
+            st.close()
 
 
 def fetch_parameters(store: CoordinationStore, transport: Transport, config: JobConfig) -> dict[str, Any]:

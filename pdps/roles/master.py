@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 
-from pdps.core.errors import ConfigError, FencingError, PdpsError
+from pdps.core.errors import ConfigError, FencingError, LeaseExpired, PdpsError
 from pdps.core.job import JobConfig, Keys
 from pdps.core.slots import SlotMap
 from pdps.core.tasks import (
@@ -195,6 +195,9 @@ class Master:
             assert self._queue is not None
             if self.done.is_set():
                 return Message({"done": True})
+            if self._store.get(self._keys.trainer(trainer)) is None:
+                # Its tasks were re-queued when its key went; it must not take new ones.
+                raise LeaseExpired(f"trainer {trainer!r} is not registered in job {self.config.name!r} (its lease expired?); re-register first")
             result, changes = self._queue.dispatch(trainer, self._clock())
             self._apply(changes)
             if isinstance(result, Assignment):

@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 
-from pdps.core.errors import ConfigError, GradientRejected, NotReady, StoreError, Timeout
+from pdps.core.errors import ConfigError, GradientRejected, NotReady, StoreError, Timeout, TransportError
 from pdps.core.job import JobConfig, Keys
 from pdps.core.sgd import Barrier, Mode, check_staleness
 from pdps.core.slots import Layout, ParamSpec, SlotMap
@@ -64,6 +64,7 @@ class Pserver:
         self._endpoint: Endpoint | None = None
         self._keeper = None
         self._watch = None
+        self._stopped = False
 
     def start(self) -> None:
         from pdps.roles.lease import LeaseKeeper
@@ -76,6 +77,7 @@ class Pserver:
         log.info("pserver %d of job %r serving at %s", self.index, self.config.name, self._endpoint.address)
 
     def stop(self) -> None:
+        self._stopped = True
         if self._watch is not None:
             self._watch.cancel()
         if self._endpoint is not None:
@@ -155,6 +157,8 @@ class Pserver:
     def _wait_round_closed(self, round_no: int, timeout: float) -> None:
         start = last_log = time.monotonic()
         while self._barrier.round_no <= round_no:
+            if self._stopped:
+                raise TransportError(f"pserver {self.index} stopped while round {round_no} was open")
             now = time.monotonic()
             if now - start >= timeout:
                 raise Timeout(f"pserver {self.index}: round {round_no} did not close in {timeout:.0f}s; waiting for {sorted(self._barrier.waiting_for(self._members))}")

@@ -30,9 +30,22 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _version() -> str:
+    from pdps import __version__
+
+    return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdps", description="Parameter-server distributed training for torch.")
-    parser.add_argument("--log-level", default="WARNING", help="logging level for pdps's own messages (default: %(default)s)")
+    parser.add_argument("--version", action="version", version=f"pdps {_version()}")
+    parser.add_argument(
+        "--log-level",
+        default="WARNING",
+        type=str.upper,
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="logging level for pdps's own messages (default: %(default)s)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser(
@@ -116,7 +129,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
         return int(args.func(args))
     except PdpsError as exc:

@@ -181,7 +181,7 @@ class Pserver:
         except StoreError as exc:
             log.warning("pserver %s could not read membership (%s); round stays open", self.index, exc)
             return
-        self._members = live | {t for t in self._members if self._barrier.contributed(t) and t in live}
+        self._members = live
         if not self._barrier.ready(self._members):
             return
         result = self._barrier.close()

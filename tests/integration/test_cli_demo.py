@@ -53,3 +53,10 @@ def test_demo_bad_input_is_a_clear_error(args, expect):
     assert proc.returncode == 2
     assert expect in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_version_and_bad_log_level():
+    proc = pdps("--version")
+    assert proc.returncode == 0 and proc.stdout.startswith("pdps ")
+    proc = pdps("--log-level", "loud", "demo")
+    assert proc.returncode == 2 and "invalid choice" in proc.stderr and "Traceback" not in proc.stderr

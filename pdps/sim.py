@@ -92,14 +92,18 @@ def simulate(
     own_store = isinstance(store, str) and store.rstrip("/") == "memory:"
     tr = open_transport(transport) if isinstance(transport, str) else transport
 
+    if st.get(Keys(config.name).config) is not None:
+        if own_store:
+            st.close()
+        raise ConfigError(f"job {config.name!r} already exists in {st.url}; simulate runs a new job: pick another name or store")
     master = Master(st, tr, source, config)
-    master.start()
     pservers = [Pserver(st, tr, compute, config) for _ in range(config.pservers)]
     contexts = [TrainerContext(st, tr, compute, source, config, trainer_id=f"trainer-{i}") for i in range(config.trainers)]
     results: dict[str, Any] = {}
     errors: dict[str, BaseException] = {}
     killed: list[str] = []
     try:
+        master.start()
         for ps in pservers:
             ps.start()
         # Register every trainer before any trains, so the first sync round waits for all.

@@ -41,8 +41,10 @@ class InprocChannel:
         self._name = _name(address)
 
     def call(self, method: str, request: Message, *, timeout: float | None = None) -> Message:
-        # A deadline cannot interrupt a function running in this very thread; handlers that
-        # wait take their own timeouts from the request, so ``timeout`` is advisory here.
+        # A deadline cannot interrupt a function running in this very thread, so it is
+        # handed to the handler as meta "timeout"; handlers that wait honour it.
+        if timeout is not None and "timeout" not in request.meta:
+            request = Message({**request.meta, "timeout": timeout}, request.tensors)
         handlers = _services.get(self._name)
         if handlers is None:
             raise TransportError(f"nothing is served at {self.address}")

@@ -63,6 +63,7 @@ class _Lease:
 class _Watch:
     prefix: str
     callback: Callable[[WatchEvent], None]
+    start_revision: int  # events at or before it happened before the watch existed
     cancelled: bool = False
 
     def cancel(self) -> None:
@@ -202,7 +203,7 @@ class MemoryStore:
     def watch(self, prefix: str, callback: Callable[[WatchEvent], None]) -> _Watch:
         with self._lock:
             self._check_open()
-            w = _Watch(prefix, callback)
+            w = _Watch(prefix, callback, self._revision)
             self._watches.append(w)
             if self._dispatcher is None:
                 self._dispatcher = threading.Thread(target=self._dispatch_loop, name="pdps-memstore-watch", daemon=True)
@@ -265,7 +266,7 @@ class MemoryStore:
                 return
             with self._lock:
                 self._watches = [w for w in self._watches if not w.cancelled]
-                targets = [w for w in self._watches if event.key.startswith(w.prefix)]
+                targets = [w for w in self._watches if event.key.startswith(w.prefix) and event.revision > w.start_revision]
             for w in targets:
                 if w.cancelled:
                     continue

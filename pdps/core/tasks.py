@@ -368,6 +368,14 @@ class TaskQueue:
         changes: list[Change] = [self._failure(self._records[t], Event.TRAINER_LOST) for t in tids]
         return changes + self._completion() if changes else changes
 
+    def check_completion(self) -> list[Change]:
+        """``PassCompleted`` if the pass is complete and not yet announced.
+
+        For a queue just restored from records: its pass may have completed before the
+        restart, and no later event would announce it.
+        """
+        return self._completion()
+
     def start_next_pass(self) -> list[Change]:
         """Begin the next pass: every task back to todo with zero failures.
 

@@ -14,6 +14,9 @@ Contract (every adapter passes ``tests/unit/contract_transport.py``):
   same class with the same message on the caller's side.
 * An unknown address or method raises :class:`~pdps.core.errors.TransportError`;
   a call running past ``timeout`` seconds raises :class:`~pdps.core.errors.Timeout`.
+  The in-process adapter runs the handler in the caller's thread and cannot
+  interrupt it: it hands the deadline to the handler as meta ``"timeout"``, and
+  handlers that wait (a sync pull at the barrier) honour it.
 * Nothing is pickled: meta is JSON-safe, tensors travel as raw bytes.
 """
 

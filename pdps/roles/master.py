@@ -105,6 +105,7 @@ class Master:
             self._keeper.stop()
             raise ConfigError(f"job {self.config.name!r} already has a master (lock {self._keys.master_lock} is held)")
         self._queue = self._load_queue(specs)
+        self._resume()
         self._endpoint = self._transport.serve(
             self._address,
             {"get_task": self._get_task, "finish_task": self._finish_task, "fail_task": self._fail_task, "give_back": self._give_back},
@@ -154,6 +155,12 @@ class Master:
         self.passes_completed = len(self._store.range(self._keys.passes))
         return queue
 
+    def _resume(self) -> None:
+        """A restored pass may have completed before the restart: act on it now."""
+        assert self._queue is not None
+        with self._lock:
+            self._apply(self._queue.check_completion())
+
     def _write(self, ops: Sequence[Put]) -> None:
         if ops:
             self._store.commit((), ops, fence=self._fence)
@@ -177,7 +184,7 @@ class Master:
         self._write(ops)
         for ch in follow:
             assert isinstance(ch, PassCompleted)
-            self.passes_completed = ch.pass_no + 1
+            self.passes_completed = max(self.passes_completed, ch.pass_no + 1)
             if ch.failed:
                 log.warning("pass %d: %d tasks failed for this pass: %s", ch.pass_no, len(ch.failed), list(ch.failed)[:20])
             log.info("pass %d complete: %d done, %d failed", ch.pass_no, ch.done, len(ch.failed))

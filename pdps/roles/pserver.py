@@ -69,6 +69,7 @@ class Pserver:
     def start(self) -> None:
         from pdps.roles.lease import LeaseKeeper
 
+        self._compute.check_optimizer(self.config.optimizer, self.config.optimizer_args)  # never serve a bad rule
         self._endpoint = self._transport.serve(self._address, {"init": self._init, "push": self._push, "pull": self._pull})
         self._keeper = LeaseKeeper(self._store, self.config.lease_ttl, name="pserver")
         value = json.dumps({"addr": self._endpoint.address}).encode()
@@ -150,7 +151,12 @@ class Pserver:
                 f"(block {unknown[0]!r}), which pserver {self.index} does not hold"
             )
         missing = [b.describe() for b in self._shard.blocks if b.key not in set(keys)]
-        raise GradientRejected(f"push from trainer {trainer!r} lacks gradients for {missing[:5]} (or has them out of order)")
+        if missing:
+            raise GradientRejected(f"push from trainer {trainer!r} lacks gradients for {missing[:5]}")
+        raise GradientRejected(
+            f"push from trainer {trainer!r} names pserver {self.index}'s blocks out of order or more than once: "
+            f"expected {mine[:5]}..., got {keys[:5]}..."
+        )
 
     # --- sync rounds ------------------------------------------------------------------
 

@@ -60,6 +60,7 @@ class Batch(Mapping[str, Any]):
     size: int
     task: TaskSpec
     pass_no: int
+    last: bool = False  # the task's final batch
 
     def __getitem__(self, name: str) -> Any:
         try:
@@ -160,6 +161,7 @@ class TrainerContext:
         self._master: Channel | None = None
         self._keeper = None
         self._batch: Batch | None = None
+        self._stepped: Batch | None = None  # the last batch step() ran on
         self._batches_since_pull = 0
         self._batch_no = 0
         self._stop = threading.Event()
@@ -246,7 +248,8 @@ class TrainerContext:
         import torch  # the context hands torch tensors to the user's model
 
         master = self._master_channel()
-        held: tuple[int, int] | None = None
+        held: tuple[int, int] | None = None  # (task, attempt) leased and not yet reported
+        bs = self.config.batch_size
         try:
             while not self._stop.is_set():
                 reply = master.call("get_task", Message({"trainer": self.trainer_id}))
@@ -265,32 +268,46 @@ class TrainerContext:
                     columns = self._source.read(task)
                 except Exception as exc:  # an unreadable task fails, the trainer goes on
                     log.error("trainer %s cannot read task %d (%s part %d): %s", self.trainer_id, task.id, task.location, task.part, exc)
-                    master.call("fail_task", Message({"trainer": self.trainer_id, "task": task.id, "attempt": attempt, "error": str(exc)}))
+                    self._report(master, "fail_task", held, error=str(exc))
                     held = None
                     continue
                 n = len(next(iter(columns.values()))) if columns else 0
-                for start in range(0, n, self.config.batch_size):
-                    cols = {k: torch.from_numpy(v[start : start + self.config.batch_size]) for k, v in columns.items()}
+                for start in range(0, n, bs):
+                    cols = {k: torch.from_numpy(v[start : start + bs]) for k, v in columns.items()}
                     if self._replica is not None and self._replica.device != "cpu":
                         cols = {k: v.to(self._replica.device) for k, v in cols.items()}
-                    self._batch = Batch(cols, min(self.config.batch_size, n - start), task, pass_no)
+                    self._batch = Batch(cols, min(bs, n - start), task, pass_no, last=start + bs >= n)
                     yield self._batch
-                    if self._stop.is_set():
+                    if self._stop.is_set() and not self._batch.last:
                         break
                 else:
-                    master.call("finish_task", Message({"trainer": self.trainer_id, "task": task.id, "attempt": attempt}))
-                    self.tasks_done += 1
+                    self._report(master, "finish_task", held)
                     held = None
             self._flush()
+        except GeneratorExit:  # the user left the loop: push what the last batches summed
+            if not self.killed:
+                self._flush()
+            raise
         finally:
-            self._batch = None
-            # A crash reports nothing (the lease runs out and the master re-queues); any other
-            # way out of the loop, a user's ``break`` included, gives the task back.
+            # A crash reports nothing (the lease runs out and the master re-queues). Leaving
+            # right after stepping a task's last batch finishes it; leaving mid-task, a
+            # user's ``break`` or an error included, gives it back (not a failure).
             if held is not None and not self.killed:
+                done = self._batch is not None and self._batch.last and self._stepped is self._batch
                 try:
-                    master.call("give_back", Message({"trainer": self.trainer_id, "task": held[0], "attempt": held[1]}))
+                    self._report(master, "finish_task" if done else "give_back", held)
                 except PdpsError as exc:
-                    log.warning("trainer %s could not give task %d back: %s", self.trainer_id, held[0], exc)
+                    log.warning("trainer %s could not report task %d: %s", self.trainer_id, held[0], exc)
+            self._batch = None
+
+    def _report(self, master: Channel, method: str, held: tuple[int, int], **extra: Any) -> None:
+        task, attempt = held
+        reply = master.call(method, Message({"trainer": self.trainer_id, "task": task, "attempt": attempt, **extra}))
+        if not reply.meta.get("accepted", True):
+            # e.g. the task timed out and went back to todo: someone else will train it
+            log.warning("trainer %s: master ignored %s of task %d attempt %d: %s", self.trainer_id, method, task, attempt, reply.meta.get("reason"))
+        elif method == "finish_task":
+            self.tasks_done += 1
 
     # --- steps ------------------------------------------------------------------------
 
@@ -311,6 +328,7 @@ class TrainerContext:
             samples = self._batch.size
         loss.backward()
         self.steps += 1
+        self._stepped = self._batch
         if self.config.mode is Mode.SYNC:
             self._sync_round(samples)
         else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -106,4 +107,127 @@ def test_simulate_leaves_no_threads_behind(source):
     deadline = time.monotonic() + 5
     while threading.active_count() > before and time.monotonic() < deadline:
         time.sleep(0.05)
+    assert threading.active_count() <= before, [t.name for t in threading.enumerate()]
+
+
+def make_job(store, source, **settings):
+    transport, compute = InprocTransport(), TorchCompute("cpu")
+    settings.setdefault("name", "roles")
+    settings.setdefault("optimizer", "SGD")
+    settings.setdefault("optimizer_args", {"lr": 0.1})
+    config = pdps.JobConfig(dataset=source.url, **settings)
+    master = Master(store, transport, source, config)
+    master.start()
+    ps = Pserver(store, transport, compute, config)
+    ps.start()
+    ctx = pdps.TrainerContext(store, transport, compute, source, config, trainer_id="t0")
+    return master, ps, ctx
+
+
+def stop_all(master, ps, ctx):
+    ctx.leave()
+    ps.stop()
+    master.stop()
+
+
+def test_leaving_right_after_a_tasks_last_stepped_batch_finishes_it(source):
+    store = MemoryStore()
+    master, ps, ctx = make_job(store, source, mode="async", batch_size=10)
+    try:
+        model = ctx.attach(nn.Sequential(nn.Linear(4, 2)))
+        for batch in ctx.batches():
+            ctx.step(F.cross_entropy(model(batch["x"]), batch["y"]))
+            if batch.last:
+                task = batch.task.id
+                break  # the task was trained whole: it must count as done, not go back
+        assert master._queue.record(task).state.value == "done"
+        assert ctx.tasks_done == 1
+    finally:
+        stop_all(master, ps, ctx)
+
+
+def test_leaving_mid_task_gives_it_back_and_async_pushes_what_it_summed(source):
+    store = MemoryStore()
+    master, ps, ctx = make_job(store, source, mode="async", batch_size=5, push_every=3, pull_every=3)
+    try:
+        model = ctx.attach(nn.Sequential(nn.Linear(4, 2)))
+        for i, batch in enumerate(ctx.batches()):
+            ctx.step(F.cross_entropy(model(batch["x"]), batch["y"]))
+            if i == 1:
+                task = batch.task.id
+                break  # 2 batches summed, no push due yet
+        assert ctx.pushes == 1 and ps.version == 1  # flushed on the way out
+        rec = master._queue.record(task)
+        assert rec.state.value == "todo" and rec.failures == 0
+    finally:
+        stop_all(master, ps, ctx)
+
+
+def test_a_late_finish_is_not_counted_by_the_trainer(source):
+    store = MemoryStore()
+    master, ps, ctx = make_job(store, source, mode="async", batch_size=20, task_timeout=0.3)
+    try:
+        model = ctx.attach(nn.Sequential(nn.Linear(4, 2)))
+        slow = True
+        for batch in ctx.batches():
+            if slow:
+                slow = False
+                first = batch.task.id
+                time.sleep(0.8)  # past the task timeout: the master re-queues it meanwhile
+            ctx.step(F.cross_entropy(model(batch["x"]), batch["y"]))
+        # the first finish named a timed-out attempt: ignored by the master, not counted here
+        assert master.done.is_set()
+        assert ctx.tasks_done == len(source.tasks())
+        assert master._queue.record(first).attempt == 2
+    finally:
+        stop_all(master, ps, ctx)
+
+
+def test_a_restarted_master_finishes_a_pass_that_completed_before(source):
+    store = MemoryStore()
+    transport = InprocTransport()
+    config = pdps.JobConfig(name="restart", dataset=source.url, mode="async", passes=1)
+    m1 = Master(store, transport, source, config)
+    m1.start()
+    channel = transport.connect(m1.address)
+    ctx = pdps.TrainerContext(store, transport, TorchCompute("cpu"), source, config, trainer_id="t0")
+    ctx.register()
+    # finish every task, then "crash" the master before it wrote the job's end
+    for _ in source.tasks():
+        meta = channel.call("get_task", Message({"trainer": "t0"})).meta
+        with m1._lock:
+            m1._queue.finish(int(meta["task"]["id"]), int(meta["attempt"]))  # persisted below by hand
+            for rec in m1._queue.records():
+                store.put(Keys("restart").task(rec.id), json.dumps(rec.to_json()).encode())
+    m1.stop()
+    assert not m1.done.is_set()
+    m2 = Master(store, transport, source, config)
+    m2.start()
+    try:
+        assert m2.done.is_set() and m2.passes_completed == 1
+        assert b'"done"' in store.get(Keys("restart").state).value
+    finally:
+        ctx.leave()
+        m2.stop()
+
+
+def test_a_pserver_refuses_a_non_elementwise_rule_before_claiming_an_index(source):
+    from pdps.roles.master import publish_job
+
+    store = MemoryStore()
+    config = pdps.JobConfig(name="lbfgs", dataset=source.url, optimizer="LBFGS", optimizer_args={"lr": 1.0})
+    publish_job(store, config)
+    with pytest.raises(pdps.ConfigError, match="LBFGS"):
+        Pserver(store, InprocTransport(), TorchCompute("cpu"), config).start()
+    assert store.range(Keys("lbfgs").pservers) == []
+
+
+def test_a_failed_simulate_leaves_no_threads(tmp_path):
+    def train(ctx):
+        pass
+
+    before = threading.active_count()
+    with pytest.raises(pdps.DatasetError):
+        pdps.simulate(train, dataset=(tmp_path / "missing").as_uri())
+    time.sleep(0.2)
     assert threading.active_count() <= before, [t.name for t in threading.enumerate()]

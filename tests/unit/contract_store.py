@@ -230,3 +230,22 @@ class StoreContract:
             t.join()
         assert len(winners) == 1
         assert store.get("/claim").value == str(winners[0]).encode()
+
+    def test_watch_sees_nothing_from_before_it_was_made(self, store):
+        gate, first = threading.Event(), []
+
+        def slow(event):  # holds up delivery, so later events wait in the queue
+            gate.wait(5)
+            first.append(event)
+
+        store.watch("/a/", slow)
+        store.put("/a/1", b"1")
+        store.put("/a/2", b"2")
+        late = []
+        store.watch("/a/", late.append)  # while /a/1 and /a/2 are still undelivered
+        store.put("/a/3", b"3")
+        gate.set()
+        assert wait_until(lambda: len(first) == 3)
+        assert wait_until(lambda: len(late) >= 1)
+        time.sleep(0.1)
+        assert [e.key for e in late] == ["/a/3"]

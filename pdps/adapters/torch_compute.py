@@ -328,6 +328,22 @@ class TorchReplica:
             for b, t in zip(blocks, tensors):
                 self.flat_params[b.offset : b.offset + b.numel].view(b.shape).copy_(t)
 
+    def check_finite(self, trainer: str) -> None:
+        """Raise GradientRejected naming the parameter if any gradient holds NaN or Inf.
+
+        One reduction over the flat buffer; the per-parameter scan runs only when the sum
+        is not finite (which overflow of finite values can also cause).
+        """
+        if bool(torch.isfinite(self.flat_grads.sum())):
+            return
+        for spec, g in zip(self.specs, self._grad_views):
+            if not bool(torch.isfinite(g).all()):
+                nan, inf = int(torch.isnan(g).sum()), int(torch.isinf(g).sum())
+                raise GradientRejected(
+                    f"gradient of {spec.name} on trainer {trainer!r} holds {nan} NaN and {inf} infinite values; "
+                    "nothing was pushed"
+                )
+
     def zero_grad(self) -> None:
         self.flat_grads.zero_()
         for p, grad in zip(self._params, self._grad_views):

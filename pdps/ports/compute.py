@@ -47,6 +47,11 @@ class ModelReplica(Protocol):
         """Copy pulled values into the model."""
         ...
 
+    def check_finite(self, trainer: str) -> None:
+        """Raise GradientRejected naming the parameter if a gradient holds NaN or Inf
+        (checked before a push, so a bad step reaches no pserver at all)."""
+        ...
+
     def zero_grad(self) -> None: ...
 
 

@@ -336,6 +336,8 @@ class TrainerContext:
 
     def _sync_round(self, samples: int) -> None:
         assert self._replica is not None and self._group is not None
+        if samples:
+            self._replica.check_finite(self.trainer_id)  # all pservers or none: fail before the first push
         stale = False
         for part in self._group.parts:
             grads = self._replica.grads(part.blocks) if samples else []
@@ -366,6 +368,7 @@ class TrainerContext:
     def _async_push(self) -> bool:
         """Push the summed gradients to every pserver; True if one of them said pull."""
         assert self._replica is not None and self._group is not None
+        self._replica.check_finite(self.trainer_id)
         stale = False
         for part in self._group.parts:
             try:

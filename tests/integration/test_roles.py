@@ -231,3 +231,36 @@ def test_a_failed_simulate_leaves_no_threads(tmp_path):
         pdps.simulate(train, dataset=(tmp_path / "missing").as_uri())
     time.sleep(0.2)
     assert threading.active_count() <= before, [t.name for t in threading.enumerate()]
+
+
+def test_a_nan_loss_reaches_no_pserver(tmp_path):
+    """Sync, 2 pservers: the trainer refuses to push a non-finite gradient anywhere."""
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(40, 4)).astype(np.float32)
+    write_parquet_shards({"x": x, "y": (x[:, 0] > 0).astype(np.int64)}, f"{tmp_path.as_uri()}/d", shards=1, row_group_size=20)
+    source = ParquetSource(f"{tmp_path.as_uri()}/d")
+    store, transport, compute = MemoryStore(), InprocTransport(), TorchCompute("cpu")
+    config = pdps.JobConfig(name="nan", dataset=source.url, mode="sync", pservers=2, min_block=1, num_slots=8)
+    master = Master(store, transport, source, config)
+    master.start()
+    servers = [Pserver(store, transport, compute, config) for _ in range(2)]
+    for ps in servers:
+        ps.start()
+    ctx = pdps.TrainerContext(store, transport, compute, source, config, trainer_id="t0")
+    try:
+        model = ctx.attach(nn.Sequential(nn.Linear(4, 2)))
+        first, second = ctx._group.parts
+        # a parameter held only by the pserver pushed to second: the first would accept
+        only_second = {b.param for b in second.blocks} - {b.param for b in first.blocks}
+        assert only_second, "the layout must put one parameter on the second pserver alone"
+        name = sorted(only_second)[0]
+        out = model(torch.zeros(3, 4))
+        loss = out.sum() + dict(model.named_parameters())[name].sum() * float("nan")
+        with pytest.raises(pdps.GradientRejected, match=rf"{name}.*t0"):
+            ctx.step(loss, samples=3)
+        assert all(ps.version == 0 and not ps._barrier.contributed("t0") for ps in servers)
+    finally:
+        ctx.leave()
+        for ps in servers:
+            ps.stop()
+        master.stop()

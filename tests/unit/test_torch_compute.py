@@ -564,3 +564,18 @@ def test_check_accepts_finite_values_whose_sum_overflows():
     shard.check([big], "t0")  # every element is finite though the sum is inf
     with pytest.raises(GradientRejected, match="1 NaN"):
         shard.check([torch.tensor([1.0, float("nan"), 2.0, 3.0])], "t0")
+
+
+def test_replica_check_finite_names_the_parameter():
+    from torch import nn
+
+    from pdps.adapters.torch_compute import TorchReplica
+
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    replica = TorchReplica(model, "cpu")
+    replica.check_finite("t1")  # zeros
+    replica.flat_grads.fill_(torch.finfo(torch.float32).max)  # finite, but the sum overflows
+    replica.check_finite("t1")
+    model[1].weight.grad[0, 0] = float("inf")
+    with pytest.raises(GradientRejected, match=r"1\.weight on trainer 't1' holds 0 NaN and 1 infinite"):
+        replica.check_finite("t1")

@@ -67,19 +67,11 @@ def test_async_pushes_sum_gradients_over_n_batches(source):
 
 
 def test_staleness_bound_drops_old_pushes_and_changes_nothing(source):
-    from pdps.adapters.inproc import InprocTransport
-    from pdps.adapters.memory_store import MemoryStore
-    from pdps.adapters.torch_compute import TorchCompute
-    from pdps.roles.master import Master
-    from pdps.roles.pserver import Pserver
+    from tests.integration.jobkit import start_job
 
-    store, transport, compute = MemoryStore(), InprocTransport(), TorchCompute("cpu")
-    config = pdps.JobConfig(name="stale", dataset=source.url, mode="async", staleness=1, optimizer="SGD", optimizer_args={"lr": 0.1})
-    master = Master(store, transport, source, config)
-    master.start()
-    ps = Pserver(store, transport, compute, config)
-    ps.start()
-    ctx = pdps.TrainerContext(store, transport, compute, source, config, trainer_id="t0")
+    job = start_job(source, name="stale", mode="async", staleness=1)
+    store, transport, config, ps = job.store, job.transport, job.config, job.ps
+    ctx = job.trainer("t0")
     try:
         ctx.attach(nn.Sequential(nn.Linear(4, 2)))
         part = ctx._group.parts[0]
@@ -100,6 +92,4 @@ def test_staleness_bound_drops_old_pushes_and_changes_nothing(source):
         part.version = 0
         assert ctx._async_push() is True and ctx.stale_pushes == 1
     finally:
-        ctx.leave()
-        ps.stop()
-        master.stop()
+        job.close()

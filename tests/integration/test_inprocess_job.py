@@ -193,27 +193,13 @@ def test_graceful_stop_gives_tasks_back_without_failures(tmp_path):
 @pytest.fixture(params=["async", "sync"])
 def live_job(tmp_path, request):
     """A master and one pserver with a trainer attached, for sending bad pushes."""
-    from pdps.adapters.inproc import InprocTransport
-    from pdps.adapters.memory_store import MemoryStore
-    from pdps.adapters.torch_compute import TorchCompute
-    from pdps.core.job import JobConfig
-    from pdps.roles.master import Master
-    from pdps.roles.pserver import Pserver
+    from tests.integration.jobkit import start_job
 
-    source = digits_like(tmp_path.as_uri())
-    store, transport, compute = MemoryStore(), InprocTransport(), TorchCompute("cpu")
-    config = pdps.JobConfig(name="bad-input", dataset=source.url, mode=request.param, optimizer="SGD", optimizer_args={"lr": 0.1})
-    master = Master(store, transport, source, config)
-    master.start()
-    ps = Pserver(store, transport, compute, config)
-    ps.start()
-    ctx = pdps.TrainerContext(store, transport, compute, source, config, trainer_id="t-bad")
-    torch.manual_seed(0)
+    job = start_job(digits_like(tmp_path.as_uri()), name="bad-input", mode=request.param)
+    ctx = job.trainer("t-bad")
     ctx.attach(nn.Sequential(nn.Linear(4, 2)))
-    yield store, transport, config, ctx, ps
-    ctx.leave()
-    ps.stop()
-    master.stop()
+    yield job.store, job.transport, job.config, ctx, job.ps
+    job.close()
 
 
 def _push(ctx, tensors, keys=None):

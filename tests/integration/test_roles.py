@@ -22,6 +22,7 @@ from pdps.core.job import Keys
 from pdps.ports.transport import Message
 from pdps.roles.master import Master
 from pdps.roles.pserver import Pserver
+from tests.integration.jobkit import start_job
 
 
 @pytest.fixture
@@ -35,21 +36,14 @@ def source(tmp_path):
 
 @pytest.fixture
 def job(source):
-    store, transport, compute = MemoryStore(), InprocTransport(), TorchCompute("cpu")
-    config = pdps.JobConfig(name="edges", dataset=source.url, mode="sync", trainers=2, optimizer="SGD", optimizer_args={"lr": 0.1})
-    master = Master(store, transport, source, config)
-    master.start()
-    ps = Pserver(store, transport, compute, config)
-    ps.start()
-    yield store, transport, compute, config, master, ps
-    ps.stop()
-    master.stop()
-    store.close()
+    job = start_job(source, name="edges", mode="sync", trainers=2)
+    yield job
+    job.close()
 
 
-def test_a_trainer_whose_lease_expired_gets_no_task(job, source):
-    store, transport, compute, config, master, ps = job
-    ctx = pdps.TrainerContext(store, transport, compute, source, config, trainer_id="zombie")
+def test_a_trainer_whose_lease_expired_gets_no_task(job):
+    store, transport, config, master = job.store, job.transport, job.config, job.master
+    ctx = job.trainer("zombie")
     ctx.register()
     channel = transport.connect(master.address)
     assert "task" in channel.call("get_task", Message({"trainer": "zombie"})).meta
@@ -69,10 +63,9 @@ def ctx_lease(store, config, trainer):
     return kv.lease
 
 
-def test_stopping_a_pserver_wakes_a_trainer_waiting_at_the_barrier(job, source):
-    store, transport, compute, config, master, ps = job
-    a = pdps.TrainerContext(store, transport, compute, source, config, trainer_id="a")
-    b = pdps.TrainerContext(store, transport, compute, source, config, trainer_id="b")
+def test_stopping_a_pserver_wakes_a_trainer_waiting_at_the_barrier(job):
+    ps = job.ps
+    a, b = job.trainer("a"), job.trainer("b")
     b.register()  # a member that never pushes: round 0 cannot close
     model = a.attach(nn.Sequential(nn.Linear(4, 2)))
     errors = []
@@ -90,8 +83,6 @@ def test_stopping_a_pserver_wakes_a_trainer_waiting_at_the_barrier(job, source):
     ps.stop()
     t.join(timeout=5)
     assert not t.is_alive() and errors and "stopped" in str(errors[0])
-    a.leave()
-    b.leave()
 
 
 def test_simulate_leaves_no_threads_behind(source):
@@ -110,29 +101,9 @@ def test_simulate_leaves_no_threads_behind(source):
     assert threading.active_count() <= before, [t.name for t in threading.enumerate()]
 
 
-def make_job(store, source, **settings):
-    transport, compute = InprocTransport(), TorchCompute("cpu")
-    settings.setdefault("name", "roles")
-    settings.setdefault("optimizer", "SGD")
-    settings.setdefault("optimizer_args", {"lr": 0.1})
-    config = pdps.JobConfig(dataset=source.url, **settings)
-    master = Master(store, transport, source, config)
-    master.start()
-    ps = Pserver(store, transport, compute, config)
-    ps.start()
-    ctx = pdps.TrainerContext(store, transport, compute, source, config, trainer_id="t0")
-    return master, ps, ctx
-
-
-def stop_all(master, ps, ctx):
-    ctx.leave()
-    ps.stop()
-    master.stop()
-
-
 def test_leaving_right_after_a_tasks_last_stepped_batch_finishes_it(source):
-    store = MemoryStore()
-    master, ps, ctx = make_job(store, source, mode="async", batch_size=10)
+    job = start_job(source, mode="async", batch_size=10)
+    master, ps, ctx = job.master, job.ps, job.trainer("t0")
     try:
         model = ctx.attach(nn.Sequential(nn.Linear(4, 2)))
         for batch in ctx.batches():
@@ -143,12 +114,12 @@ def test_leaving_right_after_a_tasks_last_stepped_batch_finishes_it(source):
         assert master._queue.record(task).state.value == "done"
         assert ctx.tasks_done == 1
     finally:
-        stop_all(master, ps, ctx)
+        job.close()
 
 
 def test_leaving_mid_task_gives_it_back_and_async_pushes_what_it_summed(source):
-    store = MemoryStore()
-    master, ps, ctx = make_job(store, source, mode="async", batch_size=5, push_every=3, pull_every=3)
+    job = start_job(source, mode="async", batch_size=5, push_every=3, pull_every=3)
+    master, ps, ctx = job.master, job.ps, job.trainer("t0")
     try:
         model = ctx.attach(nn.Sequential(nn.Linear(4, 2)))
         for i, batch in enumerate(ctx.batches()):
@@ -160,12 +131,12 @@ def test_leaving_mid_task_gives_it_back_and_async_pushes_what_it_summed(source):
         rec = master._queue.record(task)
         assert rec.state.value == "todo" and rec.failures == 0
     finally:
-        stop_all(master, ps, ctx)
+        job.close()
 
 
 def test_a_late_finish_is_not_counted_by_the_trainer(source):
-    store = MemoryStore()
-    master, ps, ctx = make_job(store, source, mode="async", batch_size=20, task_timeout=0.3)
+    job = start_job(source, mode="async", batch_size=20, task_timeout=0.3)
+    master, ps, ctx = job.master, job.ps, job.trainer("t0")
     try:
         model = ctx.attach(nn.Sequential(nn.Linear(4, 2)))
         slow = True
@@ -180,7 +151,7 @@ def test_a_late_finish_is_not_counted_by_the_trainer(source):
         assert ctx.tasks_done == len(source.tasks())
         assert master._queue.record(first).attempt == 2
     finally:
-        stop_all(master, ps, ctx)
+        job.close()
 
 
 def test_a_restarted_master_finishes_a_pass_that_completed_before(source):
@@ -239,14 +210,8 @@ def test_a_nan_loss_reaches_no_pserver(tmp_path):
     x = rng.normal(size=(40, 4)).astype(np.float32)
     write_parquet_shards({"x": x, "y": (x[:, 0] > 0).astype(np.int64)}, f"{tmp_path.as_uri()}/d", shards=1, row_group_size=20)
     source = ParquetSource(f"{tmp_path.as_uri()}/d")
-    store, transport, compute = MemoryStore(), InprocTransport(), TorchCompute("cpu")
-    config = pdps.JobConfig(name="nan", dataset=source.url, mode="sync", pservers=2, min_block=1, num_slots=8)
-    master = Master(store, transport, source, config)
-    master.start()
-    servers = [Pserver(store, transport, compute, config) for _ in range(2)]
-    for ps in servers:
-        ps.start()
-    ctx = pdps.TrainerContext(store, transport, compute, source, config, trainer_id="t0")
+    job = start_job(source, name="nan", mode="sync", pservers=2, min_block=1, num_slots=8)
+    servers, ctx = job.pservers, job.trainer("t0")
     try:
         model = ctx.attach(nn.Sequential(nn.Linear(4, 2)))
         first, second = ctx._group.parts
@@ -260,7 +225,4 @@ def test_a_nan_loss_reaches_no_pserver(tmp_path):
             ctx.step(loss, samples=3)
         assert all(ps.version == 0 and not ps._barrier.contributed("t0") for ps in servers)
     finally:
-        ctx.leave()
-        for ps in servers:
-            ps.stop()
-        master.stop()
+        job.close()

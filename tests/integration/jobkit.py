@@ -1,0 +1,58 @@
+"""A live job assembled from its roles by hand, for tests that poke at one role."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+import pdps
+from pdps.adapters.inproc import InprocTransport
+from pdps.adapters.memory_store import MemoryStore
+from pdps.adapters.torch_compute import TorchCompute
+from pdps.roles.master import Master
+from pdps.roles.pserver import Pserver
+
+
+@attrs.define
+class LiveJob:
+    store: MemoryStore
+    transport: InprocTransport
+    compute: TorchCompute
+    config: pdps.JobConfig
+    source: Any
+    master: Master
+    pservers: list[Pserver]
+    trainers: list[pdps.TrainerContext] = attrs.field(factory=list)
+
+    @property
+    def ps(self) -> Pserver:
+        return self.pservers[0]
+
+    def trainer(self, trainer_id: str) -> pdps.TrainerContext:
+        ctx = pdps.TrainerContext(self.store, self.transport, self.compute, self.source, self.config, trainer_id=trainer_id)
+        self.trainers.append(ctx)
+        return ctx
+
+    def close(self) -> None:
+        for ctx in self.trainers:
+            ctx.leave()
+        for ps in self.pservers:
+            ps.stop()
+        self.master.stop()
+        self.store.close()
+
+
+def start_job(source: Any, **settings: Any) -> LiveJob:
+    """A master and ``pservers`` pservers on a fresh memory store; SGD(lr=0.1) unless told."""
+    settings.setdefault("name", "live")
+    settings.setdefault("optimizer", "SGD")
+    settings.setdefault("optimizer_args", {"lr": 0.1})
+    store, transport, compute = MemoryStore(), InprocTransport(), TorchCompute("cpu")
+    config = pdps.JobConfig(dataset=source.url, **settings)
+    master = Master(store, transport, source, config)
+    master.start()
+    servers = [Pserver(store, transport, compute, config) for _ in range(config.pservers)]
+    for ps in servers:
+        ps.start()
+    return LiveJob(store, transport, compute, config, source, master, servers)

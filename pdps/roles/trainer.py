@@ -162,7 +162,6 @@ class TrainerContext:
         self._keeper = None
         self._batch: Batch | None = None
         self._stepped: Batch | None = None  # the last batch step() ran on
-        self._batches_since_pull = 0
         self._batch_no = 0
         self._stop = threading.Event()
         self._kill_after: int | None = None
@@ -203,7 +202,8 @@ class TrainerContext:
             group.close()
 
     def request_stop(self) -> None:
-        """Finish the current batch, give the current task back and stop (graceful shutdown)."""
+        """Graceful shutdown: after the current batch, give the task back (or finish it, if
+        that batch was its last) and end :meth:`batches`."""
         self._stop.set()
 
     def kill_after(self, steps: int) -> None:

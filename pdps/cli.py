@@ -17,7 +17,7 @@ from pathlib import Path
 
 from pdps.core.errors import PdpsError
 
-DEMO_DEFAULTS = {"passes": 10, "batch_size": 32, "optimizer": "Adam", "lr": 0.003}
+DEMO_DEFAULTS = {"passes": 30, "batch_size": 32, "optimizer": "Adam", "lr": 0.001}
 
 
 def _positive_int(text: str) -> int:

@@ -23,10 +23,10 @@ def test_demo_reaches_the_bar(mode):
     assert set(summary) == FIELDS
     assert summary["accuracy"] >= 0.95
     assert summary["tasks_failed"] == 0 and summary["steps"] > 0
-    assert (summary["mode"], summary["trainers"], summary["pservers"], summary["passes"]) == (mode, 3, 2, 10)
+    assert (summary["mode"], summary["trainers"], summary["pservers"], summary["passes"]) == (mode, 3, 2, 30)
     tasks_per_pass = summary["tasks_done"] // summary["passes"]
     assert tasks_per_pass * summary["passes"] == summary["tasks_done"] and tasks_per_pass > 3 * 3  # well over N tasks
-    assert "pass 10/10" in proc.stderr  # progress goes to stderr
+    assert "pass 30/30" in proc.stderr  # progress goes to stderr
 
 
 def test_demo_passes_and_seed_are_honoured():
@@ -40,7 +40,7 @@ def test_demo_passes_and_seed_are_honoured():
 def test_demo_help_shows_the_defaults():
     proc = pdps("demo", "--help")
     assert proc.returncode == 0
-    for text in ["--passes", "default: 10", "--batch-size", "default: 32", "--optimizer", "default: Adam", "--lr", "default: 0.003"]:
+    for text in ["--passes", "default: 30", "--batch-size", "default: 32", "--optimizer", "default: Adam", "--lr", "default: 0.001"]:
         assert text in proc.stdout
 
 

@@ -175,20 +175,21 @@ def fetch_parameters(store: CoordinationStore, transport: Transport, config: Job
         raise PdpsError(f"job {config.name!r} has no model: no trainer attached one")
     specs = [ParamSpec.from_json(d) for d in json.loads(kv.value)]
     group = PserverGroup(store, transport, config, specs)
-    flats = {s.name: torch.empty(s.numel, dtype=getattr(torch, s.dtype)) for s in specs}
+    # Parameters share one dtype (the replica's flat buffer requires it), so the model is
+    # one flat buffer here too and each block lands at its own offset in it.
+    flat = torch.empty(sum(s.numel for s in specs), dtype=getattr(torch, specs[0].dtype))
     try:
         for part in group.parts:
             reply = group.call(part, "pull", Message({"trainer": "fetch"}))
             for block, tensor in zip(part.blocks, reply.tensors):
-                start = block.offset - _param_offset(specs, block.index)
-                flats[block.param][start : start + block.numel].copy_(tensor.reshape(-1))
+                flat[block.offset : block.offset + block.numel].copy_(tensor.reshape(-1))
     finally:
         group.close()
-    return {s.name: flats[s.name].view(s.shape) for s in specs}
-
-
-def _param_offset(specs: list[ParamSpec], index: int) -> int:
-    return sum(s.numel for s in specs[:index])
+    params, offset = {}, 0
+    for s in specs:
+        params[s.name] = flat[offset : offset + s.numel].view(s.shape)
+        offset += s.numel
+    return params
 
 
 def _pass_totals(store: CoordinationStore, config: JobConfig) -> tuple[int, int]:

@@ -177,6 +177,10 @@ class Keys:
     def trainer(self, trainer_id: str) -> str:
         return self.trainers + trainer_id
 
+    def trainer_id(self, key: str) -> str:
+        """The trainer id in a ``trainers/<id>`` key."""
+        return key[len(self.trainers) :]
+
     @property
     def model(self) -> str:
         return self.root + "model"

@@ -238,7 +238,7 @@ class Master:
     def _on_trainer_event(self, event: WatchEvent) -> None:
         if event.type is not EventType.DELETE or self._stopped.is_set():
             return
-        trainer = event.key[len(self._keys.trainers) :]
+        trainer = self._keys.trainer_id(event.key)
         with self._lock:
             assert self._queue is not None
             changes = self._queue.trainer_lost(trainer)

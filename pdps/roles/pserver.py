@@ -183,7 +183,7 @@ class Pserver:
         # The watch may lag behind the store: confirm membership with an authoritative read,
         # so a trainer that has registered but not been announced yet is still waited for.
         try:
-            live = {kv.key[len(self._keys.trainers) :] for kv in self._store.range(self._keys.trainers)}
+            live = {self._keys.trainer_id(kv.key) for kv in self._store.range(self._keys.trainers)}
         except StoreError as exc:
             log.warning("pserver %s could not read membership (%s); round stays open", self.index, exc)
             return
@@ -198,7 +198,7 @@ class Pserver:
         self._cond.notify_all()
 
     def _on_trainer_event(self, event: WatchEvent) -> None:
-        trainer = event.key[len(self._keys.trainers) :]
+        trainer = self._keys.trainer_id(event.key)
         with self._cond:
             if event.type is EventType.DELETE:
                 self._members.discard(trainer)
@@ -219,7 +219,7 @@ class Pserver:
             layout = Layout.build(specs, SlotMap.from_json(json.loads(slots.value)), self.config.min_block)
             assert self.index is not None
             self._shard = self._compute.shard(layout.blocks_of(self.index), self.config.optimizer, self.config.optimizer_args)
-            self._members = {kv.key[len(self._keys.trainers) :] for kv in self._store.range(self._keys.trainers)}
+            self._members = {self._keys.trainer_id(kv.key) for kv in self._store.range(self._keys.trainers)}
         return self._shard
 
     def _ready_shard(self) -> ParameterShard:

@@ -16,6 +16,10 @@ from pdps.core.errors import MissingExtraError, UnknownSchemeError
 _REGISTRY: dict[str, dict[str, tuple[str, str | None]]] = {
     "store": {
         "memory": ("pdps.adapters.memory_store:open_memory_store", None),
+        "etcd": ("pdps.adapters.etcd_store:open_etcd_store", "etcd"),
+        "etcds": ("pdps.adapters.etcd_store:open_etcd_store", "etcd"),
+        "redis": ("pdps.adapters.redis_store:open_redis_store", "redis"),
+        "rediss": ("pdps.adapters.redis_store:open_redis_store", "redis"),
     },
     "transport": {
         "inproc": ("pdps.adapters.inproc:InprocTransport", None),

@@ -82,6 +82,26 @@ class StoreError(PdpsError):
     code = "store"
 
 
+class StoreUnavailable(StoreError):
+    """The store could not be reached (connection refused, timed out, server gone).
+
+    Transient by nature: roles pause and retry these until their outage deadline.
+    The outcome of a write that raised it is unknown (it may have been applied).
+    """
+
+    code = "store_unavailable"
+
+
+class CorruptRecord(StoreError):
+    """A value in the store cannot be decoded; ``key`` names it."""
+
+    code = "corrupt_record"
+
+    def __init__(self, message: str, key: str = "") -> None:
+        super().__init__(message)
+        self.key = key
+
+
 class FencingError(StoreError):
     """A guarded write was refused because the writer no longer holds its lock."""
 

@@ -1,0 +1,184 @@
+"""Throwaway etcd and Redis servers on free loopback ports, for tests and benchmarks.
+
+Each server is a real subprocess of the Debian binary (``etcd``, ``redis-server``)
+with its data under a fresh temporary directory (``/dev/shm`` when it exists). A
+server that does not become ready raises :class:`ServerFailed` with its log: tests
+fail loudly, they are never skipped. ``kill``/``restart`` and ``pause``/``resume``
+let outage tests take a server away and bring it back on the same port and data.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+HOST = "127.0.0.1"
+
+
+class ServerFailed(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def _scratch(prefix: str) -> Path:
+    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=base))
+
+
+class _Server:
+    binary = ""
+
+    def __init__(self, extra_args: tuple[str, ...] = ()) -> None:
+        self.extra_args = tuple(extra_args)
+        self.dir = _scratch(f"pdps-{self.binary}-")
+        self.port = free_port()
+        self.proc: subprocess.Popen | None = None
+        self._log = None
+
+    # subclasses: argv(), ready() -> bool, url
+    def argv(self) -> list[str]:
+        raise NotImplementedError
+
+    def ready(self) -> bool:
+        raise NotImplementedError
+
+    def start(self, timeout: float = 20.0) -> _Server:
+        exe = shutil.which(self.binary)
+        if exe is None:
+            raise ServerFailed(f"{self.binary} is not installed (the README's test command installs it: scripts/test)")
+        self._log = open(self.dir / "server.log", "ab")
+        self.proc = subprocess.Popen([exe, *self.argv()], stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerFailed(f"{self.binary} exited with {self.proc.returncode}:\n{self.log_tail()}")
+            if self.ready():
+                return self
+            time.sleep(0.05)
+        self.stop()
+        raise ServerFailed(f"{self.binary} on port {self.port} not ready after {timeout} s:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 4000) -> str:
+        try:
+            return (self.dir / "server.log").read_bytes()[-n:].decode(errors="replace")
+        except OSError:
+            return "(no log)"
+
+    def kill(self) -> None:
+        """SIGKILL, keeping the data directory for :meth:`restart`."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def restart(self, timeout: float = 20.0) -> _Server:
+        self.kill()
+        return self.start(timeout)
+
+    def pause(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> _Server:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class EtcdServer(_Server):
+    """A single-node etcd 3.4 (the command line of ARCHITECTURE.md §9)."""
+
+    binary = "etcd"
+
+    def __init__(self, extra_args: tuple[str, ...] = ()) -> None:
+        super().__init__(extra_args)
+        self.peer_port = free_port()
+
+    @property
+    def url(self) -> str:
+        return f"etcd://{HOST}:{self.port}"
+
+    def argv(self) -> list[str]:
+        client, peer = f"http://{HOST}:{self.port}", f"http://{HOST}:{self.peer_port}"
+        return [
+            "--name", "n0",
+            "--data-dir", str(self.dir / "data"),
+            "--listen-client-urls", client,
+            "--advertise-client-urls", client,
+            "--listen-peer-urls", peer,
+            "--initial-advertise-peer-urls", peer,
+            "--initial-cluster", f"n0={peer}",
+            "--initial-cluster-state", "new",
+            "--logger", "zap",
+            "--log-level", "error",
+            *self.extra_args,
+        ]  # fmt: skip
+
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{HOST}:{self.port}/health", timeout=1) as resp:
+                return b'"health":"true"' in resp.read()
+        except OSError:
+            return False
+
+
+class RedisServer(_Server):
+    """A single Redis node with keyspace notifications on and persistence off."""
+
+    binary = "redis-server"
+
+    @property
+    def url(self) -> str:
+        return f"redis://{HOST}:{self.port}/0"
+
+    def argv(self) -> list[str]:
+        return [
+            "--port", str(self.port),
+            "--bind", HOST,
+            "--dir", str(self.dir),
+            "--save", "",
+            "--appendonly", "no",
+            "--notify-keyspace-events", "KEA",
+            *self.extra_args,
+        ]  # fmt: skip
+
+    def ready(self) -> bool:
+        try:
+            with socket.create_connection((HOST, self.port), timeout=1) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False

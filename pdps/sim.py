@@ -72,7 +72,8 @@ def simulate(
     ``progress`` is called about once a second with the current pass's queue counts
     and each trainer's ``ctx.metrics``.
     """
-    from pdps.registry import open_data_source, open_store, open_transport
+    from pdps.registry import open_data_source, open_transport
+    from pdps.roles.resilient import ResilientStore, connect_store
 
     settings.setdefault("name", f"sim-{uuid.uuid4().hex[:8]}")
     settings.setdefault("lease_ttl", 2.0)
@@ -87,15 +88,17 @@ def simulate(
 
         compute = TorchCompute()
     compute.check_optimizer(config.optimizer, config.optimizer_args)  # refuse a bad rule before anything starts
-    st = open_store(store) if isinstance(store, str) else store
-    # an anonymous memory store is this job's alone: close it (and its threads) at the end
-    own_store = isinstance(store, str) and store.rstrip("/") == "memory:"
+    st = connect_store(store) if isinstance(store, str) else store
+    # a store opened from a URL is closed at the end (its connections, its threads), except a
+    # named memory store, which others in this process may share
+    own_store = isinstance(store, str) and not (store.startswith("memory://") and store.rstrip("/") != "memory:")
     tr = open_transport(transport) if isinstance(transport, str) else transport
 
     if st.get(Keys(config.name).config) is not None:
         if own_store:
             st.close()
         raise ConfigError(f"job {config.name!r} already exists in {st.url}; simulate runs a new job: pick another name or store")
+    st = ResilientStore(st, deadline=config.store_outage_deadline)  # roles ride out outages up to the deadline
     master = Master(st, tr, source, config)
     pservers = [Pserver(st, tr, compute, config) for _ in range(config.pservers)]
     contexts = [TrainerContext(st, tr, compute, source, config, trainer_id=f"trainer-{i}") for i in range(config.trainers)]
@@ -132,6 +135,8 @@ def simulate(
             if time.monotonic() > deadline:
                 raise Timeout(f"simulated job {config.name!r} did not finish in {timeout:.0f}s; queue: {master.counts()}")
             alive[0].join(timeout=1.0)
+            if master.error is not None:
+                raise master.error
             if progress is not None:
                 c = master.counts()
                 metrics = {ctx.trainer_id: dict(ctx.metrics) for ctx in contexts}

@@ -12,7 +12,7 @@ from typing import Any
 
 import attrs
 
-from pdps.core.errors import ConfigError
+from pdps.core.errors import ConfigError, CorruptRecord
 from pdps.core.sgd import Cadence, Mode
 from pdps.core.slots import DEFAULT_MIN_BLOCK, DEFAULT_NUM_SLOTS
 
@@ -63,6 +63,7 @@ class JobConfig:
     lease_ttl: float = attrs.field(default=10.0, validator=_positive("lease_ttl"))
     num_slots: int = attrs.field(default=DEFAULT_NUM_SLOTS, validator=_positive("num_slots"))
     min_block: int = attrs.field(default=DEFAULT_MIN_BLOCK, validator=_positive("min_block"))
+    store_outage_deadline: float = attrs.field(default=60.0, validator=_positive("store_outage_deadline"))
 
     def __attrs_post_init__(self) -> None:
         if not self.name or "/" in self.name:
@@ -97,8 +98,21 @@ class JobConfig:
         return json.dumps(self.to_json(), sort_keys=True).encode()
 
     @classmethod
-    def decode(cls, raw: bytes) -> JobConfig:
-        return cls.from_json(json.loads(raw))
+    def decode(cls, raw: bytes, key: str = "config") -> JobConfig:
+        """Parse a stored config; anything unreadable raises :class:`CorruptRecord` naming ``key``."""
+        d = decode_json(raw, key)
+        try:
+            return cls.from_json(d)
+        except (ConfigError, TypeError, ValueError) as exc:
+            raise CorruptRecord(f"{key} holds no valid job config: {exc}", key) from exc
+
+
+def decode_json(raw: bytes, key: str) -> Any:
+    """``json.loads`` of a stored value; a value that is not JSON raises :class:`CorruptRecord`."""
+    try:
+        return json.loads(raw)
+    except (TypeError, ValueError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise CorruptRecord(f"cannot decode the value of {key} ({len(raw)} bytes): {exc}", key) from exc
 
 
 @attrs.frozen
@@ -110,13 +124,16 @@ class Keys:
     ``master/addr``       where the master serves (leased)
     ``pass``              the current pass number
     ``passes/<n>``        summary of a finished pass: {done, failed}
+    ``queue``             {"tasks": N}: the number of tasks, written once with pass 0
     ``tasks/<id>``        one TaskRecord per task (JSON); O(1) writes per transition
+    ``quarantine/<id>``   a task record that could not be decoded, moved aside
     ``state``             {"state": "running" | "done", ...}
     ``ps_desired``        desired pserver count (not leased)
     ``ps/<index>``        a pserver's claim of its index, with its address (leased)
     ``trainers/<id>``     a live trainer (leased)
     ``model``             the model's parameter specs (JSON), set by the first trainer
     ``slotmap``           the versioned slot map (JSON)
+    ``checkpoint``        pointer to the latest committed checkpoint (JSON), if any
     """
 
     job: str
@@ -155,6 +172,21 @@ class Keys:
     def task(self, task_id: int) -> str:
         return f"{self.tasks}{task_id:08d}"
 
+    def task_id(self, key: str) -> int:
+        """The task id in a ``tasks/<id>`` or ``quarantine/<id>`` key (ValueError if none)."""
+        return int(key.rsplit("/", 1)[1])
+
+    @property
+    def queue(self) -> str:
+        return self.root + "queue"
+
+    @property
+    def quarantine(self) -> str:
+        return self.root + "quarantine/"
+
+    def quarantined(self, task_id: int) -> str:
+        return f"{self.quarantine}{task_id:08d}"
+
     @property
     def state(self) -> str:
         return self.root + "state"
@@ -188,3 +220,7 @@ class Keys:
     @property
     def slotmap(self) -> str:
         return self.root + "slotmap"
+
+    @property
+    def checkpoint(self) -> str:
+        return self.root + "checkpoint"

@@ -233,9 +233,15 @@ class TaskQueue:
         failure_max: int = 3,
         timeout: float = 60.0,
         max_in_flight: int = 1,
+        now: float | None = None,
     ) -> TaskQueue:
         """Rebuild a queue from persisted records; a task without a record, or with a
-        record from an older pass, is todo. Pending tasks keep their deadlines."""
+        record from an older pass, is todo.
+
+        Pending tasks keep their deadlines unless ``now`` is given: then each gets a
+        full ``timeout`` from ``now``. A restarted master passes it, because a deadline
+        read from the store was set on another process's clock.
+        """
         _check_config(failure_max, timeout, max_in_flight)
         if not specs:
             raise ConfigError("the dataset produced no tasks; a job needs at least one")
@@ -264,6 +270,8 @@ class TaskQueue:
                 rec = TaskRecord(id=tid, pass_no=pass_no, state=State.TODO, attempt=rec.attempt)
             elif rec.pass_no > pass_no:
                 raise ConfigError(f"task {tid} has a record for pass {rec.pass_no}, beyond the job's pass {pass_no}")
+            elif rec.state is State.PENDING and now is not None:
+                rec = attrs.evolve(rec, deadline=now + timeout)
             q._index(rec)
         q._completion_announced = False
         return q
@@ -301,6 +309,10 @@ class TaskQueue:
 
     def in_flight(self, trainer: str) -> set[int]:
         return set(self._by_trainer.get(trainer, ()))
+
+    def holders(self) -> set[str]:
+        """The trainers that hold pending tasks."""
+        return set(self._by_trainer)
 
     def counts(self) -> Counts:
         done = failed = 0

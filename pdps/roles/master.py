@@ -4,10 +4,22 @@ The imperative shell around :class:`pdps.core.tasks.TaskQueue`: it reads the clo
 persists each transition's changes (one key per touched task, guarded by its fenced
 lock), watches trainer membership and re-queues the tasks of a trainer whose lease
 expired, and starts the next pass or ends the job when a pass completes.
+
+Leadership: a master serves only while it holds ``master/lock`` through its lease,
+and every write carries the lock's fence, so a master that lost its lease cannot
+change anything; it steps down at the first refused write or lost keep-alive. A
+standby (``start(standby=True)``) waits for the lock, then restores the queue from
+the per-task records and carries on: pending tasks get a fresh timeout, and tasks
+held by trainers that are no longer registered go back to todo at once.
+
+A task record that cannot be decoded is moved to ``quarantine/<id>`` (its task is
+trained again from todo); undecodable job state (``config``, ``pass``, ``state``,
+``queue``) stops the master with :class:`~pdps.core.errors.CorruptRecord` naming the key.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import threading
@@ -15,8 +27,8 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 
-from pdps.core.errors import ConfigError, FencingError, LeaseExpired, PdpsError
-from pdps.core.job import JobConfig, Keys
+from pdps.core.errors import ConfigError, CorruptRecord, FencingError, LeaseExpired, PdpsError, StoreUnavailable
+from pdps.core.job import JobConfig, Keys, decode_json
 from pdps.core.slots import SlotMap
 from pdps.core.tasks import (
     Assignment,
@@ -27,9 +39,10 @@ from pdps.core.tasks import (
     TaskChanged,
     TaskQueue,
     TaskRecord,
+    TaskSpec,
     WaitReason,
 )
-from pdps.ports.coordination import Compare, CoordinationStore, EventType, Fence, Put, WatchEvent
+from pdps.ports.coordination import Compare, CoordinationStore, Delete, EventType, Fence, KeyValue, Op, Put, TxnOp, WatchEvent
 from pdps.ports.data import DataSource
 from pdps.ports.transport import Endpoint, Message, Transport
 
@@ -55,7 +68,7 @@ def publish_job(store: CoordinationStore, config: JobConfig) -> JobConfig:
             Put(keys.slotmap, json.dumps(slot_map.to_json()).encode()),
         ),
     )
-    existing = JobConfig.decode(store.get(keys.config).value)  # type: ignore[union-attr]
+    existing = JobConfig.decode(store.get(keys.config).value, keys.config)  # type: ignore[union-attr]
     if existing != config:
         diff = {k: (v, config.to_json()[k]) for k, v in existing.to_json().items() if config.to_json()[k] != v}
         raise ConfigError(f"job {config.name!r} already exists with other settings (stored, given): {diff}")
@@ -89,11 +102,19 @@ class Master:
         self._watch = None
         self._keeper = None
         self.done = threading.Event()
+        self.leading = threading.Event()  # set while this master holds the lock and serves
+        self.error: BaseException | None = None  # why it stopped, if not by stop()
         self.passes_completed = 0
 
     # --- lifecycle --------------------------------------------------------------------
 
-    def start(self) -> None:
+    def start(self, *, standby: bool = False) -> None:
+        """Take the lock, restore the queue and serve.
+
+        If another master holds the lock, raise :class:`ConfigError`, or with
+        ``standby`` wait (blocking) until the lock is free and take over. A standby
+        stopped while it waits returns without serving.
+        """
         from pdps.roles.lease import LeaseKeeper
 
         specs = self._source.tasks()  # a bad dataset fails here, before any task is created
@@ -101,33 +122,52 @@ class Master:
         self._keeper = LeaseKeeper(self._store, self.config.lease_ttl, name="master", on_lost=self._lease_lost)
         owner = f"master-{uuid.uuid4().hex[:8]}".encode()
         self._fence = self._store.acquire_lock(self._keys.master_lock, self._keeper.lease, owner)
+        if self._fence is None and standby:
+            log.info("job %r has a master; standing by for its lock", self.config.name)
+            while self._fence is None and not self._stopped.wait(min(0.2, self.config.lease_ttl / 4)):
+                self._fence = self._store.acquire_lock(self._keys.master_lock, self._keeper.lease, owner)
+            if self._fence is None:
+                self._keeper.stop()
+                return
         if self._fence is None:
             self._keeper.stop()
             raise ConfigError(f"job {self.config.name!r} already has a master (lock {self._keys.master_lock} is held)")
-        self._queue = self._load_queue(specs)
-        self._resume()
+        try:
+            self._queue = self._load_queue(specs)
+            self._resume()
+        except BaseException:
+            self._keeper.stop()  # give the lock back: another master may do better
+            raise
         self._endpoint = self._transport.serve(
             self._address,
             {"get_task": self._get_task, "finish_task": self._finish_task, "fail_task": self._fail_task, "give_back": self._give_back},
         )
         self._write([Put(self._keys.master_addr, self._endpoint.address.encode(), self._keeper.lease)])
         self._watch = self._store.watch(self._keys.trainers, self._on_trainer_event)
+        self._reconcile()  # trainers that went while no master was watching
         t = threading.Thread(target=self._timer_loop, name="pdps-master-timer", daemon=True)
         t.start()
         self._threads.append(t)
+        self.leading.set()
         c = self._queue.counts()
-        log.info("master of job %r serving at %s: pass %d, %d todo, %d done", self.config.name, self._endpoint.address, c.pass_no, c.todo, c.done)
+        log.info("master of job %r serving at %s: pass %d, %d todo, %d pending, %d done", self.config.name, self._endpoint.address, c.pass_no, c.todo, c.pending, c.done)
 
     def stop(self) -> None:
         self._stopped.set()
+        self.leading.clear()
         if self._watch is not None:
             self._watch.cancel()
         if self._endpoint is not None:
             self._endpoint.close()
         for t in self._threads:
-            t.join()
+            if t is not threading.current_thread():
+                t.join()
         if self._keeper is not None:
             self._keeper.stop()
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped.is_set()
 
     @property
     def address(self) -> str:
@@ -141,34 +181,91 @@ class Master:
 
     # --- state ------------------------------------------------------------------------
 
-    def _load_queue(self, specs) -> TaskQueue:
+    def _load_queue(self, specs: list[TaskSpec]) -> TaskQueue:
         cfg = self.config
+        limits = {"failure_max": cfg.failure_max, "timeout": cfg.task_timeout, "max_in_flight": cfg.max_in_flight}
         kv = self._store.get(self._keys.pass_no)
         if kv is None:
-            queue = TaskQueue.create(specs, failure_max=cfg.failure_max, timeout=cfg.task_timeout, max_in_flight=cfg.max_in_flight)
-            self._write([Put(self._keys.pass_no, b"0"), Put(self._keys.state, b'{"state": "running"}')])
+            queue = TaskQueue.create(specs, **limits)
+            self._write(
+                [
+                    Put(self._keys.pass_no, b"0"),
+                    Put(self._keys.state, b'{"state": "running"}'),
+                    Put(self._keys.queue, json.dumps({"tasks": len(specs)}).encode()),
+                ]
+            )
             return queue
-        records = [TaskRecord.from_json(json.loads(kv.value)) for kv in self._store.range(self._keys.tasks)]
-        queue = TaskQueue.restore(
-            specs, records, pass_no=int(kv.value), failure_max=cfg.failure_max, timeout=cfg.task_timeout, max_in_flight=cfg.max_in_flight
-        )
+        pass_no = _int_record(kv)
+        state = self._stored_state()
+        queue_kv = self._store.get(self._keys.queue)
+        if queue_kv is None:
+            self._write([Put(self._keys.queue, json.dumps({"tasks": len(specs)}).encode())])
+        elif decode_json(queue_kv.value, queue_kv.key).get("tasks") != len(specs):
+            raise ConfigError(f"{self._keys.queue} says {queue_kv.value!r} but the dataset {cfg.dataset!r} now has {len(specs)} tasks")
+        ids = {s.id for s in specs}
+        records = []
+        for rec_kv in self._store.range(self._keys.tasks):
+            try:
+                records.append(self._decode_record(rec_kv, ids, pass_no))
+            except CorruptRecord as exc:
+                self._quarantine(rec_kv, exc)
+        queue = TaskQueue.restore(specs, records, pass_no=pass_no, now=self._clock(), **limits)
         self.passes_completed = len(self._store.range(self._keys.passes))
+        if state.get("state") == "done":
+            self.done.set()
         return queue
+
+    def _stored_state(self) -> dict:
+        kv = self._store.get(self._keys.state)
+        if kv is None:
+            raise CorruptRecord(f"{self._keys.state} is missing although {self._keys.pass_no} exists", self._keys.state)
+        state = decode_json(kv.value, kv.key)
+        if not isinstance(state, dict) or state.get("state") not in ("running", "done"):
+            raise CorruptRecord(f"{kv.key} holds {kv.value[:100]!r}, not a job state", kv.key)
+        return state
+
+    def _decode_record(self, kv: KeyValue, ids: set[int], pass_no: int) -> TaskRecord:
+        try:
+            rec = TaskRecord.from_json(decode_json(kv.value, kv.key))
+            key_id = self._keys.task_id(kv.key)
+        except CorruptRecord:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise CorruptRecord(f"{kv.key} is not a task record: {exc!r}", kv.key) from exc
+        if rec.id != key_id or rec.id not in ids or rec.pass_no > pass_no or (rec.state.value == "pending" and not rec.trainer):
+            raise CorruptRecord(f"{kv.key} holds an impossible record {kv.value[:200]!r} (job at pass {pass_no})", kv.key)
+        return rec
+
+    def _quarantine(self, kv: KeyValue, exc: CorruptRecord) -> None:
+        """Move an undecodable task record aside; its task starts over from todo."""
+        aside = self._keys.quarantine + kv.key.rsplit("/", 1)[1]
+        note = {"key": kv.key, "error": str(exc), "value": base64.b64encode(kv.value).decode(), "mod_revision": kv.mod_revision}
+        ops: list[TxnOp] = [Put(aside, json.dumps(note).encode()), Delete(kv.key)]
+        self._store.commit((Compare.revision(kv.key, Op.EQ, kv.mod_revision),), ops, fence=self._fence)
+        log.error("quarantined %s (moved to %s); its task will be trained again: %s", kv.key, aside, exc)
 
     def _resume(self) -> None:
         """A restored pass may have completed before the restart: act on it now."""
         assert self._queue is not None
         with self._lock:
-            self._apply(self._queue.check_completion())
+            if not self.done.is_set():
+                self._apply(self._queue.check_completion())
 
-    def _write(self, ops: Sequence[Put]) -> None:
+    def _write(self, ops: Sequence[TxnOp]) -> None:
         if ops:
-            self._store.commit((), ops, fence=self._fence)
+            try:
+                self._store.commit((), ops, fence=self._fence)
+            except FencingError:
+                self._step_down("its lock is held by another master")
+                raise
+            except StoreUnavailable as exc:  # the outage outlasted store_outage_deadline
+                self._fail(exc)
+                raise
 
     def _apply(self, changes: list[Change]) -> None:
         """Persist a transition, then act on its notices. Called with the lock held."""
         assert self._queue is not None
-        ops: list[Put] = []
+        ops: list[TxnOp] = []
         follow: list[Change] = []
         for ch in changes:
             if isinstance(ch, TaskChanged):
@@ -196,10 +293,15 @@ class Master:
 
     # --- handlers ---------------------------------------------------------------------
 
+    def _check_leading(self) -> None:
+        if self._stopped.is_set():
+            raise FencingError(f"this master of job {self.config.name!r} has stepped down; ask the one at {self._keys.master_addr}")
+
     def _get_task(self, req: Message) -> Message:
         trainer = str(req.meta["trainer"])
         with self._lock:
             assert self._queue is not None
+            self._check_leading()
             if self.done.is_set():
                 return Message({"done": True})
             if self._store.get(self._keys.trainer(trainer)) is None:
@@ -215,6 +317,7 @@ class Master:
 
     def _report(self, req: Message, event: Callable[[int, int], list[Change]]) -> Message:
         with self._lock:
+            self._check_leading()
             changes = event(int(req.meta["task"]), int(req.meta["attempt"]))
             self._apply(changes)
             ignored = next((c for c in changes if isinstance(c, Ignored)), None)
@@ -238,7 +341,9 @@ class Master:
     def _on_trainer_event(self, event: WatchEvent) -> None:
         if event.type is not EventType.DELETE or self._stopped.is_set():
             return
-        trainer = self._keys.trainer_id(event.key)
+        self._trainer_gone(self._keys.trainer_id(event.key))
+
+    def _trainer_gone(self, trainer: str) -> None:
         with self._lock:
             assert self._queue is not None
             changes = self._queue.trainer_lost(trainer)
@@ -246,25 +351,71 @@ class Master:
                 log.warning("trainer %s is gone; re-queued its tasks %s", trainer, [c.record.id for c in changes if isinstance(c, TaskChanged)])
             self._guarded(changes)
 
+    def _reconcile(self) -> None:
+        """Re-queue the tasks of holders that are not registered: a watch can miss a
+        deletion (before this master existed, or across a store reconnect)."""
+        assert self._queue is not None
+        with self._lock:
+            holders = self._queue.holders()
+        if not holders:
+            return
+        live = {self._keys.trainer_id(kv.key) for kv in self._store.range(self._keys.trainers)}
+        for trainer in sorted(holders - live):
+            self._trainer_gone(trainer)
+
     def _timer_loop(self) -> None:
+        every = max(0.5, self.config.lease_ttl / 2)
+        next_reconcile = self._clock() + every
         while not self._stopped.wait(0.05):
-            with self._lock:
-                assert self._queue is not None
-                deadline = self._queue.next_deadline()
-                if deadline is not None and deadline <= self._clock():
-                    self._guarded(self._queue.expire(self._clock()))
+            try:
+                with self._lock:
+                    assert self._queue is not None
+                    deadline = self._queue.next_deadline()
+                    if deadline is not None and deadline <= self._clock():
+                        self._guarded(self._queue.expire(self._clock()))
+                if self._clock() >= next_reconcile and not self._stopped.is_set():
+                    next_reconcile = self._clock() + every
+                    self._reconcile()
+            except StoreUnavailable as exc:  # the outage outlasted store_outage_deadline
+                self._fail(exc)
+            except Exception as exc:
+                log.exception("master timer failed")
+                self._fail(exc)
 
     def _guarded(self, changes: list[Change]) -> None:
+        """Persist changes made off a request (a timer, a watch), where nobody can be told."""
         try:
             self._apply(changes)
         except FencingError:
-            log.error("master of job %r lost its lock; stepping down", self.config.name)
-            self._stopped.set()
+            pass  # _write stepped down
+        except StoreUnavailable:
+            raise
         except PdpsError:
             log.exception("master could not persist a transition")
 
-    def _lease_lost(self) -> None:
-        log.error("master of job %r lost its lease; stepping down", self.config.name)
+    def _fail(self, exc: BaseException) -> None:
+        log.error("master of job %r stops: %s", self.config.name, exc)
+        if self.error is None:
+            self.error = exc
+        self._step_down(str(exc))
+
+    def _step_down(self, why: str) -> None:
+        if self._stopped.is_set():
+            return
+        log.error("master of job %r steps down: %s", self.config.name, why)
         self._stopped.set()
+        self.leading.clear()
+        if self._watch is not None:
+            self._watch.cancel()
         if self._endpoint is not None:
             self._endpoint.close()
+
+    def _lease_lost(self) -> None:
+        self._step_down("its lease expired")
+
+
+def _int_record(kv: KeyValue) -> int:
+    try:
+        return int(kv.value)
+    except ValueError as exc:
+        raise CorruptRecord(f"{kv.key} holds {kv.value[:100]!r}, not a pass number", kv.key) from exc

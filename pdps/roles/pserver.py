@@ -36,6 +36,9 @@ def claim_index(store: CoordinationStore, keys: Keys, lease: int, value: bytes) 
     for i in range(desired):
         if store.commit((Compare.absent(keys.pserver(i)),), (Put(keys.pserver(i), value, lease),)).succeeded:
             return i
+        kv = store.get(keys.pserver(i))
+        if kv is not None and kv.value == value and kv.lease == lease:
+            return i  # our own claim, whose reply an outage lost (the value names our address)
     raise ConfigError(f"all {desired} pserver indexes of job {keys.job!r} are taken")
 
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import attrs
 
-from pdps.core.errors import ConfigError, NotReady, PdpsError, StalePush, Timeout
+from pdps.core.errors import ConfigError, FencingError, NotReady, PdpsError, StalePush, Timeout, TransportError
 from pdps.core.job import JobConfig, Keys
 from pdps.core.sgd import Mode
 from pdps.core.slots import Block, Layout, ParamSpec, SlotMap
@@ -186,7 +186,10 @@ class TrainerContext:
             return
         self._keeper = LeaseKeeper(self._store, self.config.lease_ttl, name=self.trainer_id)
         info = json.dumps({"id": self.trainer_id, "since": time.time()}).encode()
-        ok = self._store.commit((Compare.absent(self._keys.trainer(self.trainer_id)),), (Put(self._keys.trainer(self.trainer_id), info, self._keeper.lease),))
+        key = self._keys.trainer(self.trainer_id)
+        ok = self._store.commit((Compare.absent(key),), (Put(key, info, self._keeper.lease),))
+        if not ok.succeeded and _holds(self._store, key, info):
+            ok = attrs.evolve(ok, succeeded=True)  # our own write, whose reply an outage lost
         if not ok.succeeded:
             self._keeper.stop()
             self._keeper = None
@@ -247,12 +250,11 @@ class TrainerContext:
         """Mini-batches of the tasks leased from the master, until the job is done."""
         import torch  # the context hands torch tensors to the user's model
 
-        master = self._master_channel()
         held: tuple[int, int] | None = None  # (task, attempt) leased and not yet reported
         bs = self.config.batch_size
         try:
             while not self._stop.is_set():
-                reply = master.call("get_task", Message({"trainer": self.trainer_id}))
+                reply = self._call_master("get_task", Message({"trainer": self.trainer_id}))
                 if reply.meta.get("done"):
                     break
                 if "wait" in reply.meta:
@@ -268,7 +270,7 @@ class TrainerContext:
                     columns = self._source.read(task)
                 except Exception as exc:  # an unreadable task fails, the trainer goes on
                     log.error("trainer %s cannot read task %d (%s part %d): %s", self.trainer_id, task.id, task.location, task.part, exc)
-                    self._report(master, "fail_task", held, error=str(exc))
+                    self._report("fail_task", held, error=str(exc))
                     held = None
                     continue
                 n = len(next(iter(columns.values()))) if columns else 0
@@ -281,7 +283,7 @@ class TrainerContext:
                     if self._stop.is_set() and not self._batch.last:
                         break
                 else:
-                    self._report(master, "finish_task", held)
+                    self._report("finish_task", held)
                     held = None
             self._flush()
         except GeneratorExit:  # the user left the loop: push what the last batches summed
@@ -295,14 +297,14 @@ class TrainerContext:
             if held is not None and not self.killed:
                 done = self._batch is not None and self._batch.last and self._stepped is self._batch
                 try:
-                    self._report(master, "finish_task" if done else "give_back", held)
+                    self._report("finish_task" if done else "give_back", held)
                 except PdpsError as exc:
                     log.warning("trainer %s could not report task %d: %s", self.trainer_id, held[0], exc)
             self._batch = None
 
-    def _report(self, master: Channel, method: str, held: tuple[int, int], **extra: Any) -> None:
+    def _report(self, method: str, held: tuple[int, int], **extra: Any) -> None:
         task, attempt = held
-        reply = master.call(method, Message({"trainer": self.trainer_id, "task": task, "attempt": attempt, **extra}))
+        reply = self._call_master(method, Message({"trainer": self.trainer_id, "task": task, "attempt": attempt, **extra}))
         if not reply.meta.get("accepted", True):
             # e.g. the task timed out and went back to todo: someone else will train it
             log.warning("trainer %s: master ignored %s of task %d attempt %d: %s", self.trainer_id, method, task, attempt, reply.meta.get("reason"))
@@ -407,6 +409,37 @@ class TrainerContext:
             addr = wait_for_key(self._store, self._keys.master_addr, "the master").decode()
             self._master = self._transport.connect(addr)
         return self._master
+
+    def _call_master(self, method: str, request: Message) -> Message:
+        """Call the master; if it is gone or has stepped down, find the current one.
+
+        A standby takes over within about a lease TTL and publishes its address under
+        ``master/addr``; until then this retries with backoff, for at most
+        ``DISCOVERY_TIMEOUT`` seconds.
+        """
+        deadline: float | None = None
+        delay = 0.05
+        while True:
+            channel = self._master_channel()
+            try:
+                return channel.call(method, request)
+            except (TransportError, FencingError) as exc:
+                if isinstance(exc, Timeout):
+                    raise
+                now = time.monotonic()
+                deadline = deadline or now + DISCOVERY_TIMEOUT
+                if now > deadline:
+                    raise
+                log.warning("trainer %s: master unavailable for %s (%s); looking it up again", self.trainer_id, method, exc)
+                channel.close()
+                self._master = None
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
+
+
+def _holds(store: CoordinationStore, key: str, value: bytes) -> bool:
+    kv = store.get(key)
+    return kv is not None and kv.value == value
 
 
 def _diff(stored: list[dict], specs: Sequence[ParamSpec]) -> str:

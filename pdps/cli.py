@@ -2,6 +2,10 @@
 
 ``pdps demo`` trains the digits MLP in one process through :func:`pdps.simulate`.
 Progress goes to stderr; with ``--json`` the last line of stdout is one JSON object.
+
+``pdps status STORE_URL`` shows a job as the coordination store holds it.
+
+Exit codes: 0 success, 1 the job does not exist, 2 any other pdps error.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from pdps.core.errors import PdpsError
+from pdps.core.errors import NoSuchJob, PdpsError
+from pdps.core.job import DEFAULT_JOB
 
 DEMO_DEFAULTS = {"passes": 30, "batch_size": 32, "optimizer": "Adam", "lr": 0.001}
 
@@ -67,7 +72,36 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--pull-every", type=_positive_int, default=1, help="async: pull every m mini-batches")
     demo.add_argument("--json", action="store_true", help="print the summary as one JSON object on the last line of stdout")
     demo.set_defaults(func=cmd_demo)
+
+    status = sub.add_parser(
+        "status",
+        help="show a job's queues, pass, members and latest checkpoint",
+        description="Read a job's state from its coordination store: queue counts, pass, live trainers "
+        "and pservers, the latest checkpoint, and quarantined task records. No master needs to run.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    status.add_argument("store", metavar="STORE_URL", help="coordination store, e.g. etcd://127.0.0.1:2379 or redis://127.0.0.1:6379/0")
+    status.add_argument("--job", default=DEFAULT_JOB, help="job name")
+    status.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    status.add_argument("--connect-timeout", type=float, default=10.0, help="seconds to keep retrying an unreachable store")
+    status.set_defaults(func=cmd_status)
     return parser
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from pdps.roles.resilient import connect_store
+    from pdps.status import format_status, job_status
+
+    store = connect_store(args.store, timeout=args.connect_timeout)
+    try:
+        status = job_status(store, args.job)
+    except NoSuchJob as exc:
+        print(f"pdps: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        store.close()
+    print(json.dumps(status) if args.json else format_status(status, args.store))
+    return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -114,6 +114,12 @@ class LeaseExpired(StoreError):
     code = "lease_expired"
 
 
+class NoSuchJob(PdpsError, LookupError):
+    """The store holds no job by that name."""
+
+    code = "no_such_job"
+
+
 class StorageError(PdpsError):
     """Blob storage failed: missing object, unreachable bucket, ..."""
 

@@ -105,6 +105,9 @@ class Master:
         self.leading = threading.Event()  # set while this master holds the lock and serves
         self.error: BaseException | None = None  # why it stopped, if not by stop()
         self.passes_completed = 0
+        #: The records as restored from the store when this master took over (before it
+        #: re-queued the tasks of departed trainers); ``None`` for a new job.
+        self.restored: list[TaskRecord] | None = None
 
     # --- lifecycle --------------------------------------------------------------------
 
@@ -206,10 +209,11 @@ class Master:
         records = []
         for rec_kv in self._store.range(self._keys.tasks):
             try:
-                records.append(self._decode_record(rec_kv, ids, pass_no))
+                records.append(decode_record(rec_kv, self._keys, pass_no, ids))
             except CorruptRecord as exc:
                 self._quarantine(rec_kv, exc)
         queue = TaskQueue.restore(specs, records, pass_no=pass_no, now=self._clock(), **limits)
+        self.restored = queue.records()
         self.passes_completed = len(self._store.range(self._keys.passes))
         if state.get("state") == "done":
             self.done.set()
@@ -223,18 +227,6 @@ class Master:
         if not isinstance(state, dict) or state.get("state") not in ("running", "done"):
             raise CorruptRecord(f"{kv.key} holds {kv.value[:100]!r}, not a job state", kv.key)
         return state
-
-    def _decode_record(self, kv: KeyValue, ids: set[int], pass_no: int) -> TaskRecord:
-        try:
-            rec = TaskRecord.from_json(decode_json(kv.value, kv.key))
-            key_id = self._keys.task_id(kv.key)
-        except CorruptRecord:
-            raise
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise CorruptRecord(f"{kv.key} is not a task record: {exc!r}", kv.key) from exc
-        if rec.id != key_id or rec.id not in ids or rec.pass_no > pass_no or (rec.state.value == "pending" and not rec.trainer):
-            raise CorruptRecord(f"{kv.key} holds an impossible record {kv.value[:200]!r} (job at pass {pass_no})", kv.key)
-        return rec
 
     def _quarantine(self, kv: KeyValue, exc: CorruptRecord) -> None:
         """Move an undecodable task record aside; its task starts over from todo."""
@@ -412,6 +404,21 @@ class Master:
 
     def _lease_lost(self) -> None:
         self._step_down("its lease expired")
+
+
+def decode_record(kv: KeyValue, keys: Keys, pass_no: int, ids: set[int] | range | None = None) -> TaskRecord:
+    """The task record stored at ``kv``, checked against its key, the job's pass and
+    task ids; anything else raises :class:`CorruptRecord` naming the key."""
+    try:
+        rec = TaskRecord.from_json(decode_json(kv.value, kv.key))
+        key_id = keys.task_id(kv.key)
+    except CorruptRecord:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise CorruptRecord(f"{kv.key} is not a task record: {exc!r}", kv.key) from exc
+    if rec.id != key_id or (ids is not None and rec.id not in ids) or rec.pass_no > pass_no or (rec.state.value == "pending" and not rec.trainer):
+        raise CorruptRecord(f"{kv.key} holds an impossible record {kv.value[:200]!r} (job at pass {pass_no})", kv.key)
+    return rec
 
 
 def _int_record(kv: KeyValue) -> int:

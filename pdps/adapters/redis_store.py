@@ -336,7 +336,7 @@ def parse_redis_url(url: str) -> RedisTarget:
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
     if scheme not in _QUERY_KEYS:
-        raise ConfigError(f"not a Redis store URL (redis:// or rediss://): {url!r}")
+        raise ConfigError(f"not a Redis store URL (redis:// or rediss://): {_mask(url)!r}")
     try:
         port = parts.port or 6379
     except ValueError as exc:
@@ -345,7 +345,7 @@ def parse_redis_url(url: str) -> RedisTarget:
     if not host:
         raise ConfigError(f"Redis store URL has no host: {_mask(url)!r}")
     db_text = parts.path.strip("/") or "0"
-    if not db_text.isdigit():
+    if not (db_text.isascii() and db_text.isdigit()):
         raise ConfigError(f"Redis store URL path must be a database number, got {parts.path!r}")
     query = parse_qs(parts.query, keep_blank_values=True, strict_parsing=False)
     unknown = set(query) - _QUERY_KEYS[scheme]
@@ -413,7 +413,9 @@ class _Watch:
 class RedisStore:
     """:class:`~pdps.ports.coordination.CoordinationStore` on one Redis node."""
 
-    def __init__(self, target: RedisTarget, *, namespace: str = NAMESPACE) -> None:
+    def __init__(self, target: RedisTarget | str, *, namespace: str = NAMESPACE) -> None:
+        if isinstance(target, str):
+            target = parse_redis_url(target)
         self.url = target.url
         self.target = target
         self._ns = namespace
@@ -766,7 +768,8 @@ class _Watcher:
             except (redis.RedisError, OSError) as exc:
                 self._subscribed.clear()
                 self._last_error = exc
-                break
+                if self._stopping.is_set():
+                    break
                 if lost_at is None:
                     lost_at = time.monotonic()
                     log.warning(

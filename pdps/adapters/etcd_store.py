@@ -264,7 +264,9 @@ def _compare(c: Compare) -> Any:
 
 def _request_op(op: TxnOp) -> Any:
     if isinstance(op, Put):
-        put = etcdrpc.PutRequest(key=_key(op.key), value=_value(op.value, op.key), lease=_lease_id(op.lease, f"writing {op.key!r}"))
+        put = etcdrpc.PutRequest(
+            key=_key(op.key), value=_value(op.value, op.key), lease=_lease_id(op.lease, f"writing {op.key!r}")
+        )
         return etcdrpc.RequestOp(request_put=put)
     if isinstance(op, Delete):
         return etcdrpc.RequestOp(request_delete_range=etcdrpc.DeleteRangeRequest(key=_key(op.key)))
@@ -387,14 +389,18 @@ class EtcdStore:
         lost lock writes nothing at all, yet is told apart from the user's compares failing."""
         return self._commit(compares, success, failure, fence, "commit")
 
-    def _commit(self, compares: Sequence[Compare], success: Sequence[TxnOp], failure: Sequence[TxnOp], fence: Fence | None, what: str) -> TxnResult:
+    def _commit(
+        self, compares: Sequence[Compare], success: Sequence[TxnOp], failure: Sequence[TxnOp], fence: Fence | None, what: str
+    ) -> TxnResult:
         txn = etcdrpc.TxnRequest(
             compare=[_compare(c) for c in compares],
             success=[_request_op(op) for op in success],
             failure=[_request_op(op) for op in failure],
         )
         if fence is not None:
-            txn = etcdrpc.TxnRequest(compare=[_compare(c) for c in fence.compares()], success=[etcdrpc.RequestOp(request_txn=txn)])
+            txn = etcdrpc.TxnRequest(
+                compare=[_compare(c) for c in fence.compares()], success=[etcdrpc.RequestOp(request_txn=txn)]
+            )
         resp = self._call(what, lambda ep, t, md: ep.kv.Txn(txn, timeout=t, metadata=md), write=True)
         succeeded = bool(resp.succeeded)
         if fence is not None:
@@ -409,7 +415,9 @@ class EtcdStore:
         if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl <= _MAX_TTL:
             raise StoreError(f"lease TTL must be > 0 and at most {_MAX_TTL} seconds, got {ttl}")
         request = etcdrpc.LeaseGrantRequest(TTL=math.ceil(ttl))  # etcd TTLs are whole seconds
-        resp = self._call(f"grant_lease ttl={ttl}", lambda ep, t, md: ep.lease.LeaseGrant(request, timeout=t, metadata=md), write=True)
+        resp = self._call(
+            f"grant_lease ttl={ttl}", lambda ep, t, md: ep.lease.LeaseGrant(request, timeout=t, metadata=md), write=True
+        )
         if resp.error:
             raise StoreError(f"etcd at {self.url} refused a lease of {ttl} s: {resp.error}")
         return int(resp.ID)
@@ -434,7 +442,9 @@ class EtcdStore:
     def revoke_lease(self, lease: int) -> None:
         request = etcdrpc.LeaseRevokeRequest(ID=_lease_id(lease, "revoke_lease"))
         try:
-            self._call(f"revoke_lease {lease}", lambda ep, t, md: ep.lease.LeaseRevoke(request, timeout=t, metadata=md), write=True)
+            self._call(
+                f"revoke_lease {lease}", lambda ep, t, md: ep.lease.LeaseRevoke(request, timeout=t, metadata=md), write=True
+            )
         except LeaseExpired:
             pass  # unknown or already expired: nothing left to revoke
 
@@ -612,6 +622,7 @@ class _EtcdWatch:
         self._call: Any = None
         self._call_lock = threading.Lock()
         self._streaming = False
+        self._failures = 0  # stream losses since the stream was last open
         self._endpoint_used: _Endpoint | None = None
         self._thread = threading.Thread(target=self._run, name=f"pdps-etcd-watch {prefix}", daemon=True)
 
@@ -645,7 +656,7 @@ class _EtcdWatch:
 
     def _run(self) -> None:
         first, longest = self._store._watch_backoff
-        pause, failures = first, 0
+        pause = first
         while not self._stop.is_set():
             try:
                 self._stream()
@@ -666,10 +677,17 @@ class _EtcdWatch:
             if self._stop.is_set() or self._store._closed:
                 return
             if was_streaming:
-                pause, failures = first, 0
-            failures += 1
-            level = logging.WARNING if failures == 1 else logging.DEBUG
-            log.log(level, "watch on %r at %s lost its stream (%s); resuming from revision %d", self.prefix, self._store.url, reason, self._next)
+                pause = first
+            self._failures += 1
+            level = logging.WARNING if self._failures == 1 else logging.DEBUG
+            log.log(
+                level,
+                "watch on %r at %s lost its stream (%s); resuming from revision %d",
+                self.prefix,
+                self._store.url,
+                reason,
+                self._next,
+            )
             if backoff:
                 if self._stop.wait(pause):
                     return
@@ -717,9 +735,9 @@ class _EtcdWatch:
                 self._store._drop_token()  # the token died with a server restart: log in again
             raise _Restart(f"etcd cancelled the watch: {resp.cancel_reason or 'no reason given'}")
         if resp.created:
-            if not self._streaming:
-                log.debug("watch on %r at %s streaming from revision %d", self.prefix, self._store.url, self._next)
-            self._streaming = True
+            level = logging.INFO if self._failures else logging.DEBUG
+            log.log(level, "watch on %r at %s streaming from revision %d", self.prefix, self._store.url, self._next)
+            self._streaming, self._failures = True, 0
         if not resp.events:
             return
         floor = self._next  # events below it were delivered on an earlier stream

@@ -29,7 +29,7 @@ from typing import Any
 
 import attrs
 
-from pdps.core.errors import ConfigError, FencingError, NotReady, PdpsError, StalePush, Timeout, TransportError
+from pdps.core.errors import ConfigError, FencingError, LeaseExpired, NotReady, PdpsError, StalePush, Timeout, TransportError
 from pdps.core.job import JobConfig, Keys
 from pdps.core.sgd import Mode
 from pdps.core.slots import Block, Layout, ParamSpec, SlotMap
@@ -195,6 +195,13 @@ class TrainerContext:
             self._keeper = None
             raise ConfigError(f"trainer id {self.trainer_id!r} is already registered in job {self.config.name!r}")
 
+    def _rejoin(self) -> None:
+        log.warning("trainer %s is no longer registered (lease lost); registering again", self.trainer_id)
+        keeper, self._keeper = self._keeper, None
+        if keeper is not None:
+            keeper.stop()
+        self.register()
+
     def leave(self, *, crashed: bool = False) -> None:
         """Leave the job. ``crashed`` lets the lease run out instead, as a dead process would."""
         keeper, self._keeper = self._keeper, None
@@ -253,8 +260,19 @@ class TrainerContext:
         held: tuple[int, int] | None = None  # (task, attempt) leased and not yet reported
         bs = self.config.batch_size
         try:
+            rejoins = 0
             while not self._stop.is_set():
-                reply = self._call_master("get_task", Message({"trainer": self.trainer_id}))
+                try:
+                    reply = self._call_master("get_task", Message({"trainer": self.trainer_id}))
+                except LeaseExpired:
+                    # Our key is gone (the lease ran out in an outage or a long pause) and the
+                    # master has re-queued what we held: join again, a few times at most.
+                    rejoins += 1
+                    if rejoins > 3:
+                        raise
+                    self._rejoin()
+                    continue
+                rejoins = 0
                 if reply.meta.get("done"):
                     break
                 if "wait" in reply.meta:

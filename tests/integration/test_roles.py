@@ -226,3 +226,22 @@ def test_a_nan_loss_reaches_no_pserver(tmp_path):
         assert all(ps.version == 0 and not ps._barrier.contributed("t0") for ps in servers)
     finally:
         job.close()
+
+
+def test_a_trainer_whose_lease_ran_out_mid_job_registers_again_and_finishes(source):
+    job = start_job(source, name="rejoin", mode="async", trainers=1, lease_ttl=30.0)
+    try:
+        ctx = job.trainer("t")
+        model = ctx.attach(nn.Sequential(nn.Linear(4, 2)))
+        batches = ctx.batches()
+        batch = next(batches)
+        ctx.step(F.cross_entropy(model(batch["x"]), batch["y"]))
+        job.store.revoke_lease(ctx_lease(job.store, job.config, "t"))  # as if it expired in an outage
+        for batch in batches:
+            ctx.step(F.cross_entropy(model(batch["x"]), batch["y"]))
+        assert job.master.done.is_set()
+        assert job.store.get(Keys(job.config.name).trainer("t")) is not None  # registered again
+        summary = json.loads(job.store.get(Keys(job.config.name).pass_summary(0)).value)
+        assert summary["failed"] == []  # its re-queued task was trained again
+    finally:
+        job.close()

@@ -11,18 +11,24 @@ Contract (every adapter passes ``tests/unit/contract_store.py``):
   starting with ``prefix`` sorted by key.
 * ``commit`` is atomic: either every compare holds and every ``success`` op is
   applied with one new revision, or none is (then ``failure`` ops run instead).
-* A lease is granted with a TTL in seconds. Keys written with a lease are deleted
-  when it expires or is revoked. ``keep_alive`` on an expired or unknown lease
-  raises :class:`~pdps.core.errors.LeaseExpired`; writing with one does too.
+* A lease is granted with a TTL in seconds (a backend may round it up: etcd uses
+  whole seconds and has a minimum). Keys written with a lease are deleted when it
+  expires or is revoked. ``keep_alive`` on an expired or unknown lease raises
+  :class:`~pdps.core.errors.LeaseExpired`; writing with one does too.
 * ``watch(prefix, callback)`` delivers every later PUT and DELETE under the prefix
-  (expiry deletions included) in revision order, on a thread of the adapter's;
-  callbacks must not block for long. ``Watch.cancel()`` stops delivery.
+  (expiry deletions included) in revision order (the ops of one transaction in op
+  order), on a thread of the adapter's; callbacks must not block for long.
+  ``Watch.cancel()`` stops delivery. Backends differ at the edges (see
+  docs/coordination.md): Redis delivers at most once across a reconnect and gives an
+  expiry the revision of the write before it, so roles re-read what they must not miss.
 * The fenced lock: ``acquire_lock(name, lease)`` takes the lock key if it is free
   (tied to the lease, so it vanishes with its holder) and returns a :class:`Fence`.
   ``commit(..., fence=f)`` adds "the lock key still holds this owner, at this
   revision" to the compares and raises :class:`~pdps.core.errors.FencingError`
   when it does not hold: a master that lost its lock can never write.
-* Failures of the backend raise :class:`~pdps.core.errors.StoreError`.
+* Failures of the backend raise :class:`~pdps.core.errors.StoreError`; a server
+  that cannot be reached raises :class:`~pdps.core.errors.StoreUnavailable` promptly
+  (adapters do not retry; :mod:`pdps.roles.resilient` does).
 """
 
 from __future__ import annotations

@@ -8,7 +8,6 @@ the final parameters *pulled from the pservers* with the job's counters.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -19,7 +18,7 @@ from typing import Any
 import attrs
 
 from pdps.core.errors import ConfigError, PdpsError, Timeout
-from pdps.core.job import JobConfig, Keys
+from pdps.core.job import JobConfig, Keys, decode_as, decode_json
 from pdps.core.slots import ParamSpec
 from pdps.ports.compute import Compute
 from pdps.ports.coordination import CoordinationStore
@@ -178,7 +177,7 @@ def fetch_parameters(store: CoordinationStore, transport: Transport, config: Job
     kv = store.get(Keys(config.name).model)
     if kv is None:
         raise PdpsError(f"job {config.name!r} has no model: no trainer attached one")
-    specs = [ParamSpec.from_json(d) for d in json.loads(kv.value)]
+    specs = decode_as(kv.value, kv.key, lambda ds: [ParamSpec.from_json(d) for d in ds])
     group = PserverGroup(store, transport, config, specs)
     # Parameters share one dtype (the replica's flat buffer requires it), so the model is
     # one flat buffer here too and each block lands at its own offset in it.
@@ -200,7 +199,7 @@ def fetch_parameters(store: CoordinationStore, transport: Transport, config: Job
 def _pass_totals(store: CoordinationStore, config: JobConfig) -> tuple[int, int]:
     done = failed = 0
     for kv in store.range(Keys(config.name).passes):
-        summary = json.loads(kv.value)
+        summary = decode_json(kv.value, kv.key)
         done += int(summary["done"])
         failed += len(summary["failed"])
     return done, failed

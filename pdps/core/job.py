@@ -7,8 +7,8 @@ once, in one place. All fields are JSON-safe.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 import attrs
 
@@ -17,6 +17,8 @@ from pdps.core.sgd import Cadence, Mode
 from pdps.core.slots import DEFAULT_MIN_BLOCK, DEFAULT_NUM_SLOTS
 
 DEFAULT_JOB = "default"
+
+T = TypeVar("T")
 
 
 def _positive(name: str):
@@ -105,6 +107,16 @@ class JobConfig:
             return cls.from_json(d)
         except (ConfigError, TypeError, ValueError) as exc:
             raise CorruptRecord(f"{key} holds no valid job config: {exc}", key) from exc
+
+
+def decode_as(raw: bytes, key: str, parse: Callable[[Any], T]) -> T:
+    """``parse(json.loads(raw))``; a value that is not JSON, or not the JSON ``parse``
+    expects, raises :class:`CorruptRecord` naming ``key``."""
+    value = decode_json(raw, key)
+    try:
+        return parse(value)
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
+        raise CorruptRecord(f"{key} does not hold what it should ({exc!r}): {raw[:200]!r}", key) from exc
 
 
 def decode_json(raw: bytes, key: str) -> Any:

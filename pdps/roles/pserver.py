@@ -14,7 +14,7 @@ import threading
 import time
 
 from pdps.core.errors import ConfigError, GradientRejected, NotReady, StoreError, Timeout, TransportError
-from pdps.core.job import JobConfig, Keys
+from pdps.core.job import JobConfig, Keys, decode_as
 from pdps.core.sgd import Barrier, Mode, check_staleness
 from pdps.core.slots import Layout, ParamSpec, SlotMap
 from pdps.ports.compute import Compute, ParameterShard
@@ -218,8 +218,8 @@ class Pserver:
             slots = self._store.get(self._keys.slotmap)
             if model is None or slots is None:
                 raise NotReady(f"job {self.config.name!r} has no model description yet; a trainer must attach first")
-            specs = [ParamSpec.from_json(d) for d in json.loads(model.value)]
-            layout = Layout.build(specs, SlotMap.from_json(json.loads(slots.value)), self.config.min_block)
+            specs = decode_as(model.value, model.key, lambda ds: [ParamSpec.from_json(d) for d in ds])
+            layout = Layout.build(specs, decode_as(slots.value, slots.key, SlotMap.from_json), self.config.min_block)
             assert self.index is not None
             self._shard = self._compute.shard(layout.blocks_of(self.index), self.config.optimizer, self.config.optimizer_args)
             self._members = {self._keys.trainer_id(kv.key) for kv in self._store.range(self._keys.trainers)}

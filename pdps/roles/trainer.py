@@ -30,7 +30,7 @@ from typing import Any
 import attrs
 
 from pdps.core.errors import ConfigError, FencingError, LeaseExpired, NotReady, PdpsError, StalePush, Timeout, TransportError
-from pdps.core.job import JobConfig, Keys
+from pdps.core.job import JobConfig, Keys, decode_as, decode_json
 from pdps.core.sgd import Mode
 from pdps.core.slots import Block, Layout, ParamSpec, SlotMap
 from pdps.core.tasks import TaskSpec
@@ -110,14 +110,14 @@ class PserverGroup:
 
     def __init__(self, store: CoordinationStore, transport: Transport, config: JobConfig, specs: Sequence[ParamSpec]) -> None:
         keys = Keys(config.name)
-        slot_map = SlotMap.from_json(json.loads(wait_for_key(store, keys.slotmap, "the job's slot map")))
+        slot_map = decode_as(wait_for_key(store, keys.slotmap, "the job's slot map"), keys.slotmap, SlotMap.from_json)
         self.layout = Layout.build(specs, slot_map, config.min_block)
         self.parts: list[_Part] = []
         for i in range(slot_map.num_pservers):
             blocks = self.layout.blocks_of(i)
             if not blocks:
                 continue  # a pserver whose slots hold no block of this model is never called
-            addr = json.loads(wait_for_key(store, keys.pserver(i), f"pserver {i}"))["addr"]
+            addr = decode_as(wait_for_key(store, keys.pserver(i), f"pserver {i}"), keys.pserver(i), lambda d: str(d["addr"]))
             self.parts.append(_Part(i, transport.connect(addr), blocks))
 
     def call(self, part: _Part, method: str, request: Message) -> Message:
@@ -235,7 +235,7 @@ class TrainerContext:
         # The trainer that publishes the model initializes every pserver, so the initial
         # values come from one replica even if the trainers' own initializations differ.
         first = self._store.commit((Compare.absent(self._keys.model),), (Put(self._keys.model, specs_json),)).succeeded
-        stored = json.loads(self._store.get(self._keys.model).value)  # type: ignore[union-attr]
+        stored = decode_json(self._store.get(self._keys.model).value, self._keys.model)  # type: ignore[union-attr]
         if stored != json.loads(specs_json):
             raise ConfigError(f"trainer {self.trainer_id!r}: the model does not match the job's ({self._keys.model}): {_diff(stored, replica.specs)}")
         group = PserverGroup(self._store, self._transport, self.config, replica.specs)

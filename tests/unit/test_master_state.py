@@ -158,3 +158,22 @@ def test_corrupt_job_state_stops_the_master_with_an_error_naming_the_key(key, va
     assert info.value.key == full
     assert {kv.key: kv.value for kv in store.range("/")} == before  # nothing written
     assert store.get(Keys("job").master_lock) is None  # the lock is given back
+
+
+def test_a_corrupt_model_or_slot_map_is_reported_with_its_key():
+    from pdps.adapters.torch_compute import TorchCompute
+    from pdps.roles.pserver import Pserver
+
+    store = MemoryStore()
+    master = start(store)
+    ps = Pserver(store, InprocTransport(), TorchCompute("cpu"), master.config)
+    ps.start()
+    try:
+        keys = Keys("job")
+        store.put(keys.model, b'[{"name": "w"}]')  # JSON, but not parameter specs
+        with pytest.raises(CorruptRecord, match=keys.model) as info:
+            ps._ensure_shard()
+        assert info.value.key == keys.model
+    finally:
+        ps.stop()
+        master.stop()

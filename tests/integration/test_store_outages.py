@@ -103,31 +103,30 @@ def test_an_unreachable_store_at_startup_fails_naming_the_url_after_bounded_retr
 # --- mid-job ------------------------------------------------------------------------
 
 
-def test_roles_pause_while_etcd_is_down_and_resume_when_it_returns(dataset):
-    with EtcdServer() as server:
+def restart_etcd(server) -> None:
+    server.kill()
+    time.sleep(3.0)
+    server.start()
+
+
+def freeze_redis(server) -> None:
+    server.pause()
+    time.sleep(3.0)
+    server.resume()
+
+
+@pytest.mark.parametrize(
+    "server_cls, outage, mode",
+    [(EtcdServer, restart_etcd, "sync"), (RedisServer, freeze_redis, "async")],
+    ids=["etcd-killed-and-restarted", "redis-frozen-and-thawed"],
+)
+def test_roles_pause_through_a_3s_outage_and_resume(dataset, server_cls, outage, mode):
+    with server_cls() as server:
         thread, box = run_in_thread(
-            dataset=dataset, store=server.url, name="outage", trainers=2, passes=2, batch_size=2, lease_ttl=10.0, mode="sync"
+            dataset=dataset, store=server.url, name="outage", trainers=2, passes=2, batch_size=2, lease_ttl=10.0, mode=mode
         )
         wait_for_progress(server.url, "outage", 5, thread)
-        server.kill()
-        time.sleep(3.0)
-        server.start()
-        thread.join(120)
-    assert not thread.is_alive()
-    assert "error" not in box, box.get("error")
-    result = box["result"]
-    assert (result.passes, result.tasks_done, result.tasks_failed) == (2, 2 * TASKS, 0)
-
-
-def test_roles_pause_while_redis_is_frozen_and_resume_when_it_thaws(dataset):
-    with RedisServer() as server:
-        thread, box = run_in_thread(
-            dataset=dataset, store=server.url, name="frozen", trainers=2, passes=2, batch_size=2, lease_ttl=10.0, mode="async"
-        )
-        wait_for_progress(server.url, "frozen", 5, thread)
-        server.pause()
-        time.sleep(3.0)
-        server.resume()
+        outage(server)
         thread.join(120)
     assert not thread.is_alive()
     assert "error" not in box, box.get("error")

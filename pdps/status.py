@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from pdps.core.errors import CorruptRecord, NoSuchJob
-from pdps.core.job import JobConfig, Keys, decode_json
+from pdps.core.job import JobConfig, Keys, decode_as, decode_json
 from pdps.ports.coordination import CoordinationStore
 from pdps.roles.master import decode_record
 
@@ -30,11 +30,11 @@ def job_status(store: CoordinationStore, job: str) -> dict[str, Any]:
     config = JobConfig.decode(config_kv.value, keys.config)
 
     pass_kv = store.get(keys.pass_no)
-    pass_no = int(pass_kv.value) if pass_kv is not None else 0
+    pass_no = decode_as(pass_kv.value, keys.pass_no, int) if pass_kv is not None else 0
     state_kv = store.get(keys.state)
-    state = decode_json(state_kv.value, keys.state).get("state", "?") if state_kv else "starting"
+    state = decode_as(state_kv.value, keys.state, lambda d: str(d["state"])) if state_kv else "starting"
     queue_kv = store.get(keys.queue)
-    total = int(decode_json(queue_kv.value, keys.queue)["tasks"]) if queue_kv else None
+    total = decode_as(queue_kv.value, keys.queue, lambda d: int(d["tasks"])) if queue_kv else None
 
     counts = {"pending": 0, "done": 0, "failed": 0}
     corrupt: list[str] = []

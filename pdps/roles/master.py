@@ -28,7 +28,7 @@ import uuid
 from collections.abc import Callable, Sequence
 
 from pdps.core.errors import ConfigError, CorruptRecord, FencingError, LeaseExpired, PdpsError, StoreUnavailable
-from pdps.core.job import JobConfig, Keys, decode_json
+from pdps.core.job import JobConfig, Keys, decode_as, decode_json
 from pdps.core.slots import SlotMap
 from pdps.core.tasks import (
     Assignment,
@@ -203,7 +203,7 @@ class Master:
         queue_kv = self._store.get(self._keys.queue)
         if queue_kv is None:
             self._write([Put(self._keys.queue, json.dumps({"tasks": len(specs)}).encode())])
-        elif decode_json(queue_kv.value, queue_kv.key).get("tasks") != len(specs):
+        elif decode_as(queue_kv.value, queue_kv.key, _task_count) != len(specs):
             raise ConfigError(f"{self._keys.queue} says {queue_kv.value!r} but the dataset {cfg.dataset!r} now has {len(specs)} tasks")
         ids = {s.id for s in specs}
         records = []
@@ -419,6 +419,10 @@ def decode_record(kv: KeyValue, keys: Keys, pass_no: int, ids: set[int] | range 
     if rec.id != key_id or (ids is not None and rec.id not in ids) or rec.pass_no > pass_no or (rec.state.value == "pending" and not rec.trainer):
         raise CorruptRecord(f"{kv.key} holds an impossible record {kv.value[:200]!r} (job at pass {pass_no})", kv.key)
     return rec
+
+
+def _task_count(d: dict) -> int:
+    return int(d["tasks"])
 
 
 def _int_record(kv: KeyValue) -> int:

@@ -144,7 +144,7 @@ def test_a_corrupt_task_record_is_quarantined_and_the_rest_continue():
 
 @pytest.mark.parametrize(
     "key, value",
-    [("pass", b"two"), ("state", b"{not json"), ("state", b'{"state": "sleeping"}'), ("config", b"\x00\x01"), ("queue", b"[")],
+    [("pass", b"two"), ("state", b"{not json"), ("state", b'{"state": "sleeping"}'), ("config", b"\x00\x01"), ("queue", b"["), ("queue", b"[1]")],
 )
 def test_corrupt_job_state_stops_the_master_with_an_error_naming_the_key(key, value):
     store = MemoryStore()

@@ -23,6 +23,7 @@ _REGISTRY: dict[str, dict[str, tuple[str, str | None]]] = {
     },
     "transport": {
         "inproc": ("pdps.adapters.inproc:InprocTransport", None),
+        "grpc": ("pdps.adapters.grpc_transport:GrpcTransport", "grpc"),
     },
     "storage": {
         "file": ("pdps.adapters.fsspec_storage:FsspecStorage", None),
@@ -77,9 +78,12 @@ def open_store(url: str) -> Any:
     return _factory("store", url)(url)
 
 
-def open_transport(url: str) -> Any:
-    """The :class:`~pdps.ports.transport.Transport` serving ``url``'s scheme."""
-    return _factory("transport", url)()
+def open_transport(url: str, **options: Any) -> Any:
+    """The :class:`~pdps.ports.transport.Transport` for ``url``'s scheme (``grpc://`` or
+    just ``grpc``). ``options`` go to the adapter (gRPC: ``token``, ``tls``, ...)."""
+    if "://" not in url:
+        url += "://"
+    return _factory("transport", url)(**options)
 
 
 def open_storage(url: str, **options: Any) -> Any:

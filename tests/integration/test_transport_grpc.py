@@ -1,0 +1,510 @@
+"""The grpc:// transport: the transport contract, plus what only a wire has (codec,
+limits, deadlines, retries, token, TLS, health, published addresses)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pdps.adapters import grpc_transport as gt
+from pdps.adapters.grpc_transport import GrpcTransport, TlsConfig
+from pdps.core.errors import ConfigError, InvalidTransition, NotReady, StalePush, Timeout, TransportError
+from pdps.ports.transport import Message
+from tests.tls import make_tls
+from tests.unit.contract_transport import TransportContract, echo
+
+ROOT = Path(__file__).resolve().parents[2]
+PROTO = ROOT / "pdps" / "adapters" / "proto"
+LOCAL = "grpc://127.0.0.1:0"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def same(req: Message) -> Message:
+    """Replies with the request itself: the reply aliases the request's buffer."""
+    return Message(dict(req.meta), list(req.tensors))
+
+
+def raw_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+@pytest.fixture
+def serve():
+    """serve(handlers, transport=None) -> endpoint; every endpoint is closed after the test."""
+    endpoints = []
+
+    def start(handlers, transport=None, address=LOCAL):
+        ep = (transport or GrpcTransport()).serve(address, handlers)
+        endpoints.append(ep)
+        return ep
+
+    yield start
+    for ep in endpoints:
+        ep.close()
+
+
+class TestGrpc(TransportContract):
+    @pytest.fixture
+    def transport(self):
+        return GrpcTransport()
+
+    @pytest.fixture
+    def address(self):
+        return LOCAL
+
+    @pytest.fixture
+    def unreachable(self):
+        return f"grpc://127.0.0.1:{free_port()}"
+
+
+# --- tensors on the wire ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", sorted(gt.DTYPES), ids=str)
+def test_every_dtype_and_shape_roundtrips_bit_for_bit(serve, dtype):
+    d = gt.DTYPES[dtype]
+    ch = GrpcTransport().connect(serve({"same": same}).address)
+    sent = []
+    for shape in [(), (0,), (7,), (3, 5), (2, 0, 3), (2, 3, 1, 4)]:
+        n = torch.Size(shape).numel() * d.itemsize
+        high = 2 if d == torch.bool else 256
+        sent.append(torch.randint(0, high, (n,), dtype=torch.uint8).view(d).reshape(shape))
+    reply = ch.call("same", Message({"dtype": dtype}, sent))
+    assert reply.meta["dtype"] == dtype
+    for got, want in zip(reply.tensors, sent, strict=True):
+        assert got.dtype == d and got.shape == want.shape
+        assert torch.equal(raw_bytes(got), raw_bytes(want))
+
+
+def test_64_mib_tensor_roundtrips(serve):
+    ch = GrpcTransport().connect(serve({"same": same}).address)
+    big = torch.randn(16 << 20)  # 64 MiB of float32
+    reply = ch.call("same", Message({}, [big, torch.arange(5)]), timeout=120)
+    assert torch.equal(reply.tensors[0], big) and torch.equal(reply.tensors[1], torch.arange(5))
+
+
+def test_non_contiguous_and_odd_tensors_travel_as_their_values(serve):
+    ch = GrpcTransport().connect(serve({"same": same}).address)
+    base = torch.arange(48, dtype=torch.float64).view(6, 8)
+    cases = [
+        base.t()[::2],  # transposed, strided
+        base[:, 3],  # a column
+        torch.ones(3).expand(4, 3),  # stride 0
+        torch.randn(3, requires_grad=True) * 2,  # part of a graph
+        torch.tensor([1 + 2j, 3 - 4j]).conj(),  # lazily conjugated
+        torch.tensor(2.5),  # 0-d
+    ]
+    reply = ch.call("same", Message({}, cases))
+    for got, want in zip(reply.tensors, cases, strict=True):
+        assert got.is_contiguous() and got.shape == want.shape and torch.equal(got, want.detach().resolve_conj())
+
+
+def test_reply_tensors_held_by_the_caller_are_never_overwritten(serve):
+    """Receive buffers are reused, but only once nothing references them."""
+    values = {"v": torch.zeros(1 << 19)}  # 2 MiB: above the pooling threshold
+    ch = GrpcTransport().connect(serve({"pull": lambda req: Message({}, [values["v"]])}).address)
+    first = ch.call("pull", Message({})).tensors[0]
+    for i in range(1, 4):
+        values["v"] = torch.full((1 << 19,), float(i))
+        assert ch.call("pull", Message({})).tensors[0][0].item() == i
+    assert torch.count_nonzero(first).item() == 0
+
+
+def test_concurrent_calls_from_8_threads_on_one_channel(serve):
+    ch = GrpcTransport().connect(serve({"echo": echo}).address)
+    assert GrpcTransport.concurrent is True
+    errors: list[BaseException] = []
+
+    def worker(k: int) -> None:
+        try:
+            for i in range(10):
+                x = torch.full((1000 + 37 * k,), float(k * 100 + i))
+                reply = ch.call("echo", Message({"k": k, "i": i}, [x]), timeout=30)
+                assert reply.meta["echo"]["k"] == k and reply.meta["echo"]["i"] == i
+                assert torch.equal(reply.tensors[0], x)
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)
+    assert errors == []
+
+
+# --- meta, deadlines, errors --------------------------------------------------------
+
+
+def test_timeout_travels_as_deadline_and_as_meta(serve):
+    seen = []
+
+    def look(req: Message) -> Message:
+        seen.append(req.meta.get("timeout"))
+        return Message({})
+
+    ch = GrpcTransport().connect(serve({"look": look}).address)
+    ch.call("look", Message({}), timeout=7.5)
+    ch.call("look", Message({"timeout": 99}), timeout=7.5)  # the caller's own value wins
+    ch.call("look", Message({}))
+    assert seen == [7.5, 99, None]
+
+
+def test_deadline_raises_timeout(serve):
+    release = threading.Event()
+
+    def stall(req: Message) -> Message:
+        release.wait(10)
+        return Message({})
+
+    ch = GrpcTransport().connect(serve({"stall": stall}).address)
+    start = time.monotonic()
+    with pytest.raises(Timeout, match="'stall'"):
+        ch.call("stall", Message({}), timeout=0.5)
+    assert time.monotonic() - start < 5
+    release.set()
+
+
+def test_handler_errors_keep_their_class(serve):
+    def fail(req: Message) -> Message:
+        kind = req.meta["kind"]
+        if kind == "transition":
+            raise InvalidTransition("task 7", "done", "lease", "finished tasks are never leased")
+        if kind == "not_ready":
+            raise NotReady("parameters not initialized")
+        if kind == "timeout":
+            raise Timeout("waited 3 s for round 4")
+        raise StalePush("version 3 is 5 behind")
+
+    ch = GrpcTransport().connect(serve({"fail": fail}).address)
+    with pytest.raises(InvalidTransition, match="'task 7' in state done cannot take event lease: finished tasks"):
+        ch.call("fail", Message({"kind": "transition"}))
+    with pytest.raises(NotReady, match="not initialized"):
+        ch.call("fail", Message({"kind": "not_ready"}))
+    with pytest.raises(Timeout, match="waited 3 s for round 4"):
+        ch.call("fail", Message({"kind": "timeout"}))
+    with pytest.raises(StalePush, match="5 behind"):
+        ch.call("fail", Message({"kind": "stale"}))
+
+
+def test_handler_bug_is_a_transport_error_naming_address_method_and_message(serve):
+    def buggy(req: Message) -> Message:
+        raise KeyError("weights")
+
+    def wrong_reply(req: Message) -> Message:
+        return {"not": "a Message"}  # type: ignore[return-value]
+
+    ep = serve({"buggy": buggy, "wrong": wrong_reply, "echo": echo})
+    ch = GrpcTransport().connect(ep.address)
+    with pytest.raises(TransportError) as info:
+        ch.call("buggy", Message({}))
+    assert type(info.value) is TransportError
+    assert ep.address in str(info.value) and "'buggy'" in str(info.value) and "KeyError" in str(info.value)
+    with pytest.raises(TransportError, match="returned dict, not Message"):
+        ch.call("wrong", Message({}))
+    assert ch.call("echo", Message({"still": "up"})).meta == {"echo": {"still": "up"}}
+
+
+def test_request_over_max_request_bytes_is_refused_before_the_handler(serve):
+    calls = []
+    ep = serve({"echo": lambda req: calls.append(1) or echo(req)}, GrpcTransport(max_request_bytes=1 << 20))
+    ch = GrpcTransport().connect(ep.address)
+    with pytest.raises(TransportError, match="max_request_bytes"):
+        ch.call("echo", Message({}, [torch.zeros((1 << 18) + 1)]))  # 1 MiB + 4 bytes
+    assert calls == []
+    assert ch.call("echo", Message({}, [torch.zeros(1 << 18)])).tensors[0].numel() == 1 << 18  # exactly the limit
+
+
+def test_bad_meta_is_refused_on_the_callers_side():
+    with pytest.raises(TransportError, match="not JSON-safe"):
+        GrpcTransport().connect("grpc://127.0.0.1:1").call("m", Message({"x": object()}))
+    with pytest.raises(TransportError, match="cannot travel"):
+        GrpcTransport().connect("grpc://127.0.0.1:1").call("m", Message({}, [torch.ones(2).to_sparse()]))
+
+
+# --- retries ---------------------------------------------------------------------------
+
+
+def test_call_retries_until_a_late_server_comes_up():
+    port = free_port()
+    endpoints = []
+
+    def late() -> None:
+        time.sleep(1.0)
+        endpoints.append(GrpcTransport().serve(f"grpc://127.0.0.1:{port}", {"echo": echo}))
+
+    starter = threading.Thread(target=late)
+    starter.start()
+    try:
+        reply = GrpcTransport(connect_timeout=10).connect(f"grpc://127.0.0.1:{port}").call("echo", Message({"n": 1}), timeout=10)
+        assert reply.meta == {"echo": {"n": 1, "timeout": 10}}
+    finally:
+        starter.join()
+        for ep in endpoints:
+            ep.close()
+
+
+def test_no_retry_once_the_server_accepted_the_request():
+    """The connection dies while the handler runs, and a server is back on the same
+    port at once: a retry would run the handler a second time."""
+    runs = []
+    entered = threading.Event()
+
+    def slow(req: Message) -> Message:
+        runs.append(req.meta["n"])
+        entered.set()
+        time.sleep(1.0)
+        return Message({})
+
+    first = GrpcTransport().serve(LOCAL, {"slow": slow})
+    second = []
+
+    def kill() -> None:
+        entered.wait(10)
+        first.close(grace=0)
+        second.append(GrpcTransport().serve(f"grpc://127.0.0.1:{first.port}", {"slow": slow}))
+
+    killer = threading.Thread(target=kill)
+    killer.start()
+    try:
+        with pytest.raises(TransportError, match="after the server accepted it"):
+            GrpcTransport().connect(first.address).call("slow", Message({"n": 1}), timeout=10)
+    finally:
+        killer.join()
+        for ep in second:
+            ep.close()
+    assert runs == [1]
+    assert second, "the second server did not come up"
+
+
+def test_unreachable_address_is_named_after_bounded_retries():
+    address = f"grpc://127.0.0.1:{free_port()}"
+    start = time.monotonic()
+    with pytest.raises(TransportError, match=f"cannot reach {address}"):
+        GrpcTransport(connect_timeout=0.5).connect(address).call("echo", Message({}))
+    assert time.monotonic() - start < 5
+
+
+# --- token -----------------------------------------------------------------------------
+
+
+def test_token_required_wrong_and_right(serve):
+    calls = []
+    ep = serve({"echo": lambda req: calls.append(1) or echo(req)}, GrpcTransport(token="s3cret"))
+    with pytest.raises(TransportError, match="authentication failed.*no bearer token"):
+        GrpcTransport().connect(ep.address).call("echo", Message({}, [torch.ones(3)]))
+    with pytest.raises(TransportError, match="authentication failed.*wrong bearer token"):
+        GrpcTransport(token="guess").connect(ep.address).call("echo", Message({}, [torch.ones(3)]))
+    assert calls == []
+    reply = GrpcTransport(token="s3cret").connect(ep.address).call("echo", Message({"ok": 1}))
+    assert reply.meta == {"echo": {"ok": 1}} and calls == [1]
+
+
+def test_bad_options_are_config_errors():
+    for kwargs in ({"token": ""}, {"token": "two\nlines"}, {"chunk_bytes": 10}, {"workers": 0}, {"connect_timeout": 0}):
+        with pytest.raises(ConfigError):
+            GrpcTransport(**kwargs)
+    with pytest.raises(ConfigError, match="cert=..., key="):
+        GrpcTransport(tls=TlsConfig(ca="/nonexistent")).serve(LOCAL, {})
+    with pytest.raises(ConfigError, match="/nonexistent/ca.pem"):
+        GrpcTransport(tls=TlsConfig(ca="/nonexistent/ca.pem")).connect("grpc://127.0.0.1:1")
+
+
+# --- health --------------------------------------------------------------------------
+
+
+def test_health_serving_then_not_serving_after_close_and_exempt_from_the_token():
+    ep = GrpcTransport(token="s3cret").serve(LOCAL, {"echo": echo})
+    channel = grpc.insecure_channel(ep.address.removeprefix("grpc://"))
+    stub = health_pb2_grpc.HealthStub(channel)
+    serving = health_pb2.HealthCheckResponse.SERVING
+    for service in ("", gt.SERVICE):
+        assert stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status == serving
+    watch = stub.Watch(health_pb2.HealthCheckRequest(service=""), timeout=10)
+    assert next(watch).status == serving
+    closer = threading.Thread(target=ep.close)
+    closer.start()
+    assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
+    watch.cancel()
+    closer.join(10)
+    assert not closer.is_alive()
+    ep.close()  # idempotent
+    channel.close()
+
+
+# --- TLS -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tls(tmp_path_factory):
+    return make_tls(tmp_path_factory.mktemp("tls"))
+
+
+def test_tls_call(serve, tls):
+    ep = serve({"echo": echo}, GrpcTransport(tls=TlsConfig(cert=tls["server_cert"], key=tls["server_key"])))
+    ch = GrpcTransport(tls=TlsConfig(ca=tls["ca"])).connect(ep.address)
+    assert torch.equal(ch.call("echo", Message({}, [torch.arange(4)]), timeout=10).tensors[0], torch.arange(4))
+
+
+def test_mutual_tls_call_and_a_client_without_certificate_is_refused(serve, tls):
+    server = GrpcTransport(tls=TlsConfig(cert=tls["server_cert"], key=tls["server_key"], ca=tls["ca"]))
+    ep = serve({"echo": echo}, server)
+    client = GrpcTransport(tls=TlsConfig(cert=tls["client_cert"], key=tls["client_key"], ca=tls["ca"]))
+    assert client.connect(ep.address).call("echo", Message({"m": 1}), timeout=10).meta == {"echo": {"m": 1, "timeout": 10}}
+    with pytest.raises(TransportError, match=f"cannot reach {ep.address}"):
+        GrpcTransport(tls=TlsConfig(ca=tls["ca"]), connect_timeout=0.5).connect(ep.address).call("echo", Message({}))
+
+
+def test_plaintext_client_to_tls_server_fails(serve, tls):
+    ep = serve({"echo": echo}, GrpcTransport(tls=TlsConfig(cert=tls["server_cert"], key=tls["server_key"])))
+    with pytest.raises(TransportError, match=ep.address):
+        GrpcTransport(connect_timeout=0.5).connect(ep.address).call("echo", Message({}), timeout=5)
+
+
+def test_tls_client_without_the_ca_fails(serve, tls):
+    ep = serve({"echo": echo}, GrpcTransport(tls=TlsConfig(cert=tls["server_cert"], key=tls["server_key"])))
+    with pytest.raises(TransportError, match=ep.address):
+        GrpcTransport(tls=TlsConfig(), connect_timeout=0.5).connect(ep.address).call("echo", Message({}), timeout=5)
+
+
+def test_tls_client_to_plaintext_server_fails(serve, tls):
+    ep = serve({"echo": echo})
+    with pytest.raises(TransportError, match=ep.address):
+        GrpcTransport(tls=TlsConfig(ca=tls["ca"]), connect_timeout=0.5).connect(ep.address).call("echo", Message({}), timeout=5)
+
+
+# --- addresses -------------------------------------------------------------------------
+
+
+def test_wildcard_bind_publishes_the_advertised_host(serve):
+    ep = serve({"echo": echo}, GrpcTransport(advertise_host="pserver-0.pdps.svc"), address="grpc://0.0.0.0:0")
+    assert ep.address == f"grpc://pserver-0.pdps.svc:{ep.port}"
+    reply = GrpcTransport().connect(f"grpc://127.0.0.1:{ep.port}").call("echo", Message({"via": "loopback"}))
+    assert reply.meta == {"echo": {"via": "loopback"}}
+    ep2 = serve({"echo": echo}, address="grpc://0.0.0.0:0")
+    assert ep2.address == f"grpc://{socket.gethostname()}:{ep2.port}"
+    assert serve({}).address.startswith("grpc://127.0.0.1:")  # a named host is published as given
+
+
+def test_bad_addresses_and_a_taken_port(serve):
+    for bad in ("inproc://x", "grpc://no-port", "grpc://host:notaport"):
+        with pytest.raises(TransportError, match="grpc://host:port"):
+            GrpcTransport().connect(bad)
+    ep = serve({})
+    with pytest.raises(TransportError, match="cannot serve gRPC"):
+        GrpcTransport().serve(f"grpc://127.0.0.1:{ep.port}", {})
+
+
+def test_registry_opens_the_grpc_transport_with_options():
+    from pdps.registry import open_transport
+
+    transport = open_transport("grpc", token="t", chunk_bytes=2 << 20)
+    assert isinstance(transport, GrpcTransport) and transport.token == "t" and transport.chunk_bytes == 2 << 20
+    assert isinstance(open_transport("grpc://"), GrpcTransport)
+
+
+# --- the codec and the generated code --------------------------------------------------
+
+
+def test_generated_code_is_fresh(tmp_path):
+    """Fails when transport.proto changed without scripts/gen-proto being run."""
+    env = {**os.environ, "PYTHON": sys.executable}
+    subprocess.run([str(ROOT / "scripts" / "gen-proto"), str(tmp_path)], check=True, capture_output=True, timeout=120, env=env)
+    for name in ("transport_pb2.py", "transport_pb2_grpc.py"):
+        assert (tmp_path / name).read_bytes() == (PROTO / name).read_bytes(), f"{name} is stale: run scripts/gen-proto"
+
+
+def test_generated_stub_names_the_path_the_adapter_serves():
+    from pdps.adapters.proto import transport_pb2, transport_pb2_grpc
+
+    assert transport_pb2.DESCRIPTOR.services_by_name["Transport"].full_name == gt.SERVICE
+    assert hasattr(transport_pb2_grpc.TransportStub, "__init__") and gt.CALL_PATH == f"/{gt.SERVICE}/Call"
+
+
+HEADERS = [
+    gt.Header("", "", ()),
+    gt.Header("push", '{"trainer":"t1","round":3}', (gt.TensorSpec("float32", (3, 4), 48), gt.TensorSpec("bool", (), 1))),
+    gt.Header("ünïcode", '{"k":"✓"}', (gt.TensorSpec("bfloat16", (0, 5), 0), gt.TensorSpec("", (), 0))),
+    gt.Header("m", "{}", (gt.TensorSpec("int64", (-1, 1 << 40), 1 << 62),)),  # negative dims encode as int64
+]
+
+
+@pytest.mark.parametrize("header", HEADERS)
+def test_hand_codec_and_generated_classes_agree_on_headers(header):
+    from pdps.adapters.proto import transport_pb2 as pb
+
+    ours = gt.encode_header(header)
+    frame = pb.Frame.FromString(ours)
+    assert frame.WhichOneof("body") == "header"
+    assert frame.header.method == header.method and frame.header.meta_json == header.meta_json
+    specs = [gt.TensorSpec(s.dtype, tuple(s.shape), s.nbytes) for s in frame.header.tensors]
+    assert specs == list(header.tensors)
+    theirs = pb.Frame(
+        header=pb.Header(
+            method=header.method,
+            meta_json=header.meta_json,
+            tensors=[pb.TensorSpec(dtype=s.dtype, shape=s.shape, nbytes=s.nbytes) for s in header.tensors],
+        )
+    ).SerializeToString()
+    assert theirs == ours
+    assert gt.decode_frame(theirs) == header
+
+
+@pytest.mark.parametrize("size", [0, 1, 127, 128, 300, 1 << 20])
+def test_hand_codec_and_generated_classes_agree_on_chunks(size):
+    from pdps.adapters.proto import transport_pb2 as pb
+
+    payload = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    ours = gt.chunk_prefix(size) + payload
+    frame = pb.Frame.FromString(ours)
+    assert frame.WhichOneof("body") == "chunk" and frame.chunk == payload
+    theirs = pb.Frame(chunk=payload).SerializeToString()
+    assert theirs == ours
+    assert bytes(gt.decode_frame(theirs)) == payload
+
+
+def test_decoder_reads_what_protobuf_may_also_write():
+    """Unpacked repeated shape and unknown fields are valid protobuf: accepted."""
+    from pdps.adapters.proto import transport_pb2 as pb
+
+    spec = b"\x0a\x07float32" + b"\x10\x02\x10\x03" + b"\x18\x18" + b"\x20\x07"  # shape unpacked; field 4 unknown
+    header = b"\x0a\x01m" + b"\x1a" + bytes([len(spec)]) + spec + b"\x2d\x00\x00\x00\x00"  # field 5 fixed32 unknown
+    frame = b"\x0a" + bytes([len(header)]) + header + b"\x39" + bytes(8)  # field 7 fixed64 unknown
+    parsed = pb.Frame.FromString(frame).header
+    want = gt.Header("m", "", (gt.TensorSpec("float32", (2, 3), 24),))
+    assert (parsed.method, list(parsed.tensors[0].shape), parsed.tensors[0].nbytes) == ("m", [2, 3], 24)
+    assert gt.decode_frame(frame) == want
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        (b"", "empty frame"),
+        (b"\x0a\x05ab", "past the end"),
+        (b"\x12\x80", "truncated varint"),
+        (b"\x0b", "wire type 3"),
+        (b"\x08\x01", "not length-delimited"),
+        (b"\x0a\x00\x12\x00", "one body"),
+        (b"\x0a\x03\x0a\x01\xff", "not UTF-8"),
+        (b"\x0a" + b"\xff" * 11, "longer than 10 bytes"),
+    ],
+)
+def test_decoder_rejects_malformed_frames(data, message):
+    with pytest.raises(gt.FrameError, match=message):
+        gt.decode_frame(data)

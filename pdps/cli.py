@@ -5,7 +5,12 @@ Progress goes to stderr; with ``--json`` the last line of stdout is one JSON obj
 
 ``pdps status STORE_URL`` shows a job as the coordination store holds it.
 
-Exit codes: 0 success, 1 the job does not exist, 2 any other pdps error.
+``pdps master``, ``pdps pserver`` and ``pdps trainer TARGET`` run one role as this
+process; ``pdps launch TARGET`` runs a whole job on this machine. Their settings
+come from a TOML file, ``PDPS_*`` variables and flags (:mod:`pdps.settings`).
+
+Exit codes: 0 success, 1 the job does not exist (status) or the training function
+raised (trainer), 2 any other pdps error, 3 a role lost its lease or lock (restart it).
 """
 
 from __future__ import annotations
@@ -19,10 +24,10 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from pdps.core.errors import NoSuchJob, PdpsError
+from pdps.core.errors import ConfigError, NoSuchJob, PdpsError
 from pdps.core.job import DEFAULT_JOB
 
-DEMO_DEFAULTS = {"passes": 30, "batch_size": 32, "optimizer": "Adam", "lr": 0.001}
+from pdps.examples.digits import JOB_DEFAULTS as DEMO_DEFAULTS
 
 
 def _positive_int(text: str) -> int:
@@ -46,10 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"pdps {_version()}")
     parser.add_argument(
         "--log-level",
-        default="WARNING",
+        default=argparse.SUPPRESS,
         type=str.upper,
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-        help="logging level for pdps's own messages (default: %(default)s)",
+        help="logging level for pdps's own messages (default: WARNING; INFO for roles and launch)",
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -85,7 +90,66 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     status.add_argument("--connect-timeout", type=float, default=10.0, help="seconds to keep retrying an unreachable store")
     status.set_defaults(func=cmd_status)
+
+    from pdps import settings
+
+    roles = {
+        "master": ("serve a job's task queue (creates the job if the store has none)", "Serve the job's task queue: "
+                   "take the master lock (or stand by until it is free), restore the queue from the store, and exit when "
+                   "the last pass is done."),
+        "pserver": ("hold a slice of the parameters and apply the optimizer", "Claim a pserver index, serve init/push/pull "
+                    "for the blocks of its slots, until SIGTERM."),
+        "trainer": ("run a training function against a job", "Run TARGET (module:function or path/to/file.py:function) "
+                    "with a TrainerContext until the job is done or SIGTERM."),
+        "launch": ("run a whole job on this machine, one process per role", "Create the job, start a master, M pservers and "
+                   "N trainers running TARGET as processes, restart roles that die, and report how the job ended."),
+    }
+    for name, (short, long) in roles.items():
+        p = sub.add_parser(name, help=short, description=long + " Settings: TOML file < PDPS_* environment < flags.")
+        settings.add_flags(p, name, skip=("target",))
+        if name in ("trainer", "launch"):
+            p.add_argument("target", metavar="TARGET", nargs="?", default=argparse.SUPPRESS, help="module:function or path/to/file.py:function")
+        p.set_defaults(func=globals()[f"cmd_{name}"], role=True)
     return parser
+
+
+def _settings(args: argparse.Namespace, defaults: dict | None = None) -> dict:
+    from pdps import settings
+
+    given = {k: v for k, v in vars(args).items() if k in settings.BY_NAME or k == "config"}
+    return settings.resolve(args.command, given, defaults=defaults)
+
+
+def cmd_master(args: argparse.Namespace) -> int:
+    from pdps.process import run_master
+
+    return run_master(args.values)
+
+
+def cmd_pserver(args: argparse.Namespace) -> int:
+    from pdps.process import run_pserver
+
+    return run_pserver(args.values)
+
+
+def cmd_trainer(args: argparse.Namespace) -> int:
+    from pdps.process import run_trainer
+
+    return run_trainer(args.values)
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    from pdps.launch import launch
+    from pdps.process import load_target
+
+    values = args.values
+    if not values.get("target"):
+        raise ConfigError("pdps launch needs a training function: TARGET (module:function or path/to/file.py:function)")
+    _, module = load_target(values["target"])
+    defaults = getattr(module, "JOB_DEFAULTS", None)
+    if defaults:
+        values = _settings(args, defaults=dict(defaults))  # the module's defaults, under file, env and flags
+    return launch(values)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -107,6 +171,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     import pdps
     from pdps.examples import digits
+    from pdps.launch import describe, summary
 
     workdir = Path(tempfile.mkdtemp(prefix="pdps-demo-"))
     try:
@@ -139,32 +204,38 @@ def cmd_demo(args: argparse.Namespace) -> int:
         acc = digits.accuracy(result.params, x_test, y_test)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    summary = {
-        "accuracy": round(acc, 6),
-        "mode": args.mode,
-        "trainers": args.trainers,
-        "pservers": args.pservers,
-        "passes": result.passes,
-        "tasks_done": result.tasks_done,
-        "tasks_failed": result.tasks_failed,
-        "steps": result.steps,
-        "seconds": round(result.seconds, 3),
-    }
-    print(
-        f"held-out accuracy {acc:.4f} after {result.passes} passes, {result.steps} updates, "
-        f"{result.tasks_done} tasks done, {result.tasks_failed} failed, in {result.seconds:.1f}s",
-        file=sys.stderr,
+    s = summary(
+        {
+            "mode": args.mode,
+            "trainers": args.trainers,
+            "pservers": args.pservers,
+            "passes": result.passes,
+            "tasks_done": result.tasks_done,
+            "tasks_failed": result.tasks_failed,
+            "steps": result.steps,
+            "seconds": result.seconds,
+        },
+        {"accuracy": acc},
     )
+    print(describe(s), file=sys.stderr)
     if args.json:
-        print(json.dumps(summary))
+        print(json.dumps(s))
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
     try:
+        if getattr(args, "role", False):
+            from pdps.launch import die_with_launcher
+
+            die_with_launcher()
+            args.values = _settings(args)
+            logging.basicConfig(level=args.values["log_level"], format=fmt, stream=sys.stderr)
+        else:
+            logging.basicConfig(level=getattr(args, "log_level", "WARNING"), format=fmt, stream=sys.stderr)
         return int(args.func(args))
     except PdpsError as exc:
         print(f"pdps: error: {exc}", file=sys.stderr)

@@ -147,7 +147,7 @@ def simulate(
         if not master.done.is_set():
             raise PdpsError(f"all trainers returned but job {config.name!r} is not done: {master.counts()}")
         params = fetch_parameters(st, tr, config)
-        done, failed = _pass_totals(st, config)
+        done, failed = pass_totals(st, config)
         return SimulationResult(
             params=params,
             passes=master.passes_completed,
@@ -172,6 +172,11 @@ def simulate(
 
 def fetch_parameters(store: CoordinationStore, transport: Transport, config: JobConfig) -> dict[str, Any]:
     """The model's current parameters, pulled from the pservers, as ``name -> tensor``."""
+    return fetch_model(store, transport, config)[0]
+
+
+def fetch_model(store: CoordinationStore, transport: Transport, config: JobConfig) -> tuple[dict[str, Any], int]:
+    """The model's current parameters and the updates applied by the busiest pserver."""
     import torch
 
     kv = store.get(Keys(config.name).model)
@@ -182,9 +187,11 @@ def fetch_parameters(store: CoordinationStore, transport: Transport, config: Job
     # Parameters share one dtype (the replica's flat buffer requires it), so the model is
     # one flat buffer here too and each block lands at its own offset in it.
     flat = torch.empty(sum(s.numel for s in specs), dtype=getattr(torch, specs[0].dtype))
+    steps = 0
     try:
         for part in group.parts:
             reply = group.call(part, "pull", Message({"trainer": "fetch"}))
+            steps = max(steps, int(reply.meta.get("version", 0)))
             for block, tensor in zip(part.blocks, reply.tensors):
                 flat[block.offset : block.offset + block.numel].copy_(tensor.reshape(-1))
     finally:
@@ -193,10 +200,11 @@ def fetch_parameters(store: CoordinationStore, transport: Transport, config: Job
     for s in specs:
         params[s.name] = flat[offset : offset + s.numel].view(s.shape)
         offset += s.numel
-    return params
+    return params, steps
 
 
-def _pass_totals(store: CoordinationStore, config: JobConfig) -> tuple[int, int]:
+def pass_totals(store: CoordinationStore, config: JobConfig) -> tuple[int, int]:
+    """Task completions and failures summed over the job's finished passes."""
     done = failed = 0
     for kv in store.range(Keys(config.name).passes):
         summary = decode_json(kv.value, kv.key)

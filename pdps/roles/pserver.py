@@ -27,18 +27,32 @@ log = logging.getLogger(__name__)
 WAIT_LOG_EVERY = 5.0
 
 
-def claim_index(store: CoordinationStore, keys: Keys, lease: int, value: bytes) -> int:
-    """Claim the first free ``/ps/<i>`` below the desired count, by transaction."""
+def claim_index(store: CoordinationStore, keys: Keys, lease: int, value: bytes, *, index: int | None = None, wait: float = 0.0) -> int:
+    """Claim ``/ps/<index>``, or the first free index below the desired count, by transaction.
+
+    A fixed ``index`` (a StatefulSet's ordinal) that another lease still holds is
+    waited for up to ``wait`` seconds: a restarted pserver's old claim lives until
+    its lease runs out.
+    """
     kv = store.get(keys.ps_desired)
     if kv is None:
         raise ConfigError(f"job has no {keys.ps_desired}; start the master (or publish the job) first")
     desired = int(kv.value)
-    for i in range(desired):
-        if store.commit((Compare.absent(keys.pserver(i)),), (Put(keys.pserver(i), value, lease),)).succeeded:
-            return i
-        kv = store.get(keys.pserver(i))
-        if kv is not None and kv.value == value and kv.lease == lease:
-            return i  # our own claim, whose reply an outage lost (the value names our address)
+    if index is not None and not 0 <= index < desired:
+        raise ConfigError(f"pserver index {index} is out of range: job {keys.job!r} has {desired} pservers (0..{desired - 1})")
+    deadline = time.monotonic() + wait
+    while True:
+        for i in range(desired) if index is None else (index,):
+            if store.commit((Compare.absent(keys.pserver(i)),), (Put(keys.pserver(i), value, lease),)).succeeded:
+                return i
+            kv = store.get(keys.pserver(i))
+            if kv is not None and kv.value == value and kv.lease == lease:
+                return i  # our own claim, whose reply an outage lost (the value names our address)
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.1)
+    if index is not None:
+        raise ConfigError(f"pserver index {index} of job {keys.job!r} is still held by another pserver after {wait:.0f}s")
     raise ConfigError(f"all {desired} pserver indexes of job {keys.job!r} are taken")
 
 
@@ -51,8 +65,12 @@ class Pserver:
         config: JobConfig,
         *,
         address: str = "inproc://",
+        index: int | None = None,
+        claim_wait: float = 0.0,
     ) -> None:
         self.config = config
+        self._want_index = index
+        self._claim_wait = claim_wait
         self._store = store
         self._transport = transport
         self._compute = compute
@@ -76,20 +94,35 @@ class Pserver:
         self._endpoint = self._transport.serve(self._address, {"init": self._init, "push": self._push, "pull": self._pull})
         self._keeper = LeaseKeeper(self._store, self.config.lease_ttl, name="pserver")
         value = json.dumps({"addr": self._endpoint.address}).encode()
-        self.index = claim_index(self._store, self._keys, self._keeper.lease, value)
+        try:
+            self.index = claim_index(self._store, self._keys, self._keeper.lease, value, index=self._want_index, wait=self._claim_wait)
+        except BaseException:
+            self.stop()
+            raise
         self._watch = self._store.watch(self._keys.trainers, self._on_trainer_event)
         log.info("pserver %d of job %r serving at %s", self.index, self.config.name, self._endpoint.address)
 
     def stop(self) -> None:
+        """Stop serving: waiting pulls end first, in-flight calls finish, then the claim goes."""
         self._stopped = True
+        with self._cond:
+            self._cond.notify_all()
         if self._watch is not None:
             self._watch.cancel()
         if self._endpoint is not None:
             self._endpoint.close()
         if self._keeper is not None:
             self._keeper.stop()
-        with self._cond:
-            self._cond.notify_all()
+
+    @property
+    def lease_lost(self) -> bool:
+        """True once the store dropped this pserver's lease (its index may be someone else's)."""
+        return self._keeper is not None and self._keeper.lost
+
+    @property
+    def address(self) -> str:
+        assert self._endpoint is not None
+        return self._endpoint.address
 
     @property
     def steps(self) -> int:

@@ -119,6 +119,13 @@ class PserverGroup:
                 continue  # a pserver whose slots hold no block of this model is never called
             addr = decode_as(wait_for_key(store, keys.pserver(i), f"pserver {i}"), keys.pserver(i), lambda d: str(d["addr"]))
             self.parts.append(_Part(i, transport.connect(addr), blocks))
+        # Calls to different pservers overlap when the transport's calls release the GIL
+        # (gRPC); in-process calls are plain function calls and stay on this thread.
+        self._pool = None
+        if getattr(transport, "concurrent", False) and len(self.parts) > 1:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(len(self.parts), thread_name_prefix="pdps-pserver-call")
 
     def call(self, part: _Part, method: str, request: Message) -> Message:
         """Call one pserver, retrying while it is not ready (it learns the model lazily)."""
@@ -131,7 +138,28 @@ class PserverGroup:
                     raise
                 time.sleep(0.02)
 
+    def call_each(self, method: str, requests: Sequence[tuple[_Part, Message]]) -> list[Message | StalePush]:
+        """Call several pservers, concurrently where the transport allows. A stale push
+        comes back in its place in the list; any other error is raised once all calls ended."""
+
+        def one(part: _Part, request: Message) -> Message | StalePush:
+            try:
+                return self.call(part, method, request)
+            except StalePush as exc:
+                return exc
+
+        if self._pool is None or len(requests) < 2:
+            return [one(part, req) for part, req in requests]
+        futures = [self._pool.submit(one, part, req) for part, req in requests]
+        errors = [f.exception() for f in futures]
+        for exc in errors:
+            if exc is not None:
+                raise exc
+        return [f.result() for f in futures]
+
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
         for p in self.parts:
             p.channel.close()
 
@@ -358,16 +386,18 @@ class TrainerContext:
         assert self._replica is not None and self._group is not None
         if samples:
             self._replica.check_finite(self.trainer_id)  # all pservers or none: fail before the first push
+        requests = [
+            (part, Message({"trainer": self.trainer_id, "round": part.round_no, "samples": samples, "blocks": part.keys}, self._replica.grads(part.blocks) if samples else []))
+            for part in self._group.parts
+        ]
         stale = False
-        for part in self._group.parts:
-            grads = self._replica.grads(part.blocks) if samples else []
-            try:
-                self._group.call(part, "push", Message({"trainer": self.trainer_id, "round": part.round_no, "samples": samples, "blocks": part.keys}, grads))
-                self.pushes += 1 if samples else 0
-            except StalePush as exc:
+        for (part, _), reply in zip(requests, self._group.call_each("push", requests)):
+            if isinstance(reply, StalePush):
                 stale = True
                 self.stale_pushes += 1
-                log.warning("trainer %s: push to pserver %d was stale (%s); pulling", self.trainer_id, part.index, exc)
+                log.warning("trainer %s: push to pserver %d was stale (%s); pulling", self.trainer_id, part.index, reply)
+            elif samples:
+                self.pushes += 1
         self._replica.zero_grad()
         self._pull(after_round=not stale)
 
@@ -389,15 +419,18 @@ class TrainerContext:
         """Push the summed gradients to every pserver; True if one of them said pull."""
         assert self._replica is not None and self._group is not None
         self._replica.check_finite(self.trainer_id)
+        requests = [
+            (part, Message({"trainer": self.trainer_id, "version": part.version, "blocks": part.keys}, self._replica.grads(part.blocks)))
+            for part in self._group.parts
+        ]
         stale = False
-        for part in self._group.parts:
-            try:
-                self._group.call(part, "push", Message({"trainer": self.trainer_id, "version": part.version, "blocks": part.keys}, self._replica.grads(part.blocks)))
-                self.pushes += 1
-            except StalePush as exc:
+        for (part, _), reply in zip(requests, self._group.call_each("push", requests)):
+            if isinstance(reply, StalePush):
                 stale = True
                 self.stale_pushes += 1
-                log.info("trainer %s: pserver %d dropped a stale push: %s", self.trainer_id, part.index, exc)
+                log.info("trainer %s: pserver %d dropped a stale push: %s", self.trainer_id, part.index, reply)
+            else:
+                self.pushes += 1
         self._replica.zero_grad()
         return stale
 
@@ -412,20 +445,34 @@ class TrainerContext:
         trainer just pushed to close (sync)."""
         assert self._group is not None
         replica = self._replica
+        requests = []
         for part in self._group.parts:
             meta: dict[str, Any] = {"trainer": self.trainer_id}
             if after_round:
                 meta["after_round"] = part.round_no
-            reply = self._group.call(part, "pull", Message(meta))
+            requests.append((part, Message(meta)))
+        for part, reply in zip(self._group.parts, self._group.call_each("pull", requests)):
+            assert isinstance(reply, Message)  # pulls are never stale
             part.round_no = int(reply.meta["round"])
             part.version = int(reply.meta["version"])
             if replica is not None:
                 replica.load(part.blocks, reply.tensors)
 
-    def _master_channel(self) -> Channel:
+    def _master_channel(self) -> Channel | None:
+        """The master's channel; ``None`` once the job is done and its master has left."""
         if self._master is None:
-            addr = wait_for_key(self._store, self._keys.master_addr, "the master").decode()
-            self._master = self._transport.connect(addr)
+            start = last = time.monotonic()
+            while (kv := self._store.get(self._keys.master_addr)) is None:
+                if job_done(self._store, self._keys):
+                    return None
+                now = time.monotonic()
+                if now - start > DISCOVERY_TIMEOUT:
+                    raise Timeout(f"gave up after {DISCOVERY_TIMEOUT:.0f}s waiting for the master ({self._keys.master_addr})")
+                if now - last > 5.0:
+                    last = now
+                    log.warning("trainer %s: waiting %.0fs for the master (%s)", self.trainer_id, now - start, self._keys.master_addr)
+                time.sleep(0.05)
+            self._master = self._transport.connect(kv.value.decode())
         return self._master
 
     def _call_master(self, method: str, request: Message) -> Message:
@@ -433,12 +480,15 @@ class TrainerContext:
 
         A standby takes over within about a lease TTL and publishes its address under
         ``master/addr``; until then this retries with backoff, for at most
-        ``DISCOVERY_TIMEOUT`` seconds.
+        ``DISCOVERY_TIMEOUT`` seconds. A master that left because the job is done
+        answers for itself through the store: there are no more tasks.
         """
         deadline: float | None = None
         delay = 0.05
         while True:
             channel = self._master_channel()
+            if channel is None:
+                return Message({"done": True} if method == "get_task" else {"accepted": False, "reason": "the job is done"})
             try:
                 return channel.call(method, request)
             except (TransportError, FencingError) as exc:
@@ -453,6 +503,15 @@ class TrainerContext:
                 self._master = None
                 time.sleep(delay)
                 delay = min(delay * 2, 1.0)
+
+
+def job_done(store: CoordinationStore, keys: Keys) -> bool:
+    """True once the job's ``state`` says its last pass is done."""
+    kv = store.get(keys.state)
+    if kv is None:
+        return False
+    state = decode_json(kv.value, kv.key)
+    return isinstance(state, dict) and state.get("state") == "done"
 
 
 def _holds(store: CoordinationStore, key: str, value: bytes) -> bool:

@@ -1,0 +1,276 @@
+"""Roles as processes: the composition root of ``pdps master``, ``pdps pserver`` and
+``pdps trainer``.
+
+Each role needs only the store URL and the job name: it reads the job's
+configuration from the store and finds the others there. Its own settings (how
+to serve, TLS, token) come from :mod:`pdps.settings`.
+
+Shutdown: SIGTERM (or SIGINT) asks the role to stop gracefully — a trainer
+finishes its mini-batch and gives its tasks back, a pserver stops serving once
+in-flight calls end, a master releases its lock so a standby takes over at once.
+A second signal, or ``grace`` seconds without an exit, ends the process hard.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from pdps.core.errors import ConfigError, PdpsError
+from pdps.core.job import JobConfig, Keys
+from pdps.ports.coordination import CoordinationStore
+
+log = logging.getLogger(__name__)
+
+#: Exit code of a role that stopped because it lost its lease or its lock (restart it).
+EXIT_LOST = 3
+
+
+def load_target(spec: str) -> tuple[Callable[..., Any], ModuleType]:
+    """The training function named by ``module:function`` or ``path/to/file.py:function``."""
+    where, sep, name = spec.rpartition(":")
+    if not sep or not where or not name:
+        raise ConfigError(f"training target {spec!r} must look like module:function or path/to/file.py:function")
+    if where.endswith(".py") or os.sep in where:
+        path = Path(where)
+        if not path.is_file():
+            raise ConfigError(f"training target {spec!r}: no file {path}")
+        module_name = f"pdps_target_{path.stem}"
+        mod_spec = importlib.util.spec_from_file_location(module_name, path)
+        assert mod_spec is not None and mod_spec.loader is not None
+        module = importlib.util.module_from_spec(mod_spec)
+        sys.modules[module_name] = module
+        mod_spec.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ImportError as exc:
+            raise ConfigError(f"training target {spec!r}: cannot import {where!r}: {exc}") from exc
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ConfigError(f"training target {spec!r}: {where} has no function {name!r}")
+    return fn, module
+
+
+def open_role_transport(values: Mapping[str, Any]) -> Any:
+    """The transport a role's settings describe (gRPC with its token and TLS files)."""
+    from pdps.registry import open_transport
+
+    if values["transport"] == "inproc":
+        return open_transport("inproc")
+    cert, key, ca = values.get("tls_cert"), values.get("tls_key"), values.get("tls_ca")
+    if bool(cert) != bool(key):
+        raise ConfigError("tls_cert and tls_key go together: give both or neither")
+    for name, path in (("tls_cert", cert), ("tls_key", key), ("tls_ca", ca)):
+        if path and not os.path.isfile(path):
+            raise ConfigError(f"{name} {path} is not a readable file")
+    options: dict[str, Any] = {"token": values.get("token"), "advertise_host": values.get("advertise")}
+    if cert or ca:
+        from pdps.adapters.grpc_transport import TlsConfig
+
+        options["tls"] = TlsConfig(cert=cert, key=key, ca=ca)
+    return open_transport(values["transport"], **options)
+
+
+def serve_address(values: Mapping[str, Any]) -> str:
+    if values["transport"] == "inproc":
+        return "inproc://"
+    listen = values["listen"]
+    if ":" not in listen:
+        raise ConfigError(f"listen must be host:port, got {listen!r}")
+    return f"{values['transport']}://{listen}"
+
+
+class Shutdown:
+    """Turns SIGTERM/SIGINT into ``requested``; the role stops itself gracefully.
+
+    ``on_request`` runs on a helper thread (never inside the signal handler). If the
+    process has not exited ``grace`` seconds later, or a second signal arrives, it
+    exits hard.
+    """
+
+    def __init__(self, grace: float, on_request: Callable[[], None] | None = None) -> None:
+        self.requested = threading.Event()
+        self._grace = grace
+        self._on_request = on_request
+        signal.signal(signal.SIGTERM, self._handle)
+        signal.signal(signal.SIGINT, self._handle)
+
+    def _handle(self, signum: int, _frame: object) -> None:
+        if self.requested.is_set():
+            os._exit(128 + signum)
+        self.requested.set()
+        threading.Thread(target=self._stop, args=(signum,), name="pdps-shutdown", daemon=True).start()
+
+    def _stop(self, signum: int) -> None:
+        log.info("%s: stopping gracefully (up to %.0f s)", signal.Signals(signum).name, self._grace)
+        if self._on_request is not None:
+            self._on_request()
+        time.sleep(self._grace)
+        log.error("still running %.0f s after %s; exiting hard", self._grace, signal.Signals(signum).name)
+        logging.shutdown()
+        os._exit(128 + signum)
+
+
+def _connect(values: Mapping[str, Any]) -> CoordinationStore:
+    from pdps.roles.resilient import connect_store
+
+    return connect_store(values["store"], timeout=values["connect_timeout"])
+
+
+def _stored_config(store: CoordinationStore, job: str, *, wait: bool) -> JobConfig | None:
+    from pdps.roles.trainer import DISCOVERY_TIMEOUT, wait_for_key
+
+    keys = Keys(job)
+    if wait:
+        raw = wait_for_key(store, keys.config, f"job {job!r} (start its master, or pdps launch)", timeout=DISCOVERY_TIMEOUT)
+        return JobConfig.decode(raw, keys.config)
+    kv = store.get(keys.config)
+    return None if kv is None else JobConfig.decode(kv.value, keys.config)
+
+
+def _resilient(store: CoordinationStore, config: JobConfig) -> CoordinationStore:
+    from pdps.roles.resilient import ResilientStore
+
+    return ResilientStore(store, deadline=config.store_outage_deadline)
+
+
+def run_master(values: Mapping[str, Any]) -> int:
+    """Serve the job's task queue until the job is done (or SIGTERM). Exit code."""
+    from pdps.registry import open_data_source
+    from pdps.roles.master import Master
+    from pdps.settings import job_config
+
+    store = _connect(values)
+    try:
+        config = _stored_config(store, values["job"], wait=False)
+        if config is None:
+            config = job_config(values)
+            if not config.dataset:
+                raise ConfigError(f"job {config.name!r} does not exist yet and no dataset is set: give --dataset URL (or PDPS_DATASET)")
+            log.info("creating job %r", config.name)
+        else:
+            log.info("job %r exists; serving its stored configuration", config.name)
+        st = _resilient(store, config)
+        master = Master(st, open_role_transport(values), open_data_source(config.dataset), config, address=serve_address(values))
+        shutdown = Shutdown(values["grace"], on_request=master.stop)
+        master.start(standby=True)
+        if shutdown.requested.is_set() or not master.leading.is_set():
+            return 0 if master.error is None else 2
+        keys = Keys(config.name)
+        done_at: float | None = None
+        while not shutdown.requested.wait(0.2):
+            if master.error is not None:
+                log.error("master stopped: %s", master.error)
+                return 2
+            if master.stopped:
+                log.error("master lost its lock; exiting so it can be restarted as a standby")
+                return EXIT_LOST
+            if master.done.is_set():
+                done_at = done_at or time.monotonic()
+                if not st.range(keys.trainers) or time.monotonic() - done_at > values["linger"]:
+                    log.info("job %r is done after %d passes", config.name, config.passes)
+                    break
+        master.stop()
+        return 0
+    finally:
+        store.close()
+
+
+def run_pserver(values: Mapping[str, Any]) -> int:
+    """Serve a slice of the parameters until SIGTERM. Exit code."""
+    from pdps.adapters.torch_compute import TorchCompute
+    from pdps.roles.pserver import Pserver
+
+    store = _connect(values)
+    try:
+        config = _stored_config(store, values["job"], wait=True)
+        assert config is not None
+        st = _resilient(store, config)
+        ps = Pserver(
+            st,
+            open_role_transport(values),
+            TorchCompute(),
+            config,
+            address=serve_address(values),
+            index=values.get("index"),
+            claim_wait=3 * config.lease_ttl,  # a restarted pserver's old claim outlives it by a TTL at most
+        )
+        shutdown = Shutdown(values["grace"])
+        ps.start()
+        print(json.dumps({"pserver": ps.index, "address": ps.address}), flush=True)
+        while not shutdown.requested.wait(0.2):
+            if ps.lease_lost:
+                log.error("pserver %s lost its lease; exiting so it can be restarted", ps.index)
+                ps.stop()
+                return EXIT_LOST
+        ps.stop()
+        log.info("pserver %s stopped", ps.index)
+        return 0
+    finally:
+        store.close()
+
+
+def default_trainer_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
+
+
+def run_trainer(values: Mapping[str, Any]) -> int:
+    """Run the training function until the job is done (or SIGTERM). Exit code.
+
+    The last line of stdout is a JSON object: the trainer's id, its counters, and
+    what the function returned (when it is JSON-safe).
+    """
+    from pdps.adapters.torch_compute import TorchCompute
+    from pdps.registry import open_data_source
+    from pdps.roles.trainer import TrainerContext
+
+    if not values.get("target"):
+        raise ConfigError("pdps trainer needs a training function: TARGET (module:function or file.py:function)")
+    fn, _module = load_target(values["target"])
+    store = _connect(values)
+    try:
+        config = _stored_config(store, values["job"], wait=True)
+        assert config is not None
+        st = _resilient(store, config)
+        ctx = TrainerContext(
+            st,
+            open_role_transport(values),
+            TorchCompute(),
+            open_data_source(config.dataset),
+            config,
+            trainer_id=values.get("trainer_id") or default_trainer_id(),
+        )
+        shutdown = Shutdown(values["grace"], on_request=ctx.request_stop)
+        ctx.register()
+        try:
+            result = fn(ctx)
+        except PdpsError:
+            raise
+        except Exception:
+            log.exception("trainer %s: the training function %s raised", ctx.trainer_id, values["target"])
+            return 1
+        finally:
+            ctx.leave()
+        line = {"trainer": ctx.trainer_id, "steps": ctx.steps, "tasks_done": ctx.tasks_done, "stopped": shutdown.requested.is_set()}
+        try:
+            line["result"] = json.loads(json.dumps(result))
+        except (TypeError, ValueError):
+            line["result"] = repr(result)
+        print(json.dumps(line), flush=True)
+        return 0
+    finally:
+        store.close()

@@ -1,0 +1,261 @@
+"""Settings of the role processes (``pdps master|pserver|trainer|launch``).
+
+One table, :data:`SETTINGS`, names every setting once: its type, default, which
+commands take it and what it means. Each setting can come from three places, in
+increasing order of precedence:
+
+1. a TOML file (``--config FILE`` or ``PDPS_CONFIG``), flat keys named as below;
+2. environment variables ``PDPS_<NAME>`` (``PDPS_STORE``, ``PDPS_BATCH_SIZE``, ...);
+3. command-line flags ``--<name-with-dashes>`` (``--store``, ``--batch-size``, ...).
+
+*Role* settings say how a process reaches the others (store, transport, TLS, token);
+*job* settings are :class:`~pdps.core.job.JobConfig` fields, read by whoever creates
+the job (``pdps launch``, or ``pdps master`` when the store has no job yet). Every
+other role reads the job's configuration from the store, never from its own settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from pdps.core.errors import ConfigError
+from pdps.core.job import DEFAULT_JOB, JobConfig
+
+log = logging.getLogger(__name__)
+
+ENV_PREFIX = "PDPS_"
+
+MASTER, PSERVER, TRAINER, LAUNCH = "master", "pserver", "trainer", "launch"
+ROLES = (MASTER, PSERVER, TRAINER)
+ALL = (MASTER, PSERVER, TRAINER, LAUNCH)
+CREATES_JOB = (MASTER, LAUNCH)
+
+
+def _bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected true or false, got {text!r}")
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+def _optional_int(text: str) -> int | None:
+    return None if text.strip().lower() in ("", "none") else int(text)
+
+
+@attrs.frozen
+class Setting:
+    name: str
+    parse: Callable[[str], Any]  # from a flag or an environment variable
+    default: Any
+    commands: tuple[str, ...]
+    help: str
+    job: bool = False  # a JobConfig field
+    choices: tuple[str, ...] | None = None
+    secret: bool = False  # never shown in logs or summaries
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+_JOB_DEFAULTS = JobConfig()
+
+
+def _job(name: str, parse: Callable[[str], Any], help: str, **kw: Any) -> Setting:
+    return Setting(name, parse, getattr(_JOB_DEFAULTS, name), CREATES_JOB, help, job=True, **kw)
+
+
+SETTINGS: tuple[Setting, ...] = (
+    # --- role settings ------------------------------------------------------------------
+    Setting("store", str, None, ALL, "coordination store URL (etcd://host:port, redis://host:port/db, ...); required"),
+    Setting("job", str, DEFAULT_JOB, ALL, "job name: the namespace /pdps/<job>/ in the store"),
+    Setting("transport", str, "grpc", ALL, "how roles exchange tensors: grpc (processes) or inproc (launch only: one process)", choices=("grpc", "inproc")),
+    Setting("listen", str, "127.0.0.1:0", (MASTER, PSERVER), "host:port to serve on (port 0 picks a free one)"),
+    Setting("advertise", str, None, (MASTER, PSERVER), "host others use to reach this role (default: the listen host, or the hostname when listening on 0.0.0.0)"),
+    Setting("token", str, None, ALL, "shared secret every gRPC call must carry; calls without it are refused", secret=True),
+    Setting("token_file", str, None, ALL, "file holding the token (e.g. a mounted Kubernetes secret); used when token is unset"),
+    Setting("tls_cert", str, None, ALL, "PEM certificate this role presents (as a server, and as a client for mutual TLS)"),
+    Setting("tls_key", str, None, ALL, "PEM private key of tls_cert"),
+    Setting("tls_ca", str, None, ALL, "PEM CA bundle: servers require client certificates it signed; clients verify servers with it"),
+    Setting("connect_timeout", float, 10.0, ALL, "seconds to keep retrying an unreachable store at startup"),
+    Setting("grace", float, 30.0, ALL, "seconds a role gets after SIGTERM to finish its batch and leave before it is stopped hard"),
+    Setting("log_level", str.upper, "INFO", ALL, "logging level of the role's messages (stderr)", choices=("DEBUG", "INFO", "WARNING", "ERROR")),
+    Setting("index", _optional_int, None, (PSERVER,), "pserver index to claim (a StatefulSet's ordinal); default: the first free one"),
+    Setting("trainer_id", str, None, (TRAINER,), "this trainer's id in the job (default: host-pid-random)"),
+    Setting("target", str, None, (TRAINER, LAUNCH), "the training function, module:function or path/to/file.py:function"),
+    Setting("linger", float, 30.0, (MASTER,), "after the last pass, seconds the master keeps serving for trainers still registered"),
+    Setting("restart", str, "on-failure", (LAUNCH,), "restart roles that die (on-failure) or not (never)", choices=("on-failure", "never")),
+    Setting("max_restarts", int, 5, (LAUNCH,), "restarts per role before the launcher gives up on the job"),
+    Setting("timeout", float, 3600.0, (LAUNCH,), "seconds the launcher waits for the job before stopping it"),
+    Setting("json", _bool, False, (LAUNCH,), "print the summary as one JSON object on the last line of stdout"),
+    # --- job settings (JobConfig fields) ---------------------------------------------
+    _job("dataset", str, "dataset URL (Parquet directory or file: file://, s3://); default: the target module's dataset() hook"),
+    _job("mode", str, "sync-SGD (a barrier per step) or async-SGD", choices=("sync", "async")),
+    _job("trainers", int, "number of trainers"),
+    _job("pservers", int, "number of parameter servers"),
+    _job("optimizer", str, "torch.optim class (or registered import path) the pservers apply"),
+    _job("optimizer_args", _json_object, "the optimizer's keyword arguments, a JSON object (a table in TOML)"),
+    Setting("lr", float, None, CREATES_JOB, "shortcut for optimizer_args.lr", job=True),
+    _job("batch_size", int, "mini-batch size per trainer"),
+    _job("passes", int, "passes over the dataset"),
+    _job("push_every", int, "async: push every n mini-batches"),
+    _job("pull_every", int, "async: pull every m mini-batches"),
+    _job("staleness", _optional_int, "async: drop pushes more than this many versions behind (none: no bound)"),
+    _job("failure_max", int, "failures of one task before it is given up for the pass"),
+    _job("task_timeout", float, "seconds a leased task may stay pending before it is re-queued"),
+    _job("max_in_flight", int, "tasks one trainer may hold at once"),
+    _job("lease_ttl", float, "seconds a role's lease lives without keep-alives (how fast a dead role is noticed)"),
+    _job("num_slots", int, "slots the parameters are hashed into"),
+    _job("min_block", int, "parameters smaller than this many elements are not split across slots"),
+    _job("store_outage_deadline", float, "seconds a role rides out an unreachable store before it exits"),
+)
+
+BY_NAME = {s.name: s for s in SETTINGS}
+
+
+def for_command(command: str) -> list[Setting]:
+    return [s for s in SETTINGS if command in s.commands]
+
+
+def add_flags(parser: argparse.ArgumentParser, command: str, *, skip: Sequence[str] = ()) -> None:
+    """Add ``--config`` and one flag per setting of ``command``; unset flags stay absent."""
+    parser.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS, help=f"TOML file of settings (env {ENV_PREFIX}CONFIG)")
+    for s in for_command(command):
+        if s.name in skip:
+            continue
+        default = "" if s.default is None else f" (default: {s.default})"
+        kw: dict[str, Any] = {"dest": s.name, "default": argparse.SUPPRESS, "help": f"{s.help}{default}; env {s.env}"}
+        if s.parse is _bool:
+            kw["action"] = "store_true"
+        else:
+            kw["type"] = s.parse
+            kw["metavar"] = s.name.upper()
+            if s.choices:
+                kw["choices"] = s.choices
+                kw.pop("metavar")
+        parser.add_argument(s.flag, **kw)
+
+
+def _load_toml(path: str) -> dict[str, Any]:
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - exercised on 3.10 only
+        import tomli as tomllib
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except OSError as exc:
+        raise ConfigError(f"cannot read settings file {path}: {exc.strerror}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"settings file {path} is not valid TOML: {exc}") from exc
+
+
+def _check(s: Setting, value: Any, origin: str) -> Any:
+    if s.choices and value not in s.choices:
+        raise ConfigError(f"{s.name} must be one of {', '.join(s.choices)}, got {value!r} ({origin})")
+    return value
+
+
+def resolve(
+    command: str, flags: Mapping[str, Any], env: Mapping[str, str] | None = None, *, defaults: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """The settings of ``command``: defaults < TOML file < ``PDPS_*`` environment < ``flags``.
+
+    ``defaults`` replace built-in defaults of job settings (a target module's
+    ``JOB_DEFAULTS``: the digits example trains with Adam for 30 passes).
+
+    ``flags`` holds only what was given on the command line (plus ``config``). A
+    setting another command takes, or a name no command knows, is an error in a
+    file or a flag; unknown ``PDPS_*`` variables are logged and ignored (the
+    environment is shared with everything else).
+    """
+    env = os.environ if env is None else env
+    mine = {s.name: s for s in for_command(command)}
+    values: dict[str, Any] = {name: s.default for name, s in mine.items()}
+    for name, value in (defaults or {}).items():
+        if name not in BY_NAME or not BY_NAME[name].job:
+            raise ConfigError(f"job defaults name {name!r}, which is not a job setting")
+        if name in mine:
+            values[name] = value
+    path = flags.get("config") or env.get(ENV_PREFIX + "CONFIG")
+    if path:
+        for name, value in _load_toml(path).items():
+            if name not in BY_NAME:
+                raise ConfigError(f"{path}: unknown setting {name!r}; known settings: {', '.join(sorted(BY_NAME))}")
+            if name in mine:
+                s = mine[name]
+                if isinstance(value, str) and s.parse not in (str, str.upper):
+                    value = _parse(s, value, f"{path}: {name}")
+                values[name] = _check(s, value, f"{path}: {name}")
+            # a setting of another command is allowed in a shared file, and ignored here
+    known_env = {s.env for s in SETTINGS} | {ENV_PREFIX + "CONFIG"}
+    for var in sorted(v for v in env if v.startswith(ENV_PREFIX) and v not in known_env):
+        log.warning("ignoring unknown environment variable %s", var)
+    for name, s in mine.items():
+        if s.env in env:
+            values[name] = _check(s, _parse(s, env[s.env], s.env), s.env)
+    for name, value in flags.items():
+        if name == "config":
+            continue
+        if name not in mine:
+            raise ConfigError(f"pdps {command} takes no setting {name!r}")
+        values[name] = _check(mine[name], value, BY_NAME[name].flag)
+    if values.get("token") is None and values.get("token_file"):
+        try:
+            with open(values["token_file"], encoding="utf-8") as f:
+                values["token"] = f.read().strip()
+        except OSError as exc:
+            raise ConfigError(f"cannot read token_file {values['token_file']}: {exc.strerror}") from exc
+        if not values["token"]:
+            raise ConfigError(f"token_file {values['token_file']} is empty")
+    if not values.get("store"):
+        raise ConfigError(f"pdps {command} needs a coordination store: --store URL, {ENV_PREFIX}STORE or store = \"...\" in a settings file")
+    return values
+
+
+def _parse(s: Setting, text: str, origin: str) -> Any:
+    try:
+        return s.parse(text)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"{origin}: cannot read {s.name} from {text!r}: {exc}") from exc
+
+
+def job_config(values: Mapping[str, Any]) -> JobConfig:
+    """The JobConfig the resolved settings describe (``lr`` folded into ``optimizer_args``)."""
+    fields = {s.name: values[s.name] for s in SETTINGS if s.job and s.name in values and s.name != "lr"}
+    if values.get("lr") is not None:
+        fields["optimizer_args"] = {**fields.get("optimizer_args", {}), "lr": values["lr"]}
+    return JobConfig(name=values["job"], **fields)
+
+
+def role_env(values: Mapping[str, Any]) -> dict[str, str]:
+    """The ``PDPS_*`` variables that hand a launcher's role settings to its children."""
+    out = {}
+    for s in SETTINGS:
+        if s.job or LAUNCH not in s.commands or s.name in ("target", "restart", "max_restarts", "timeout", "json"):
+            continue
+        value = values.get(s.name)
+        if value is not None and s.name != "token_file":
+            out[s.env] = str(value)
+    return out

@@ -1,0 +1,41 @@
+"""Training functions for role-process tests, loaded by file path (``.../slow.py:train``)."""
+
+import os
+import time
+
+import torch.nn.functional as F
+
+from pdps.examples.digits import make_model
+
+
+def train(ctx):
+    """The digits loop, slowed down so a test can catch a trainer holding its tasks."""
+    model = ctx.attach(make_model())
+    delay = float(os.environ.get("SLOW_TRAIN_DELAY", "0.5"))
+    for batch in ctx.batches():
+        time.sleep(delay)
+        ctx.step(F.cross_entropy(model(batch["x"]), batch["y"]))
+    return {"steps": ctx.steps}
+
+
+def crash_once(ctx):
+    """Crash the first trainer process that gets here (a marker file remembers), after a
+    few steps; every later run trains normally."""
+    marker = os.environ["CRASH_MARKER"]
+    model = ctx.attach(make_model())
+    for batch in ctx.batches():
+        ctx.step(F.cross_entropy(model(batch["x"]), batch["y"]))
+        if ctx.steps == 3 and not os.path.exists(marker):
+            with open(marker, "w") as f:
+                f.write(ctx.trainer_id)
+            os._exit(17)
+    return {"steps": ctx.steps}
+
+
+JOB_DEFAULTS = {"passes": 2, "batch_size": 32, "optimizer": "Adam", "lr": 0.001}
+
+
+def dataset(root_url):
+    from pdps.examples.digits import dataset as digits_dataset
+
+    return digits_dataset(root_url)

@@ -1,0 +1,213 @@
+"""Roles as real processes over gRPC, finding each other through a real etcd.
+
+``pdps launch`` trains the digits example with 2 pserver and 3 trainer processes;
+roles started by hand shut down gracefully on SIGTERM; TLS and the token keep
+strangers out; the launcher restarts a crashed trainer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from pdps.core.job import Keys
+from pdps.core.errors import TransportError
+from pdps.ports.transport import Message
+from pdps.registry import open_store
+
+pytestmark = pytest.mark.integration
+
+SUMMARY = {"accuracy", "mode", "trainers", "pservers", "passes", "tasks_done", "tasks_failed", "steps", "seconds"}
+TARGETS = Path(__file__).parent / "targets"
+
+
+def job_name() -> str:
+    return f"p-{uuid.uuid4().hex[:8]}"
+
+
+def pdps_args(*args: str) -> list[str]:
+    return [sys.executable, "-m", "pdps", *args]
+
+
+def run_pdps(*args: str, env: dict | None = None, timeout: float = 280) -> subprocess.CompletedProcess:
+    return subprocess.run(pdps_args(*args), capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def last_json(stdout: str) -> dict:
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture
+def procs():
+    """Role processes started by a test; whatever is still running at the end is killed."""
+    started: list[subprocess.Popen] = []
+
+    def start(*args: str, env: dict | None = None) -> subprocess.Popen:
+        p = subprocess.Popen(
+            pdps_args(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+        )
+        started.append(p)
+        return p
+
+    yield start
+    for p in started:
+        if p.poll() is None:
+            p.kill()
+        p.communicate(timeout=30)
+
+
+def wait_until(predicate, timeout: float, what: str, every: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_launch_trains_digits_across_processes(etcd_server, mode):
+    """The demo's function, 3 trainer and 2 pserver processes over gRPC, etcd for discovery:
+    the same summary line as ``pdps demo --json`` and the same accuracy bar."""
+    proc = run_pdps(
+        "launch", "--job", job_name(), "--trainers", "3", "--pservers", "2", "--store", etcd_server.url,
+        "--transport", "grpc", "--mode", mode, "--restart", "never", "--json", "pdps.examples.digits:train",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = last_json(proc.stdout)
+    assert set(summary) == SUMMARY
+    assert summary["accuracy"] >= 0.95, summary
+    assert (summary["mode"], summary["trainers"], summary["pservers"], summary["passes"]) == (mode, 3, 2, 30)
+    assert summary["tasks_failed"] == 0 and summary["tasks_done"] == 30 * 36 and summary["steps"] > 0
+    assert "[master]" in proc.stderr and "[pserver-1]" in proc.stderr  # each role's log, relayed and named
+    assert "pass 30/30" in proc.stderr
+
+
+def test_the_same_function_in_process_reaches_the_bar():
+    proc = run_pdps("launch", "--store", "memory://", "--transport", "inproc", "--trainers", "3", "--pservers", "2", "--json", "pdps.examples.digits:train")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = last_json(proc.stdout)
+    assert set(summary) == SUMMARY and summary["accuracy"] >= 0.95 and summary["passes"] == 30
+
+
+def test_sigterm_gives_a_trainers_task_back_at_once(etcd_server, procs, tmp_path):
+    """With a 60 s task timeout and a 30 s lease, a SIGTERM'd trainer's task is back in todo
+    within seconds, not counted as a failure; then the pserver and the master stop cleanly."""
+    from pdps.examples.digits import dataset
+
+    job = job_name()
+    keys = Keys(job)
+    store = open_store(etcd_server.url)
+    common = ("--store", etcd_server.url, "--job", job)
+    master = procs(
+        "master", *common, "--dataset", dataset(tmp_path.as_uri()), "--mode", "async", "--passes", "50",
+        "--task-timeout", "60", "--lease-ttl", "30", "--optimizer", "Adam", "--lr", "0.001",
+    )  # fmt: skip
+    pserver = procs("pserver", *common)
+    trainer = procs("trainer", *common, "--trainer-id", "t-slow", f"{TARGETS / 'slow.py'}:train", env={"SLOW_TRAIN_DELAY": "0.3"})
+
+    def held() -> list[dict]:
+        records = [json.loads(kv.value) for kv in store.range(keys.tasks)]
+        return [r for r in records if r["state"] == "pending" and r["trainer"] == "t-slow"]
+
+    task = wait_until(held, 120, "the trainer to lease a task")[0]
+    start = time.monotonic()
+    trainer.send_signal(signal.SIGTERM)
+    wait_until(lambda: not held(), 20, "the task to come back")
+    back_in = time.monotonic() - start
+    record = json.loads(store.get(keys.task(task["id"])).value)
+    assert back_in < 10.0, f"task came back after {back_in:.1f}s: that is a lease expiry or a timeout, not a give-back"
+    assert record["failures"] == 0 and record["state"] in ("todo", "pending", "done")  # given back, maybe re-leased
+    out, err = trainer.communicate(timeout=30)
+    assert trainer.returncode == 0, err[-2000:]
+    assert last_json(out)["stopped"] is True and last_json(out)["trainer"] == "t-slow"
+    assert store.get(keys.trainer("t-slow")) is None  # left at once, not when its lease ran out
+
+    assert store.get(keys.pserver(0)) is not None
+    pserver.send_signal(signal.SIGTERM)
+    _, err = pserver.communicate(timeout=30)
+    assert pserver.returncode == 0, err[-2000:]
+    assert store.get(keys.pserver(0)) is None  # its claim went with it
+
+    master.send_signal(signal.SIGTERM)
+    _, err = master.communicate(timeout=30)
+    assert master.returncode == 0, err[-2000:]
+    assert store.get(keys.master_lock) is None and store.get(keys.master_addr) is None
+    store.close()
+
+
+def test_tls_job_trains_and_strangers_are_refused(etcd_server, tmp_path):
+    from pdps.adapters.grpc_transport import GrpcTransport, TlsConfig
+    from tests.tls import make_tls
+
+    tls = make_tls(tmp_path)
+    job = job_name()
+    env = {
+        **os.environ,
+        "PDPS_TLS_CERT": tls["server_cert"], "PDPS_TLS_KEY": tls["server_key"], "PDPS_TLS_CA": tls["ca"], "PDPS_TOKEN": "t0ken",
+    }  # fmt: skip
+    launcher = subprocess.Popen(
+        pdps_args("launch", "--job", job, "--trainers", "2", "--pservers", "2", "--store", etcd_server.url, "--passes", "20", "--restart", "never", "--json", "pdps.examples.digits:train"),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    try:
+        store = open_store(etcd_server.url)
+        addr = wait_until(lambda: (kv := store.get(Keys(job).master_addr)) and kv.value.decode(), 120, "the master")
+        store.close()
+        request = Message({"trainer": "stranger"})
+        with pytest.raises(TransportError):  # plaintext to a TLS server
+            GrpcTransport(token="t0ken", connect_timeout=2).connect(addr).call("get_task", request, timeout=5)
+        with pytest.raises(TransportError):  # TLS, trusted CA, but no client certificate
+            GrpcTransport(token="t0ken", tls=TlsConfig(ca=tls["ca"]), connect_timeout=2).connect(addr).call("get_task", request, timeout=5)
+        with pytest.raises(TransportError, match="(?i)auth|token"):  # mutual TLS, wrong token
+            mtls = TlsConfig(cert=tls["client_cert"], key=tls["client_key"], ca=tls["ca"])
+            GrpcTransport(token="wrong", tls=mtls, connect_timeout=2).connect(addr).call("get_task", request, timeout=5)
+        out, err = launcher.communicate(timeout=280)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.communicate()
+    assert launcher.returncode == 0, err[-3000:]
+    summary = last_json(out)
+    assert summary["passes"] == 20 and summary["tasks_failed"] == 0 and summary["accuracy"] >= 0.9
+
+
+def test_launch_restarts_a_crashed_trainer(etcd_server, tmp_path):
+    marker = tmp_path / "crashed"
+    proc = run_pdps(
+        "launch", "--job", job_name(), "--trainers", "2", "--pservers", "1", "--store", etcd_server.url, "--lease-ttl", "2",
+        "--restart", "on-failure", "--json", f"{TARGETS / 'slow.py'}:crash_once",
+        env={"CRASH_MARKER": str(marker)},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    crashed = marker.read_text()
+    assert f"[launch] {crashed} exited with code 17; restarting it (1/5)" in proc.stderr
+    summary = last_json(proc.stdout)
+    assert summary["passes"] == 2 and summary["tasks_done"] == 2 * 36  # every task of both passes trained
+
+
+def test_launch_without_restarts_reports_the_failure(etcd_server, tmp_path):
+    proc = run_pdps(
+        "launch", "--job", job_name(), "--trainers", "2", "--pservers", "1", "--store", etcd_server.url,
+        "--restart", "never", "--json", f"{TARGETS / 'slow.py'}:crash_once",
+        env={"CRASH_MARKER": str(tmp_path / "crashed")},
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert "exited with code 17; not restarting it (--restart never)" in last_json(proc.stdout)["error"]
+    assert "pdps: error:" in proc.stderr
+
+
+def test_bad_target_and_missing_store_are_clear_errors(etcd_server):
+    proc = run_pdps("trainer", "--store", etcd_server.url, "no_such_module_xyz:train", timeout=60)
+    assert proc.returncode == 2 and "cannot import 'no_such_module_xyz'" in proc.stderr
+    proc = run_pdps("pserver", timeout=60, env={"PDPS_STORE": ""})
+    assert proc.returncode == 2 and "needs a coordination store" in proc.stderr

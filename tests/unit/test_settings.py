@@ -1,0 +1,122 @@
+"""Role settings: TOML < PDPS_* environment < flags, with clear errors on bad input."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdps.core.errors import ConfigError
+from pdps.core.sgd import Mode
+from pdps.process import load_target
+from pdps.settings import BY_NAME, SETTINGS, job_config, resolve, role_env
+
+
+def write(tmp_path, text: str) -> str:
+    path = tmp_path / "pdps.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_precedence_file_then_env_then_flags(tmp_path):
+    cfg = write(tmp_path, 'store = "etcd://file:1"\njob = "from-file"\nmode = "async"\npasses = 4\n[optimizer_args]\nlr = 0.5\n')
+    env = {"PDPS_CONFIG": cfg, "PDPS_JOB": "from-env", "PDPS_PASSES": "7"}
+    values = resolve("launch", {"passes": 9}, env)
+    assert values["store"] == "etcd://file:1"  # file only
+    assert values["job"] == "from-env"  # env beats file
+    assert values["passes"] == 9  # flag beats env
+    config = job_config(values)
+    assert config.mode is Mode.ASYNC and config.optimizer_args == {"lr": 0.5} and config.name == "from-env"
+
+
+def test_config_flag_beats_config_env(tmp_path):
+    a = tmp_path / "a.toml"
+    a.write_text('store = "redis://a:1/0"\n')
+    b = tmp_path / "b.toml"
+    b.write_text('store = "redis://b:1/0"\n')
+    assert resolve("master", {"config": str(b)}, {"PDPS_CONFIG": str(a)})["store"] == "redis://b:1/0"
+
+
+def test_job_defaults_sit_under_every_source(tmp_path):
+    defaults = {"passes": 30, "optimizer": "Adam", "lr": 0.001}
+    values = resolve("launch", {"store": "memory://", "lr": 0.1}, {"PDPS_PASSES": "2"}, defaults=defaults)
+    config = job_config(values)
+    assert (config.passes, config.optimizer, config.optimizer_args) == (2, "Adam", {"lr": 0.1})
+    with pytest.raises(ConfigError, match="'listen'.*not a job setting"):
+        resolve("launch", {"store": "memory://"}, {}, defaults={"listen": "x"})
+
+
+def test_env_values_are_parsed_and_checked():
+    values = resolve("launch", {}, {"PDPS_STORE": "memory://", "PDPS_TRAINERS": "3", "PDPS_JSON": "yes", "PDPS_STALENESS": "none", "PDPS_OPTIMIZER_ARGS": '{"lr": 0.2}'})
+    assert values["trainers"] == 3 and values["json"] is True and values["staleness"] is None and values["optimizer_args"] == {"lr": 0.2}
+    with pytest.raises(ConfigError, match="PDPS_TRAINERS: cannot read trainers from 'three'"):
+        resolve("launch", {}, {"PDPS_STORE": "memory://", "PDPS_TRAINERS": "three"})
+    with pytest.raises(ConfigError, match="mode must be one of sync, async.*PDPS_MODE"):
+        resolve("launch", {}, {"PDPS_STORE": "memory://", "PDPS_MODE": "eventual"})
+    with pytest.raises(ConfigError, match="expected a JSON object"):
+        resolve("launch", {}, {"PDPS_STORE": "memory://", "PDPS_OPTIMIZER_ARGS": "[1]"})
+
+
+def test_unknown_env_is_ignored_but_unknown_file_key_is_an_error(tmp_path, caplog):
+    assert resolve("pserver", {}, {"PDPS_STORE": "memory://", "PDPS_STROE": "x"})["store"] == "memory://"
+    assert "PDPS_STROE" in caplog.text
+    cfg = write(tmp_path, 'store = "memory://"\nstroe = "x"\n')
+    with pytest.raises(ConfigError, match=r"pdps.toml: unknown setting 'stroe'"):
+        resolve("pserver", {"config": cfg}, {})
+
+
+def test_a_shared_file_may_hold_other_commands_settings(tmp_path):
+    cfg = write(tmp_path, 'store = "memory://"\nindex = 2\ntrainer_id = "t"\n')
+    values = resolve("master", {"config": cfg}, {})
+    assert "index" not in values and "trainer_id" not in values
+
+
+def test_bad_files_and_missing_store(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read settings file"):
+        resolve("master", {"config": str(tmp_path / "missing.toml")}, {})
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        resolve("master", {"config": write(tmp_path, "store = \n")}, {})
+    with pytest.raises(ConfigError, match="needs a coordination store"):
+        resolve("master", {}, {})
+
+
+def test_token_file(tmp_path):
+    secret = tmp_path / "token"
+    secret.write_text("s3cret\n")
+    assert resolve("trainer", {"store": "memory://", "token_file": str(secret)}, {})["token"] == "s3cret"
+    assert resolve("trainer", {"store": "memory://", "token_file": str(secret), "token": "flag"}, {})["token"] == "flag"
+    secret.write_text("")
+    with pytest.raises(ConfigError, match="is empty"):
+        resolve("trainer", {"store": "memory://", "token_file": str(secret)}, {})
+
+
+def test_role_env_hands_role_settings_to_children():
+    values = resolve("launch", {"store": "etcd://h:1", "token": "t", "trainers": 4}, {})
+    env = role_env(values)
+    assert env["PDPS_STORE"] == "etcd://h:1" and env["PDPS_TOKEN"] == "t"
+    assert "PDPS_TRAINERS" not in env and "PDPS_JSON" not in env  # the job lives in the store
+
+
+def test_every_job_field_is_a_setting():
+    import attrs
+
+    from pdps.core.job import JobConfig
+
+    fields = {a.name for a in attrs.fields(JobConfig)} - {"name"}
+    assert fields <= {s.name for s in SETTINGS if s.job}
+    assert len(BY_NAME) == len(SETTINGS)
+
+
+def test_load_target_module_and_file(tmp_path):
+    fn, module = load_target("pdps.examples.digits:train")
+    assert fn.__name__ == "train" and hasattr(module, "evaluate")
+    script = tmp_path / "my_train.py"
+    script.write_text("def go(ctx):\n    return 42\n")
+    fn, _ = load_target(f"{script}:go")
+    assert fn(None) == 42
+    for bad, msg in [
+        ("nocolon", "must look like"),
+        ("pdps.examples.digits:nope", "has no function 'nope'"),
+        ("no_such_module_xyz:f", "cannot import"),
+        (f"{tmp_path}/missing.py:f", "no file"),
+    ]:
+        with pytest.raises(ConfigError, match=msg):
+            load_target(bad)

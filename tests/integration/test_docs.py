@@ -29,3 +29,14 @@ def test_user_guide_lists_every_job_setting():
     text = (DOCS / "user-guide.md").read_text()
     missing = [f.name for f in attrs.fields(JobConfig) if f"`{f.name}`" not in text and f.name != "dataset"]
     assert not missing, f"settings not documented in docs/user-guide.md: {missing}"
+
+
+def test_operations_guide_lists_every_role_setting():
+    from pdps.settings import SETTINGS
+
+    text = (DOCS / "operations.md").read_text()
+    missing = []
+    for s in SETTINGS:
+        names = [s.name, s.env] + ([s.flag] if s.name != "target" else [])  # TARGET is positional
+        missing += [n for n in names if f"`{n}`" not in text]
+    assert not missing, f"settings not documented in docs/operations.md: {missing}"

@@ -145,6 +145,36 @@ def test_sigterm_gives_a_trainers_task_back_at_once(etcd_server, procs, tmp_path
     store.close()
 
 
+def test_a_second_master_stands_by_and_takes_over_at_once_on_sigterm(etcd_server, procs, tmp_path):
+    """Two ``pdps master`` processes: one serves, one waits for the lock; SIGTERM to the
+    leader releases it, and the standby serves well before the 30 s lease would expire."""
+    import threading
+
+    from pdps.examples.digits import dataset
+
+    job = job_name()
+    keys = Keys(job)
+    store = open_store(etcd_server.url)
+    common = ("--store", etcd_server.url, "--job", job, "--lease-ttl", "30")
+    leader = procs("master", *common, "--dataset", dataset(tmp_path.as_uri()), "--passes", "3")
+    first = wait_until(lambda: (kv := store.get(keys.master_addr)) and kv.value.decode(), 120, "the first master")
+    standby = procs("master", *common)  # the job exists: it serves the stored configuration
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(standby.stderr), daemon=True).start()
+    wait_until(lambda: any("standing by" in line for line in lines), 120, "the second master to stand by")
+    assert store.get(keys.master_addr).value.decode() == first
+
+    start = time.monotonic()
+    leader.send_signal(signal.SIGTERM)
+    assert leader.wait(timeout=30) == 0
+    second = wait_until(lambda: (kv := store.get(keys.master_addr)) and kv.value.decode() != first and kv.value.decode(), 20, "the standby")
+    assert time.monotonic() - start < 10.0  # the lock was released, not left to expire
+    assert second.startswith("grpc://127.0.0.1:")
+    standby.send_signal(signal.SIGTERM)
+    assert standby.wait(timeout=30) == 0
+    store.close()
+
+
 def test_tls_job_trains_and_strangers_are_refused(etcd_server, tmp_path):
     from pdps.adapters.grpc_transport import GrpcTransport, TlsConfig
     from tests.tls import make_tls

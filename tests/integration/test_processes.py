@@ -92,6 +92,18 @@ def test_launch_trains_digits_across_processes(etcd_server, mode):
     assert "pass 30/30" in proc.stderr
 
 
+def test_launch_over_redis(redis_server):
+    """Redis serves as the store just as etcd does (a short job: the bar is etcd's test's)."""
+    proc = run_pdps(
+        "launch", "--job", job_name(), "--trainers", "2", "--pservers", "2", "--store", redis_server.url,
+        "--passes", "3", "--restart", "never", "--json", "pdps.examples.digits:train",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = last_json(proc.stdout)
+    assert (summary["passes"], summary["tasks_done"], summary["tasks_failed"]) == (3, 3 * 36, 0)
+    assert summary["accuracy"] > 0.5  # trained, far above the 0.1 of chance
+
+
 def test_the_same_function_in_process_reaches_the_bar():
     proc = run_pdps("launch", "--store", "memory://", "--transport", "inproc", "--trainers", "3", "--pservers", "2", "--json", "pdps.examples.digits:train")
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -56,6 +56,24 @@ def claim_index(store: CoordinationStore, keys: Keys, lease: int, value: bytes, 
     raise ConfigError(f"all {desired} pserver indexes of job {keys.job!r} are taken")
 
 
+_MISSING = object()
+
+
+def _field(req: Message, name: str, kind: type, default: object = _MISSING):
+    """``req.meta[name]`` as ``kind`` (an int is a float too); a missing or mistyped
+    field is the caller's error, refused before anything changes."""
+    if name not in req.meta:
+        if default is _MISSING:
+            raise GradientRejected(f"request names no {name!r}")
+        return default
+    value = req.meta[name]
+    if value is None and default is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else kind):
+        raise GradientRejected(f"request field {name!r} must be {kind.__name__}, got {value!r}")
+    return kind(value)
+
+
 class Pserver:
     def __init__(
         self,
@@ -134,13 +152,16 @@ class Pserver:
         with self._cond:
             shard = self._ensure_shard()
             if not shard.initialized:
-                shard.initialize(req.tensors, str(req.meta["trainer"]))
-                log.info("pserver %s initialized %d blocks from trainer %s", self.index, len(shard.blocks), req.meta["trainer"])
+                trainer = _field(req, "trainer", str)
+                shard.initialize(req.tensors, trainer)
+                log.info("pserver %s initialized %d blocks from trainer %s", self.index, len(shard.blocks), trainer)
             return Message({"version": self.version})
 
     def _push(self, req: Message) -> Message:
-        trainer = str(req.meta["trainer"])
-        samples = int(req.meta.get("samples", 0))
+        trainer = _field(req, "trainer", str)
+        samples = _field(req, "samples", int, 0)
+        if samples < 0:
+            raise GradientRejected(f"push from trainer {trainer!r} claims {samples} samples")
         with self._cond:
             shard = self._ready_shard()
             if self.config.mode is Mode.SYNC:
@@ -149,7 +170,7 @@ class Pserver:
                     shard.check(req.tensors, trainer)
                 elif req.tensors:
                     raise ConfigError(f"trainer {trainer!r} pushed tensors with zero samples")
-                self._barrier.contribute(trainer, int(req.meta["round"]), samples)
+                self._barrier.contribute(trainer, _field(req, "round", int), samples)
                 if samples:
                     shard.accumulate(req.tensors, float(samples))
                 self._members.add(trainer)
@@ -157,14 +178,17 @@ class Pserver:
                 return Message({"round": self._barrier.round_no, "version": self.version})
             self._check_blocks(req.meta.get("blocks"), trainer)
             shard.check(req.tensors, trainer)
-            check_staleness(int(req.meta["version"]), self.version, self.config.staleness)
+            seen = _field(req, "version", int)
+            if not 0 <= seen <= self.version:
+                raise GradientRejected(f"push from trainer {trainer!r} was computed on version {seen}, which pserver {self.index} never served (now {self.version})")
+            check_staleness(seen, self.version, self.config.staleness)
             shard.apply(req.tensors)
             self.version += 1
             return Message({"version": self.version})
 
     def _pull(self, req: Message) -> Message:
-        after = req.meta.get("after_round")
-        timeout = float(req.meta.get("timeout", 600.0))
+        after = _field(req, "after_round", int, None)
+        timeout = _field(req, "timeout", float, 600.0)
         with self._cond:
             shard = self._ready_shard()
             if after is not None:

@@ -148,6 +148,19 @@ def _resilient(store: CoordinationStore, config: JobConfig) -> CoordinationStore
     return ResilientStore(store, deadline=config.store_outage_deadline)
 
 
+def _join(values: Mapping[str, Any]) -> tuple[CoordinationStore, JobConfig, CoordinationStore]:
+    """Connect, wait for the job's config, and wrap the store to ride out outages.
+    Returns the raw store (the caller closes it), the config and the wrapped store."""
+    store = _connect(values)
+    try:
+        config = _stored_config(store, values["job"], wait=True)
+    except BaseException:
+        store.close()
+        raise
+    assert config is not None
+    return store, config, _resilient(store, config)
+
+
 def run_master(values: Mapping[str, Any]) -> int:
     """Serve the job's task queue until the job is done (or SIGTERM). Exit code."""
     from pdps.registry import open_data_source
@@ -195,11 +208,8 @@ def run_pserver(values: Mapping[str, Any]) -> int:
     from pdps.adapters.torch_compute import TorchCompute
     from pdps.roles.pserver import Pserver
 
-    store = _connect(values)
+    store, config, st = _join(values)
     try:
-        config = _stored_config(store, values["job"], wait=True)
-        assert config is not None
-        st = _resilient(store, config)
         ps = Pserver(
             st,
             open_role_transport(values),
@@ -241,11 +251,8 @@ def run_trainer(values: Mapping[str, Any]) -> int:
     if not values.get("target"):
         raise ConfigError("pdps trainer needs a training function: TARGET (module:function or file.py:function)")
     fn, _module = load_target(values["target"])
-    store = _connect(values)
+    store, config, st = _join(values)
     try:
-        config = _stored_config(store, values["job"], wait=True)
-        assert config is not None
-        st = _resilient(store, config)
         ctx = TrainerContext(
             st,
             open_role_transport(values),

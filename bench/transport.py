@@ -22,7 +22,9 @@ each, and one trainer holding a gradient of the same size in one flat buffer.
   ``--blocks`` tensors (default 1, 4 and 16: views of the flat gradient / shard),
   one row per block count. ``--chunk-mib`` (one or more values) is passed as the
   adapter's ``chunk_bytes`` on both sides; each value gets its own pair of servers
-  and rows. Without it the adapter's default is used.
+  and rows. Without it the adapter's default is used. ``--bulk-threshold BYTES|off``
+  is passed as the adapter's ``bulk_threshold`` on both sides (``off``: None, pure
+  gRPC); without it the adapter's default applies.
 * ``inproc``: the same two handlers on the same kind of shards, served in this
   process at ``inproc://`` addresses and called the same way (the adapter has no
   ``concurrent``: one pserver after the other).
@@ -182,7 +184,7 @@ class ShardService:
         return Message({}, views)
 
 
-def serve_forever(address: str, nbytes: int, index: int, chunk_mib: float | None) -> int:
+def serve_forever(address: str, nbytes: int, index: int, chunk_mib: float | None, bulk_threshold: str = "default") -> int:
     """``--serve``: serve one shard at ``address``, print the address, stop when stdin closes."""
     stdin_closed = threading.Event()
 
@@ -196,7 +198,7 @@ def serve_forever(address: str, nbytes: int, index: int, chunk_mib: float | None
         server = TcpEchoServer(address, nbytes)
         endpoint_address, close = server.address, server.close
     else:
-        transport = open_transport(address.split("://", 1)[0], **grpc_options(chunk_mib))
+        transport = open_transport(address.split("://", 1)[0], **grpc_options(chunk_mib, bulk_threshold))
         endpoint = transport.serve(address, ShardService(nbytes, index).handlers())
         endpoint_address, close = endpoint.address, endpoint.close
     print(endpoint_address, flush=True)
@@ -206,8 +208,12 @@ def serve_forever(address: str, nbytes: int, index: int, chunk_mib: float | None
     return 0
 
 
-def grpc_options(chunk_mib: float | None) -> dict[str, Any]:
-    return {} if chunk_mib is None else {"chunk_bytes": int(chunk_mib * 2**20)}
+def grpc_options(chunk_mib: float | None, bulk_threshold: str = "default") -> dict[str, Any]:
+    """The gRPC adapter's options; ``bulk_threshold`` is ``default``, ``off`` or a byte count."""
+    options: dict[str, Any] = {} if chunk_mib is None else {"chunk_bytes": int(chunk_mib * 2**20)}
+    if bulk_threshold != "default":
+        options["bulk_threshold"] = None if bulk_threshold == "off" else int(bulk_threshold)
+    return options
 
 
 class TcpEchoServer:
@@ -268,10 +274,11 @@ def recv_exactly(sock: socket.socket, view: memoryview, *, allow_eof: bool = Fal
 class ServerProcess:
     """This file run as ``--serve ADDRESS``: started, its address read, stopped by closing stdin."""
 
-    def __init__(self, address: str, nbytes: int, index: int, chunk_mib: float | None = None) -> None:
+    def __init__(self, address: str, nbytes: int, index: int, chunk_mib: float | None = None, bulk_threshold: str = "default") -> None:
         argv = [sys.executable, str(Path(__file__).resolve()), "--serve", address, "--shard-bytes", str(nbytes), "--shard-index", str(index)]
         if chunk_mib is not None:
             argv += ["--chunk-mib", repr(chunk_mib)]
+        argv += ["--bulk-threshold", bulk_threshold]
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
         self.pid = self.proc.pid
         self.address = ""
@@ -300,7 +307,7 @@ class ServerProcess:
             self.proc.wait(SERVER_STOP_S)
 
 
-def start_servers(stack: contextlib.ExitStack, specs: Sequence[tuple[str, int, int, float | None]]) -> list[ServerProcess]:
+def start_servers(stack: contextlib.ExitStack, specs: Sequence[tuple[str, int, int, float | None, str]]) -> list[ServerProcess]:
     """Start every server at once (their imports overlap), then wait for all addresses."""
     servers = []
     for spec in specs:
@@ -587,6 +594,7 @@ def run(
     blocks: Sequence[int] = (1, 4, 16),
     chunk_mib: Sequence[float | None] = (None,),
     tcp_buffer_mib: float = 4,
+    bulk_threshold: str = "default",
 ) -> dict[str, Any]:
     """Measure every route in ``transports``; returns the results as a JSON-safe dict."""
     unknown = set(transports) - set(TRANSPORTS)
@@ -610,14 +618,14 @@ def run(
     with contextlib.ExitStack() as stack:
         pool = stack.enter_context(ThreadPoolExecutor(max_workers=PSERVERS, thread_name_prefix="bench-trainer"))
         routes: list[Route] = []
-        specs: list[tuple[str, int, int, float | None]] = []
+        specs: list[tuple[str, int, int, float | None, str]] = []
         if "tcp" in transports:
-            specs += [("tcp://127.0.0.1:0", shard_bytes * (PSERVERS if i == 0 else 1), i, None) for i in range(PSERVERS)]
+            specs += [("tcp://127.0.0.1:0", shard_bytes * (PSERVERS if i == 0 else 1), i, None, "default") for i in range(PSERVERS)]
         grpc_chunks = list(chunk_mib) if "grpc" in transports else []
         # Built before any server starts, so a bad chunk size or a missing extra fails here, clearly.
-        grpc_transports = [open_transport("grpc", **grpc_options(c)) for c in grpc_chunks]
+        grpc_transports = [open_transport("grpc", **grpc_options(c, bulk_threshold)) for c in grpc_chunks]
         for c in grpc_chunks:
-            specs += [("grpc://127.0.0.1:0", shard_bytes, i, c) for i in range(PSERVERS)]
+            specs += [("grpc://127.0.0.1:0", shard_bytes, i, c, bulk_threshold) for i in range(PSERVERS)]
         if specs:
             say(f"starting {len(specs)} server processes")
         servers = start_servers(stack, specs)
@@ -680,6 +688,7 @@ def run(
         "transports": list(transports),
         "blocks": list(blocks),
         "chunk_mib": list(chunk_mib),
+        "bulk_threshold": bulk_threshold,
         "tcp_buffer_mib": tcp_buffer_mib,
         "machine": machine(),
         "loadavg_start": list(load_start),
@@ -791,6 +800,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=2, help="untimed rounds per route first (default 2)")
     p.add_argument("--blocks", type=int, nargs="+", default=[1, 4, 16], help="tensors per pserver's half, one row each (default 1 4 16)")
     p.add_argument("--chunk-mib", type=float, nargs="+", default=None, help="gRPC chunk_bytes in MiB, one server pair each (default: the adapter's)")
+    p.add_argument(
+        "--bulk-threshold", default="default", metavar="BYTES|off", help="gRPC bulk_threshold in bytes, or off (default: the adapter's)"
+    )
     p.add_argument("--tcp-buffer-mib", type=float, default=4, help="SO_SNDBUF / SO_RCVBUF of the tcp client (default 4; 0 = autotuning)")
     p.add_argument("--json", action="store_true", help="also print the results as one JSON object on the last stdout line")
     # Internal: this file as a server process or a torch RPC worker.
@@ -801,13 +813,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
     p.add_argument("--rpc-bytes", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.bulk_threshold not in ("default", "off") and not args.bulk_threshold.isdigit():
+        p.error(f"--bulk-threshold must be a byte count or off, not {args.bulk_threshold!r}")
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     chunk = None if args.chunk_mib is None or len(args.chunk_mib) != 1 else args.chunk_mib[0]
     if args.serve:
         if args.shard_bytes is None:
             p.error("--serve needs --shard-bytes")
-        return serve_forever(args.serve, args.shard_bytes, args.shard_index, chunk)
+        return serve_forever(args.serve, args.shard_bytes, args.shard_index, chunk, args.bulk_threshold)
     if args.torch_rpc_role:
         return torch_rpc_worker(args.torch_rpc_role, args.port, args.rpc_bytes, args.warmup, args.repeats)
 
@@ -820,6 +834,7 @@ def main(argv: list[str] | None = None) -> int:
         blocks=args.blocks,
         chunk_mib=args.chunk_mib or [None],
         tcp_buffer_mib=args.tcp_buffer_mib,
+        bulk_threshold=args.bulk_threshold,
     )
     report["command"] = command
     print_report(report, command)

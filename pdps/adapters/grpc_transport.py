@@ -13,6 +13,12 @@ frames; the reply has the same shape. Chunk payloads are copied once into the fr
 on the way out and once, on the way in, into one buffer allocated from the header
 (reused across calls once no tensor uses it); the received tensors are views into
 that buffer. Nothing is pickled.
+
+Calls that move at least ``bulk_threshold`` bytes of tensors take the bulk channel
+instead (the sockets are in ``bulk.py``): the same header frame on a plain or TLS
+TCP connection, then the tensors' bytes written from their own memory and read
+straight into that buffer. Both paths share the header, its checks, the handler
+call and the error mapping below.
 """
 
 from __future__ import annotations
@@ -22,11 +28,12 @@ import json
 import logging
 import math
 import socket
+import ssl
 import sys
 import threading
 import time
 import urllib.parse
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -36,6 +43,7 @@ import numpy as np
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from pdps.adapters import bulk
 from pdps.core.errors import (
     ConfigError,
     GradientRejected,
@@ -76,6 +84,12 @@ ALIGN = 64
 
 ACCEPTED_KEY = "pdps-accepted"  # initial metadata: the request was whole and valid; the handler runs now
 ERROR_CODE_KEY = "pdps-error-code"  # trailing metadata: the PdpsError.code a handler raised
+BULK_PORT_KEY = "pdps-bulk-port"  # initial metadata, with the marker: the server's bulk channel port
+
+#: Tensor bytes from which a call takes the bulk channel (docs/transport.md).
+DEFAULT_BULK_THRESHOLD = 1 << 20
+#: Seconds a client sends everything to a server over gRPC after its bulk port could not be reached.
+BULK_RETRY_AFTER = 60.0
 
 RETRY_FIRST = 0.05
 RETRY_MAX = 1.0
@@ -286,12 +300,14 @@ def chunk_prefix(size: int) -> bytes:
 
 
 class _Rejected(Exception):
-    """A stream that breaks the protocol or a limit; ``status`` says how."""
+    """A call that ends with the non-OK ``status``: a stream that breaks the protocol or a
+    limit, or (with ``code``, the PdpsError.code) a handler that raised."""
 
-    def __init__(self, status: grpc.StatusCode, message: str) -> None:
+    def __init__(self, status: grpc.StatusCode, message: str, code: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        self.code = code
 
 
 def _outgoing(method: str, meta: Mapping[str, Any], tensors: Sequence[Any]) -> tuple[bytes, list[memoryview]]:
@@ -395,6 +411,16 @@ class _Inbound:
                 self._filled = 0
         self.received += n
 
+    def read_from(self, read_into: Callable[[memoryview], object]) -> list[torch.Tensor]:
+        """Every tensor byte, put in place by ``read_into(view)`` (the bulk channel's recv_into), then ``finish``."""
+        if self._segments:
+            self.allocate()
+            whole = memoryview(self._array)
+            for start, size in self._segments:
+                read_into(whole[start : start + size])
+                self.received += size
+        return self.finish()
+
     def finish(self) -> list[torch.Tensor]:
         if self.received < self.declared:
             raise _Rejected(
@@ -462,9 +488,9 @@ class _BufferPool:
 _RECEIVE_BUFFERS = _BufferPool(keep=POOLED_BUFFERS, max_bytes=POOLED_MAX_BYTES, min_bytes=POOLED_MIN_BYTES)
 
 
-def _receive(frames: Iterator[bytes], limit: int | None, want_method: bool) -> tuple[Header, dict, _Inbound]:
-    """Read the header of one direction of a call; ``_fill`` then reads its tensors. Raises _Rejected."""
-    first = next(frames, None)
+def _receive(first: bytes | None, limit: int | None, want_method: bool) -> tuple[Header, dict, _Inbound]:
+    """Check the header frame of one direction of a call; ``_fill`` or ``_Inbound.read_from``
+    then reads its tensors. Raises _Rejected."""
     if first is None:
         raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, "stream ended before its header frame")
     header = _decode(first)
@@ -580,6 +606,38 @@ class TlsConfig:
             root_certificates=self._read(self.ca), private_key=self._read(self.key), certificate_chain=self._read(self.cert)
         )
 
+    def server_context(self) -> ssl.SSLContext:
+        """The same as ``server_credentials``, for the bulk channel's sockets."""
+        if not (self.cert and self.key):
+            raise ConfigError("a TLS server needs TlsConfig(cert=..., key=...)")
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        self._load(context)
+        if self.ca is not None:
+            context.verify_mode = ssl.CERT_REQUIRED
+        return context
+
+    def client_context(self) -> ssl.SSLContext:
+        """The same as ``channel_credentials``, for the bulk channel's sockets: it checks
+        that the server's certificate names the host dialled."""
+        if bool(self.cert) != bool(self.key):
+            raise ConfigError("a TLS client certificate needs both cert and key")
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # verifies the certificate and the host name
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        if self.ca is None:
+            context.load_default_certs()
+        self._load(context)
+        return context
+
+    def _load(self, context: ssl.SSLContext) -> None:
+        try:
+            if self.cert and self.key:
+                context.load_cert_chain(self.cert, self.key)
+            if self.ca is not None:
+                context.load_verify_locations(cafile=self.ca)
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError(f"cannot load TLS files {[p for p in (self.cert, self.key, self.ca) if p]}: {exc}") from exc
+
 
 _WILDCARD_HOSTS = {"0.0.0.0", "::", ""}
 
@@ -607,20 +665,25 @@ def _hostport(host: str, port: int) -> str:
 
 
 class GrpcEndpoint:
-    """A running gRPC server. ``address`` is ``grpc://host:port`` with the real port."""
+    """A running gRPC server and its bulk channel. ``address`` is ``grpc://host:port``
+    with the real port; ``bulk_port`` is the bulk channel's (None when it is off)."""
 
-    def __init__(self, transport: GrpcTransport, bind: str, handlers: Mapping[str, Handler], publish_host: str) -> None:
+    def __init__(self, transport: GrpcTransport, host: str, port: int, handlers: Mapping[str, Handler], publish_host: str) -> None:
         self._transport = transport
         self._handlers = dict(handlers)
         self._lock = threading.Lock()
         self._closed = False
+        self.grpc_calls = 0  # calls received over gRPC and over the bulk channel (tests read them)
+        self.bulk_calls = 0
         self._expected_auth = f"Bearer {transport.token}".encode() if transport.token is not None else None
+        bulk_context = transport.tls.server_context() if transport.tls is not None and transport.bulk_threshold is not None else None
         self._executor = ThreadPoolExecutor(max_workers=transport.workers, thread_name_prefix="pdps-grpc")
         self._server = grpc.server(self._executor, options=_SERVER_OPTIONS)
         call = grpc.stream_stream_rpc_method_handler(self._serve_call)  # raw bytes both ways
         self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"Call": call}),))
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        bind = _hostport(host, port)
         try:
             if transport.tls is not None:
                 port = self._server.add_secure_port(bind, transport.tls.server_credentials())
@@ -634,12 +697,29 @@ class GrpcEndpoint:
         if not port:
             self._executor.shutdown(wait=False)
             raise TransportError(f"cannot serve gRPC at {bind}: {reason}")
+        self.port = port
+        self.address = f"grpc://{_hostport(publish_host, port)}"
+        self._bulk: bulk.Listener | None = None
+        self.bulk_port: int | None = None
+        if transport.bulk_threshold is not None:
+            try:
+                self._bulk = bulk.Listener(
+                    host, token=transport.token, tls=bulk_context, serve=self._serve_bulk, name=self.address, port=transport.bulk_port
+                )
+            except OSError as exc:
+                self._server.stop(0)
+                self._executor.shutdown(wait=False)
+                where = f"{host} port {transport.bulk_port}" if transport.bulk_port else host
+                raise TransportError(f"cannot open the bulk channel of {self.address} on {where}: {exc}") from exc
+            self.bulk_port = self._bulk.port
+        self._accepted_metadata: tuple[tuple[str, str], ...] = ((ACCEPTED_KEY, "1"),)
+        if self.bulk_port is not None:
+            self._accepted_metadata += ((BULK_PORT_KEY, str(self.bulk_port)),)
         self._server.start()
         for name in ("", SERVICE):
             self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        self.port = port
-        self.address = f"grpc://{_hostport(publish_host, port)}"
-        log.info("serving %s at %s (%s)", sorted(self._handlers), self.address, "TLS" if transport.tls else "plaintext")
+        bulk_note = "no bulk channel" if self.bulk_port is None else f"bulk channel on port {self.bulk_port}"
+        log.info("serving %s at %s (%s, %s)", sorted(self._handlers), self.address, "TLS" if transport.tls else "plaintext", bulk_note)
 
     def close(self, grace: float = CLOSE_GRACE) -> None:
         """Report NOT_SERVING, refuse new calls, give in-flight ones ``grace`` seconds."""
@@ -648,9 +728,19 @@ class GrpcEndpoint:
                 return
             self._closed = True
         self._health.enter_graceful_shutdown()
-        self._server.stop(grace).wait(grace + 5.0)
+        stopped = self._server.stop(grace)
+        if self._bulk is not None:
+            self._bulk.close(grace)  # at the same time as gRPC's grace
+        stopped.wait(grace + 5.0)
         self._executor.shutdown(wait=False)
         log.info("stopped serving at %s", self.address)
+
+    def _count(self, over_bulk: bool) -> None:
+        with self._lock:
+            if over_bulk:
+                self.bulk_calls += 1
+            else:
+                self.grpc_calls += 1
 
     def _check_token(self, context: grpc.ServicerContext) -> None:
         if self._expected_auth is None:
@@ -661,14 +751,37 @@ class GrpcEndpoint:
         if not hmac.compare_digest(sent.encode(), self._expected_auth):
             raise _Rejected(grpc.StatusCode.UNAUTHENTICATED, "wrong bearer token")
 
+    def _handler(self, method: str) -> Handler:
+        handler = self._handlers.get(method)
+        if handler is None:
+            raise _Rejected(grpc.StatusCode.UNIMPLEMENTED, f"no method {method!r} here (it serves {sorted(self._handlers)})")
+        return handler
+
+    def _call_handler(self, handler: Handler, method: str, meta: dict, tensors: list[torch.Tensor]) -> tuple[bytes, list[memoryview]]:
+        """Call the handler of an accepted request: its reply's header frame and tensor
+        views, or _Rejected carrying the error it raised."""
+        try:
+            reply = handler(Message(meta, tensors))
+        except PdpsError as exc:
+            raise _Rejected(_status_of(exc), str(exc), exc.code) from exc
+        except Exception as exc:
+            log.exception("handler %r at %s raised", method, self.address)
+            raise _Rejected(grpc.StatusCode.INTERNAL, f"handler {method!r} raised {type(exc).__name__}: {exc}") from exc
+        try:
+            if not isinstance(reply, Message):
+                raise TransportError(f"handler {method!r} returned {type(reply).__name__}, not Message")
+            return _outgoing("", reply.meta, reply.tensors)
+        except TransportError as exc:
+            log.error("bad reply from handler %r at %s: %s", method, self.address, exc)
+            raise _Rejected(grpc.StatusCode.INTERNAL, str(exc)) from exc
+
     def _serve_call(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
+        self._count(over_bulk=False)
         requests = iter(requests)
         try:
             self._check_token(context)
-            header, meta, inbound = _receive(requests, self._transport.max_request_bytes, want_method=True)
-            handler = self._handlers.get(header.method)
-            if handler is None:
-                raise _Rejected(grpc.StatusCode.UNIMPLEMENTED, f"no method {header.method!r} here (it serves {sorted(self._handlers)})")
+            header, meta, inbound = _receive(next(requests, None), self._transport.max_request_bytes, want_method=True)
+            handler = self._handler(header.method)
             tensors = _fill(inbound, requests)
         except _Rejected as exc:
             log.warning("rejected a call from %s at %s: %s", context.peer(), self.address, exc.message)
@@ -677,36 +790,87 @@ class GrpcEndpoint:
             log.debug("caller %s went away before its request was whole", context.peer())
             return
         # The client retries an UNAVAILABLE call only when it did not see this marker.
-        context.send_initial_metadata(((ACCEPTED_KEY, "1"),))
-        method = header.method
+        context.send_initial_metadata(self._accepted_metadata)
         try:
-            reply = handler(Message(meta, tensors))
-        except PdpsError as exc:
-            context.set_trailing_metadata(((ERROR_CODE_KEY, exc.code),))
-            context.abort(_status_of(exc), str(exc))
-        except Exception as exc:
-            log.exception("handler %r at %s raised", method, self.address)
-            context.abort(grpc.StatusCode.INTERNAL, f"handler {method!r} raised {type(exc).__name__}: {exc}")
-        try:
-            if not isinstance(reply, Message):
-                raise TransportError(f"handler {method!r} returned {type(reply).__name__}, not Message")
-            header_frame, views = _outgoing("", reply.meta, reply.tensors)
-        except TransportError as exc:
-            log.error("bad reply from handler %r at %s: %s", method, self.address, exc)
-            context.abort(grpc.StatusCode.INTERNAL, str(exc))
+            header_frame, views = self._call_handler(handler, header.method, meta, tensors)
+        except _Rejected as exc:
+            if exc.code is not None:
+                context.set_trailing_metadata(((ERROR_CODE_KEY, exc.code),))
+            context.abort(exc.status, exc.message)
         yield from _frames(header_frame, views, self._transport.chunk_bytes)
+
+    def _serve_bulk(self, conn: bulk.Connection, kind: int, length: int) -> bool:
+        """One call over the bulk channel (its prefix read); True keeps the connection.
+
+        The same checks as a gRPC call, all on the header before any tensor byte is
+        read; the token was checked by the connection's hello.
+        """
+        self._count(over_bulk=True)
+        stall = bulk.STALL_TIMEOUT
+        try:
+            if kind != bulk.REQUEST:
+                raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"expected a request, got a message of kind {kind}")
+            if length > MAX_FRAME_BYTES:
+                raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"header of {length} bytes, more than {MAX_FRAME_BYTES}")
+            header, meta, inbound = _receive(bytes(conn.read_bytes(length, stall=stall)), self._transport.max_request_bytes, want_method=True)
+            handler = self._handler(header.method)
+            tensors = inbound.read_from(lambda view: conn.read_into(view, stall=stall))
+        except _Rejected as exc:
+            log.warning("rejected a bulk call from %s at %s: %s", conn.peer, self.address, exc.message)
+            _send_bulk_error(conn, exc)
+            return False  # the rest of the request, if any, is unread: the connection is done
+        except bulk.PeerClosed as exc:
+            log.warning("rejected a bulk call from %s at %s: %s before the request was whole", conn.peer, self.address, exc)
+            _send_bulk_error(conn, _Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"the request ended early: {exc}"))
+            return False
+        conn.send(bulk.ACCEPTED, b"", stall=stall)  # the client retries elsewhere only without it
+        try:
+            header_frame, views = self._call_handler(handler, header.method, meta, tensors)
+        except _Rejected as exc:
+            _send_bulk_error(conn, exc)
+            return True
+        conn.send(bulk.REPLY, header_frame, views, stall=stall)
+        return True
+
+
+def _send_bulk_error(conn: bulk.Connection, exc: _Rejected) -> None:
+    """An ERROR message: a header frame whose meta holds the status, message and PdpsError code."""
+    meta = {"status": exc.status.name, "message": exc.message}
+    if exc.code is not None:
+        meta["code"] = exc.code
+    try:
+        conn.send(bulk.ERROR, encode_header(Header("", json.dumps(meta), ())), stall=bulk.STALL_TIMEOUT)
+    except OSError as err:
+        log.debug("could not send %s to %s: %s", exc.status.name, conn.peer, err)
 
 
 # ----------------------------------------------------------------------------------
 # Client.
 
 
+@attrs.define
+class _BulkPeer:
+    """What a transport's clients know of one server's bulk channel (shared by its channels to that address)."""
+
+    port: int | None = None  # learned from the marker metadata of a gRPC call
+    unreachable: int | None = None  # a port that could not be reached ...
+    retry_at: float = 0.0  # ... and is not tried again before this time.monotonic()
+    reply_bytes: dict[str, int] = attrs.Factory(dict)  # method -> tensor bytes of its last reply
+
+
+class _NotRun(Exception):
+    """A bulk call failed where the server cannot have run its handler: it may be sent again."""
+
+
 class GrpcChannel:
-    """Calls to one ``grpc://`` address over one cached gRPC channel; thread-safe."""
+    """Calls to one ``grpc://`` address: over one cached gRPC channel, or over pooled
+    connections to the server's bulk channel for calls that move many tensor bytes
+    (docs/transport.md says which); thread-safe."""
 
     def __init__(self, transport: GrpcTransport, address: str) -> None:
         host, port = _split(address)
         self.address = address
+        self._host = host
         self._transport = transport
         target = _hostport(host, port)
         if transport.tls is not None:
@@ -715,6 +879,9 @@ class GrpcChannel:
             self._channel = grpc.insecure_channel(target, options=_CLIENT_OPTIONS)
         self._call = self._channel.stream_stream(CALL_PATH)  # raw bytes both ways
         self._metadata = (("authorization", f"Bearer {transport.token}"),) if transport.token is not None else None
+        self._peer = transport._bulk_peer(address) if transport.bulk_threshold is not None else None
+        self._bulk_tls = transport._bulk_client_context() if self._peer is not None else None
+        self._pool = bulk.Pool()
         self._closed = False
 
     def call(self, method: str, request: Message, *, timeout: float | None = None) -> Message:
@@ -726,6 +893,12 @@ class GrpcChannel:
         header, views = _outgoing(method, meta, request.tensors)
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
+        bulk_port = self._bulk_route(method, sum(len(v) for v in views))
+        if bulk_port is not None:
+            try:
+                return self._seen(method, self._call_bulk(bulk_port, method, header, views, timeout, deadline))
+            except _NotRun as exc:
+                log.debug("%r to %s goes over gRPC: %s", method, self.address, exc)
         retry_until = start + self._transport.connect_timeout
         if deadline is not None:
             retry_until = min(retry_until, deadline)
@@ -741,7 +914,7 @@ class GrpcChannel:
             except ValueError as exc:  # grpc refuses calls on a closed channel
                 raise TransportError(f"cannot call {method!r} on {self.address}: {exc}") from exc
             try:
-                return self._reply(call, method)
+                return self._seen(method, self._reply(call, method))
             except grpc.RpcError as exc:
                 accepted = _metadata_value(call.initial_metadata(), ACCEPTED_KEY) is not None
                 if call.code() == grpc.StatusCode.UNAVAILABLE and not accepted and time.monotonic() + backoff < retry_until:
@@ -749,21 +922,26 @@ class GrpcChannel:
                     time.sleep(backoff)
                     backoff = min(backoff * 2, RETRY_MAX)
                     continue
-                raise self._error(call, method, timeout, accepted, attempts, time.monotonic() - start) from exc
+                remote = _metadata_value(call.trailing_metadata(), ERROR_CODE_KEY)
+                spent = time.monotonic() - start
+                raise self._error(call.code(), call.details() or "", remote, method, timeout, accepted, attempts, spent) from exc
 
     def _reply(self, call: Any, method: str) -> Message:
         frames = iter(call)
         try:
-            _, meta, inbound = _receive(frames, None, want_method=False)
+            _, meta, inbound = _receive(next(frames, None), None, want_method=False)
             tensors = _fill(inbound, frames)
         except _Rejected as exc:
             call.cancel()
             raise TransportError(f"bad reply to {method!r} from {self.address}: {exc.message}") from exc
+        if self._peer is not None:
+            self._learn_bulk_port(_metadata_value(call.initial_metadata(), BULK_PORT_KEY))
         return Message(meta, tensors)
 
-    def _error(self, call: Any, method: str, timeout: float | None, accepted: bool, attempts: int, spent: float) -> PdpsError:
-        code, details = call.code(), call.details() or ""
-        remote = _metadata_value(call.trailing_metadata(), ERROR_CODE_KEY)
+    def _error(
+        self, code: grpc.StatusCode | None, details: str, remote: str | None, method: str, timeout: float | None, accepted: bool, attempts: int, spent: float
+    ) -> PdpsError:
+        """The error a failed call raises, from its status (gRPC's, or the bulk channel's ERROR)."""
         if remote is not None:
             exc = _rebuild(remote, details)
             if exc is not None:
@@ -789,8 +967,147 @@ class GrpcChannel:
             return TransportError(f"{self.address} rejected {method!r}: {details}")
         return TransportError(f"call {where} failed: {code.name if code else 'no status'}: {details}")
 
+    # --- the bulk channel -------------------------------------------------------------
+
+    def _bulk_route(self, method: str, nbytes: int) -> int | None:
+        """The bulk port to send this call to, or None for gRPC."""
+        peer, threshold = self._peer, self._transport.bulk_threshold
+        if peer is None or threshold is None or peer.port is None:
+            return None
+        if nbytes >= threshold or peer.reply_bytes.get(method, -1) >= threshold:
+            return peer.port
+        return None
+
+    def _seen(self, method: str, reply: Message) -> Message:
+        if self._peer is not None:
+            self._peer.reply_bytes[method] = sum(t.numel() * t.element_size() for t in reply.tensors)
+        return reply
+
+    def _learn_bulk_port(self, value: str | None) -> None:
+        try:
+            port = int(value)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            return
+        peer = self._peer
+        assert peer is not None
+        if 0 < port < 65536 and port != peer.port and not (port == peer.unreachable and time.monotonic() < peer.retry_at):
+            peer.port = port
+
+    def _bulk_unreachable(self, port: int, exc: BaseException) -> None:
+        peer = self._peer
+        assert peer is not None
+        first = peer.unreachable != port
+        peer.unreachable, peer.retry_at = port, time.monotonic() + BULK_RETRY_AFTER
+        if peer.port == port:
+            peer.port = None
+        say = log.warning if first else log.debug
+        say("cannot reach the bulk channel of %s at port %d (%s); its calls go over gRPC for %.0f s", self.address, port, exc, BULK_RETRY_AFTER)
+
+    def _call_bulk(self, port: int, method: str, header: bytes, views: Sequence[memoryview], timeout: float | None, deadline: float | None) -> Message:
+        """The call over the bulk channel. A connection that fails before the server
+        accepted the request is replaced once; then _NotRun sends the call over gRPC."""
+        conn = self._pool.take(port) or self._bulk_connect(port, deadline)
+        try:
+            return self._bulk_exchange(conn, method, header, views, timeout, deadline)
+        except _NotRun as exc:
+            log.debug("bulk connection to %s failed before %r was accepted (%s); trying a fresh one", self.address, method, exc)
+        return self._bulk_exchange(self._bulk_connect(port, deadline), method, header, views, timeout, deadline)
+
+    def _bulk_connect(self, port: int, deadline: float | None) -> bulk.Connection:
+        t = self._transport
+        try:
+            return bulk.connect(self._host, port, token=t.token, tls=self._bulk_tls, deadline=deadline)
+        except bulk.HelloRefused as exc:
+            if exc.status == bulk.HELLO_BAD_TOKEN:
+                raise TransportError(f"authentication failed for the bulk channel of {self.address}: {exc} (give both sides the same token)") from exc
+            if exc.status == bulk.HELLO_NOT_BULK:
+                self._bulk_unreachable(port, exc)
+            raise _NotRun(str(exc)) from exc
+        except bulk.Unreachable as exc:
+            if deadline is None or time.monotonic() < deadline:  # not merely out of time
+                self._bulk_unreachable(port, exc)
+            raise _NotRun(str(exc)) from exc
+        except OSError as exc:
+            raise _NotRun(f"bulk hello with {self._host}:{port} failed: {exc}") from exc
+
+    def _bulk_exchange(
+        self, conn: bulk.Connection, method: str, header: bytes, views: Sequence[memoryview], timeout: float | None, deadline: float | None
+    ) -> Message:
+        accepted = in_step = False
+        error: PdpsError | None = None  # raised after the socket errors are sorted out (Timeout is an OSError)
+        try:
+            try:
+                conn.send(bulk.REQUEST, header, views, deadline=deadline)
+            except TimeoutError:
+                raise
+            except OSError as exc:  # the server may have refused the request and closed: its ERROR waits
+                error = self._bulk_refusal(conn, method, timeout)
+                if error is None:
+                    raise
+            if error is None:
+                kind, length = self._bulk_prefix(conn, deadline)
+                if kind == bulk.ACCEPTED:
+                    accepted = True
+                    kind, length = self._bulk_prefix(conn, deadline)
+                if kind == bulk.ERROR:
+                    error = self._bulk_error(conn.read_bytes(length, deadline=deadline), method, timeout, accepted)
+                    in_step = accepted  # a handler's error; a refusal closes the connection
+                elif kind != bulk.REPLY or not accepted:
+                    error = TransportError(f"bad reply to {method!r} from {self.address}: bulk message of kind {kind} out of turn")
+                else:
+                    try:
+                        _, meta, inbound = _receive(bytes(conn.read_bytes(length, deadline=deadline)), None, want_method=False)
+                        reply = Message(meta, inbound.read_from(lambda view: conn.read_into(view, deadline=deadline)))
+                    except _Rejected as exc:
+                        error = TransportError(f"bad reply to {method!r} from {self.address}: {exc.message}")
+        except TimeoutError as exc:
+            conn.close()
+            raise Timeout(f"call {method!r} to {self.address} ran past its {timeout} s deadline") from exc
+        except OSError as exc:
+            conn.close()
+            if not accepted:
+                raise _NotRun(f"connection lost before the server accepted the request: {exc}") from exc
+            raise TransportError(
+                f"connection lost during {method!r} at {self.address} (bulk channel) after the server accepted it"
+                f" (not retried: it may have run): {exc}"
+            ) from exc
+        if error is None:
+            self._pool.give(conn)
+            return reply
+        if in_step:
+            self._pool.give(conn)
+        else:
+            conn.close()
+        raise error
+
+    def _bulk_prefix(self, conn: bulk.Connection, deadline: float | None) -> tuple[int, int]:
+        prefix = conn.read_prefix(deadline=deadline)
+        assert prefix is not None
+        if prefix[1] > MAX_FRAME_BYTES:
+            raise bulk.PeerClosed(f"{self.address} sent a bulk header of {prefix[1]} bytes")  # out of step: drop it
+        return prefix
+
+    def _bulk_refusal(self, conn: bulk.Connection, method: str, timeout: float | None) -> PdpsError | None:
+        """After a failed send: the error the server sent before it closed, if it did."""
+        try:
+            kind, length = self._bulk_prefix(conn, time.monotonic() + 1.0)
+            if kind == bulk.ERROR:
+                return self._bulk_error(conn.read_bytes(length, deadline=time.monotonic() + 1.0), method, timeout, accepted=False)
+        except OSError:
+            pass
+        return None
+
+    def _bulk_error(self, data: bytearray, method: str, timeout: float | None, accepted: bool) -> PdpsError:
+        try:
+            _, meta, _ = _receive(bytes(data), 0, want_method=False)
+            status, details, remote = grpc.StatusCode[meta["status"]], str(meta["message"]), meta.get("code")
+        except (_Rejected, KeyError, TypeError) as exc:
+            return TransportError(f"bad error reply to {method!r} from {self.address}: {exc}")
+        return self._error(status, details, remote if isinstance(remote, str) else None, method, timeout, accepted, 1, 0.0)
+
     def close(self) -> None:
         self._closed = True
+        self._pool.close()
         self._channel.close()
 
 
@@ -811,6 +1128,8 @@ class GrpcTransport:
         connect_timeout: float = 10.0,
         advertise_host: str | None = None,
         workers: int = 16,
+        bulk_threshold: int | None = DEFAULT_BULK_THRESHOLD,
+        bulk_port: int = 0,
     ) -> None:
         if token is not None and (not token or not token.isascii() or not token.isprintable()):
             raise ConfigError("the gRPC token must be a non-empty printable ASCII string")
@@ -824,6 +1143,8 @@ class GrpcTransport:
             raise ConfigError(f"connect_timeout={connect_timeout} must be positive")
         if workers < 1:
             raise ConfigError(f"workers={workers} must be at least 1")
+        if bulk_threshold is not None and (isinstance(bulk_threshold, bool) or not isinstance(bulk_threshold, int) or bulk_threshold < 0):
+            raise ConfigError(f"bulk_threshold={bulk_threshold!r} must be a byte count >= 0, or None to turn the bulk channel off")
         self.token = token
         self.tls = tls
         self.chunk_bytes = chunk_bytes
@@ -831,6 +1152,13 @@ class GrpcTransport:
         self.connect_timeout = connect_timeout
         self.advertise_host = advertise_host
         self.workers = workers
+        if not 0 <= bulk_port <= 65535:
+            raise ConfigError(f"bulk_port={bulk_port} is not a TCP port (0 picks a free one)")
+        self.bulk_threshold = bulk_threshold
+        self.bulk_port = bulk_port  # where servers listen for bulk connections (0: a free port)
+        self._bulk_lock = threading.Lock()
+        self._bulk_peers: dict[str, _BulkPeer] = {}
+        self._bulk_tls: ssl.SSLContext | None = None
 
     def serve(self, address: str, handlers: Mapping[str, Handler]) -> GrpcEndpoint:
         """Serve at ``grpc://HOST:PORT`` (PORT 0 picks a free one). A wildcard HOST
@@ -839,7 +1167,20 @@ class GrpcTransport:
         publish = host
         if host in _WILDCARD_HOSTS:
             publish = self.advertise_host or socket.gethostname()
-        return GrpcEndpoint(self, _hostport(host, port), handlers, publish)
+        return GrpcEndpoint(self, host, port, handlers, publish)
 
     def connect(self, address: str) -> GrpcChannel:
         return GrpcChannel(self, address)
+
+    def _bulk_peer(self, address: str) -> _BulkPeer:
+        with self._bulk_lock:
+            return self._bulk_peers.setdefault(address, _BulkPeer())
+
+    def _bulk_client_context(self) -> ssl.SSLContext | None:
+        """The TLS context of this transport's bulk connections (made once)."""
+        if self.tls is None:
+            return None
+        with self._bulk_lock:
+            if self._bulk_tls is None:
+                self._bulk_tls = self.tls.client_context()
+            return self._bulk_tls

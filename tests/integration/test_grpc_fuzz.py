@@ -4,12 +4,15 @@ status, the server keeps serving, and the parameter it holds is unchanged.
 The server (started once for the module) requires a token and accepts at most 1 MiB
 of tensors per request. It serves ``push`` (adds a float32[1024] gradient into its
 parameter, GradientRejected for any other shape or dtype) and ``pull``. The fuzzer
-talks raw gRPC (no adapter client, bytes in and out) so it can send anything.
+talks raw gRPC (no adapter client, bytes in and out) so it can send anything, and
+raw TCP to the server's bulk channel port (hello, prefixes, headers, tensor bytes).
 """
 
 from __future__ import annotations
 
 import json
+import socket
+import struct
 import threading
 
 import grpc
@@ -50,16 +53,27 @@ class ParameterServer:
 
 
 @pytest.fixture(scope="module")
-def server():
+def live():
     state = ParameterServer()
     transport = gt.GrpcTransport(token=TOKEN, max_request_bytes=LIMIT)
     endpoint = transport.serve("grpc://127.0.0.1:0", {"push": state.push, "pull": state.pull})
-    client = transport.connect(endpoint.address)
+    yield state, transport, endpoint
+    endpoint.close()
+
+
+@pytest.fixture(scope="module")
+def server(live):
+    state, transport, endpoint = live
+    client = transport.connect(endpoint.address)  # 4 KiB calls: below the bulk threshold, over gRPC
     raw = grpc.insecure_channel(endpoint.address.removeprefix("grpc://"))
     yield state, client, raw
     raw.close()
     client.close()
-    endpoint.close()
+
+
+@pytest.fixture(scope="module")
+def bulk_port(live):
+    return live[2].bulk_port
 
 
 def call_raw(raw: grpc.Channel, frames: list[bytes], metadata=AUTH, path: str = gt.CALL_PATH) -> grpc.StatusCode:
@@ -209,3 +223,209 @@ def test_well_formed_but_wrong_requests(server, case):
         "two tensors": [header(specs=[("float32", (N // 2,), 2 * N)] * 2), *chunks(GRADIENT)],
     }[case]
     assert_refused_and_unchanged(server, frames)
+
+
+# --- the bulk channel's port ---------------------------------------------------------------
+
+ACCEPTED, REPLY, ERROR = 2, 3, 4
+
+
+def hello(token: str | None = TOKEN, magic: bytes = b"PDPSBULK", version: int = 1) -> bytes:
+    secret = (token or "").encode()
+    return magic + bytes([version]) + len(secret).to_bytes(2, "big") + secret
+
+
+def bulk_message(head: bytes, payload: bytes = b"", kind: int = 1) -> bytes:
+    return struct.pack("!BI", kind, len(head)) + head + payload
+
+
+def bulk_exchange(port: int, data: bytes) -> bytes:
+    """Send ``data`` to the bulk port, close the sending side, and return all the
+    server sent until it closed (a 10 s timeout fails: the server must never hang)."""
+    out = bytearray()
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        try:
+            sock.sendall(data)
+            sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass  # the server may refuse and close before reading everything
+        try:
+            while chunk := sock.recv(65536):
+                out += chunk
+        except ConnectionResetError:
+            pass
+        except TimeoutError:
+            pytest.fail("the bulk server hung on a bad stream")
+    return bytes(out)
+
+
+def bulk_answer(data: bytes) -> tuple[int | None, list[tuple[int, dict | None, bytes]]]:
+    """The hello status and the messages (kind, meta, tensor bytes) in a server's answer."""
+    if not data:
+        return None, []
+    messages, pos = [], 1
+    while pos < len(data):
+        kind, size = struct.unpack_from("!BI", data, pos)
+        pos += 5
+        if size == 0:
+            messages.append((kind, None, b""))
+            continue
+        head = gt.decode_frame(data[pos : pos + size])
+        pos += size
+        nbytes = sum(spec.nbytes for spec in head.tensors)
+        messages.append((kind, json.loads(head.meta_json or "{}"), data[pos : pos + nbytes]))
+        pos += nbytes
+    return data[0], messages
+
+
+def bulk_pull(port: int) -> torch.Tensor:
+    """The parameter, pulled over the bulk port with raw bytes."""
+    status, messages = bulk_answer(bulk_exchange(port, hello() + bulk_message(header("pull", specs=()))))
+    assert status == 0 and [m[0] for m in messages] == [ACCEPTED, REPLY], messages
+    return torch.frombuffer(bytearray(messages[1][2]), dtype=torch.float32)
+
+
+def assert_bulk_refused_and_unchanged(server, port, data, expected=("INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "UNIMPLEMENTED")) -> list:
+    """``data`` after a valid hello: no handler runs (an ERROR or a plain close answers
+    it), the parameter is unchanged, and both gRPC and the bulk port still serve."""
+    state, client, raw = server
+    before = client.call("pull", Message({}), timeout=10).tensors[0].clone()
+    status, messages = bulk_answer(bulk_exchange(port, hello() + data))
+    assert status == 0
+    assert ACCEPTED not in [m[0] for m in messages], messages
+    for kind, meta, _ in messages:
+        assert kind == ERROR and meta["status"] in expected, messages
+    after = client.call("pull", Message({}), timeout=10).tensors[0]
+    assert torch.equal(raw_bits(after), raw_bits(before))
+    assert torch.equal(raw_bits(bulk_pull(port)), raw_bits(before))
+    return messages
+
+
+def test_a_valid_raw_bulk_push_changes_the_parameter(server, bulk_port):
+    """The baseline that makes the refusals below mean something."""
+    state, client, raw = server
+    before = client.call("pull", Message({}), timeout=10).tensors[0].clone()
+    status, messages = bulk_answer(bulk_exchange(bulk_port, hello() + bulk_message(header(), GRADIENT)))
+    assert status == 0 and [(kind, meta) for kind, meta, _ in messages] == [(ACCEPTED, None), (REPLY, {"ok": True})]
+    after = client.call("pull", Message({}), timeout=10).tensors[0]
+    assert torch.equal(after, before + 1) and torch.equal(bulk_pull(bulk_port), before + 1)
+
+
+@FUZZ
+@given(st.binary(max_size=200))
+def test_bulk_random_bytes_after_the_hello(server, bulk_port, data):
+    state, client, raw = server
+    before = client.call("pull", Message({}), timeout=10).tensors[0].clone()
+    bulk_exchange(bulk_port, hello() + data)  # may even be a valid pull: only a push changes the parameter
+    assert torch.equal(raw_bits(client.call("pull", Message({}), timeout=10).tensors[0]), raw_bits(before))
+    assert torch.equal(raw_bits(bulk_pull(bulk_port)), raw_bits(before))
+
+
+@FUZZ
+@given(st.binary(max_size=60), st.binary(max_size=100))
+def test_bulk_random_hello(server, bulk_port, greeting, rest):
+    state, client, raw = server
+    if greeting.startswith(hello()):
+        greeting = b"X" + greeting
+    before = client.call("pull", Message({}), timeout=10).tensors[0].clone()
+    answer = bulk_exchange(bulk_port, greeting + bulk_message(header(), GRADIENT) + rest)
+    assert answer in (b"", b"\x01", b"\x02"), answer  # a refusal, or closed before a whole hello
+    assert torch.equal(raw_bits(bulk_pull(bulk_port)), raw_bits(before))
+
+
+@FUZZ
+@given(st.sampled_from([b"PDPSBULX", b"pdpsbulk", b"HTTP/1.1", b"\x16\x03\x01\x02\x00\x01\x00\x01"]), st.integers(0, 255))
+def test_bulk_bad_magic_or_version(server, bulk_port, magic, version):
+    state, client, raw = server
+    if magic == b"PDPSBULK" or version == 1:
+        version = 2
+    answer = bulk_exchange(bulk_port, hello(magic=magic, version=version) + bulk_message(header(), GRADIENT))
+    assert answer == b"\x01"
+    answer = bulk_exchange(bulk_port, hello(version=version) + bulk_message(header(), GRADIENT))
+    assert answer == b"\x01"
+
+
+@FUZZ
+@given(st.one_of(st.none(), st.text(alphabet=st.characters(min_codepoint=33, max_codepoint=126), max_size=30)))
+def test_bulk_wrong_or_missing_token(server, bulk_port, token):
+    state, client, raw = server
+    if token == TOKEN:
+        token += "x"
+    before = client.call("pull", Message({}), timeout=10).tensors[0].clone()
+    assert bulk_exchange(bulk_port, hello(token) + bulk_message(header(), GRADIENT)) == b"\x02"
+    assert torch.equal(raw_bits(bulk_pull(bulk_port)), raw_bits(before))
+
+
+@FUZZ
+@given(st.text(max_size=40).filter(_not_a_json_object))
+def test_bulk_meta_that_is_not_a_json_object(server, bulk_port, meta):
+    messages = assert_bulk_refused_and_unchanged(server, bulk_port, bulk_message(header(meta=meta), GRADIENT))
+    assert messages and "meta" in messages[0][1]["message"]
+
+
+@FUZZ
+@given(st.binary(max_size=100))
+def test_bulk_header_that_is_not_a_frame(server, bulk_port, junk):
+    assert_bulk_refused_and_unchanged(server, bulk_port, bulk_message(junk, GRADIENT))
+
+
+@FUZZ
+@given(
+    st.one_of(
+        st.integers(LIMIT + 1, 1 << 40).map(lambda n: [n]),
+        st.lists(st.integers(1, LIMIT), min_size=2, max_size=4).filter(lambda sizes: sum(sizes) > LIMIT),
+    )
+)
+def test_bulk_declared_size_over_the_limit(server, bulk_port, sizes):
+    specs = [("uint8", (n,), n) for n in sizes]
+    messages = assert_bulk_refused_and_unchanged(server, bulk_port, bulk_message(header(specs=specs), GRADIENT), expected=("RESOURCE_EXHAUSTED",))
+    assert len(messages) == 1
+
+
+@FUZZ
+@given(st.integers(0, 4 * N - 1))
+def test_bulk_truncated_payload(server, bulk_port, sent):
+    messages = assert_bulk_refused_and_unchanged(server, bulk_port, bulk_message(header(), GRADIENT[:sent]))
+    assert len(messages) == 1 and "ended early" in messages[0][1]["message"]
+
+
+@FUZZ
+@given(st.integers(0, 300))
+def test_bulk_truncated_prefix_or_header(server, bulk_port, cut):
+    whole = bulk_message(header(), GRADIENT)
+    assert_bulk_refused_and_unchanged(server, bulk_port, whole[: min(cut, len(whole) - len(GRADIENT) - 1)])
+
+
+@FUZZ
+@given(st.integers(0, 255).filter(lambda kind: kind != 1), st.integers(0, (1 << 32) - 1))
+def test_bulk_wrong_kind_or_huge_header_length(server, bulk_port, kind, size):
+    messages = assert_bulk_refused_and_unchanged(server, bulk_port, struct.pack("!BI", kind, size) + header() + GRADIENT)
+    assert len(messages) == 1
+    huge = assert_bulk_refused_and_unchanged(server, bulk_port, struct.pack("!BI", 1, gt.MAX_FRAME_BYTES + 1 + size % 1000) + GRADIENT)
+    assert len(huge) == 1
+
+
+@FUZZ
+@given(st.text(min_size=1, max_size=30).filter(lambda m: m not in ("push", "pull")))
+def test_bulk_unknown_method(server, bulk_port, method):
+    messages = assert_bulk_refused_and_unchanged(server, bulk_port, bulk_message(header(method=method), GRADIENT), expected=("UNIMPLEMENTED",))
+    assert len(messages) == 1
+
+
+@FUZZ
+@given(st.sampled_from(["bool bytes", "wrong shape", "wrong dtype", "two tensors", "bad dims"]))
+def test_bulk_well_formed_but_wrong_requests(server, bulk_port, case):
+    """Refused by the checks, or accepted and rejected by the handler: unchanged either way."""
+    state, client, raw = server
+    head = {
+        "bool bytes": header(specs=[("bool", (4 * N,), 4 * N)]),
+        "wrong shape": header(specs=[("float32", (N // 2, 2), 4 * N)]),
+        "wrong dtype": header(specs=[("int32", (N,), 4 * N)]),
+        "two tensors": header(specs=[("float32", (N // 2,), 2 * N)] * 2),
+        "bad dims": header(specs=[("float32", [1 << 62] * 100_000, 4)]),
+    }[case]
+    before = client.call("pull", Message({}), timeout=10).tensors[0].clone()
+    status, messages = bulk_answer(bulk_exchange(bulk_port, hello() + bulk_message(head, GRADIENT)))
+    assert status == 0 and messages[-1][0] == ERROR
+    assert messages[-1][1]["status"] in ("INVALID_ARGUMENT",) and messages[-1][1].get("code") in (None, "gradient_rejected")
+    assert torch.equal(raw_bits(bulk_pull(bulk_port)), raw_bits(before))

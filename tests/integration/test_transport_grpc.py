@@ -1,10 +1,12 @@
-"""The grpc:// transport: the transport contract, plus what only a wire has (codec,
-limits, deadlines, retries, token, TLS, health, published addresses)."""
+"""The grpc:// transport: the transport contract (over gRPC alone and over the bulk
+channel), plus what only a wire has (codec, limits, deadlines, retries, token, TLS,
+health, published addresses, the bulk channel's routing, hello and failures)."""
 
 from __future__ import annotations
 
 import os
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -59,9 +61,29 @@ def serve():
 
 
 class TestGrpc(TransportContract):
-    @pytest.fixture
-    def transport(self):
-        return GrpcTransport()
+    """The contract over gRPC alone, and over the bulk channel: with bulk_threshold 0,
+    every call after the first to a server takes it."""
+
+    @pytest.fixture(params=[0, None], ids=["bulk", "grpc-only"])
+    def transport(self, request):
+        return GrpcTransport(bulk_threshold=request.param)
+
+    @pytest.fixture(autouse=True)
+    def calls_take_the_expected_path(self, request, transport):
+        """With the bulk channel on, one call teaches the transport the bulk port of
+        ``served``; every call the test then makes to it must take the bulk channel."""
+        if "served" not in request.fixturenames:
+            yield
+            return
+        served = request.getfixturevalue("served")
+        if transport.bulk_threshold is None:
+            yield
+            assert served.bulk_port is None and served.bulk_calls == 0
+            return
+        transport.connect(served.address).call("total", Message({}))
+        assert served.grpc_calls == 1
+        yield
+        assert served.grpc_calls == 1, "a call went over gRPC, not over the bulk channel"
 
     @pytest.fixture
     def address(self):
@@ -317,7 +339,8 @@ def test_token_required_wrong_and_right(serve):
 
 
 def test_bad_options_are_config_errors():
-    for kwargs in ({"token": ""}, {"token": "two\nlines"}, {"chunk_bytes": 10}, {"workers": 0}, {"connect_timeout": 0}):
+    bad = ({"token": ""}, {"token": "two\nlines"}, {"chunk_bytes": 10}, {"workers": 0}, {"connect_timeout": 0}, {"bulk_threshold": -1}, {"bulk_threshold": 1.5})
+    for kwargs in bad:
         with pytest.raises(ConfigError):
             GrpcTransport(**kwargs)
     with pytest.raises(ConfigError, match="cert=..., key="):
@@ -508,3 +531,332 @@ def test_decoder_reads_what_protobuf_may_also_write():
 def test_decoder_rejects_malformed_frames(data, message):
     with pytest.raises(gt.FrameError, match=message):
         gt.decode_frame(data)
+
+
+# --- the bulk channel ----------------------------------------------------------------------
+
+
+def ping(req: Message) -> Message:
+    return Message({})
+
+
+def over_bulk(ep, **options) -> gt.GrpcChannel:
+    """A channel to ``ep`` (which serves ``ping``) whose every call takes the bulk
+    channel: bulk_threshold 0, and one call over gRPC has taught it the bulk port."""
+    ch = GrpcTransport(bulk_threshold=0, **options).connect(ep.address)
+    grpc_before, bulk_before = ep.grpc_calls, ep.bulk_calls
+    ch.call("ping", Message({}), timeout=10)
+    assert (ep.grpc_calls, ep.bulk_calls) == (grpc_before + 1, bulk_before)
+    return ch
+
+
+def bulk_socket(ep, token: str | None = None) -> socket.socket:
+    """A raw connection to ``ep``'s bulk port, hello sent (with ``token``)."""
+    sock = socket.create_connection(("127.0.0.1", ep.bulk_port), timeout=10)
+    secret = (token or "").encode()
+    sock.sendall(b"PDPSBULK" + bytes([1]) + len(secret).to_bytes(2, "big") + secret)
+    return sock
+
+
+def read_to_end(sock: socket.socket) -> bytes:
+    """Everything the peer sends until it closes (a timeout fails: never a hang)."""
+    out = bytearray()
+    try:
+        while chunk := sock.recv(65536):
+            out += chunk
+    except ConnectionResetError:
+        pass
+    return bytes(out)
+
+
+def test_bulk_is_off_with_threshold_none_and_on_by_default(serve):
+    ep = serve({"echo": echo}, GrpcTransport(bulk_threshold=None))
+    assert ep.bulk_port is None
+    ch = GrpcTransport().connect(ep.address)
+    for _ in range(2):
+        assert torch.equal(ch.call("echo", Message({}, [torch.zeros(1 << 19)])).tensors[0], torch.zeros(1 << 19))
+    assert (ep.grpc_calls, ep.bulk_calls) == (2, 0)
+    assert serve({}).bulk_port is not None
+
+
+def test_a_fixed_bulk_port_is_used_and_a_taken_one_is_a_clear_error(serve):
+    from tests.servers import free_port
+
+    port = free_port()
+    ep = serve({"echo": echo}, GrpcTransport(bulk_port=port, bulk_threshold=0))
+    assert ep.bulk_port == port
+    ch = GrpcTransport(bulk_threshold=0).connect(ep.address)
+    for _ in range(2):
+        ch.call("echo", Message({}, [torch.ones(4)]))
+    assert ep.bulk_calls == 1  # the second call went to the fixed port
+    with pytest.raises(TransportError, match=f"bulk channel.*{port}|{port}.*bulk"):
+        GrpcTransport(bulk_port=port).serve("grpc://127.0.0.1:0", {"echo": echo})
+    with pytest.raises(ConfigError, match="bulk_port"):
+        GrpcTransport(bulk_port=70000)
+
+
+def test_64_mib_tensor_roundtrips_over_bulk(serve):
+    ep = serve({"same": same, "ping": ping})
+    ch = GrpcTransport().connect(ep.address)  # the default threshold, 1 MiB
+    ch.call("ping", Message({}))
+    big = torch.randn(16 << 20)
+    reply = ch.call("same", Message({"k": "v"}, [big, torch.arange(5), torch.zeros(0)]), timeout=120)
+    assert reply.meta == {"k": "v", "timeout": 120}
+    assert torch.equal(reply.tensors[0], big) and torch.equal(reply.tensors[1], torch.arange(5)) and reply.tensors[2].shape == (0,)
+    assert (ep.grpc_calls, ep.bulk_calls) == (1, 1)
+
+
+def test_every_dtype_roundtrips_over_bulk(serve):
+    ep = serve({"same": same, "ping": ping})
+    ch = over_bulk(ep)
+    sent = []
+    for name, d in sorted(gt.DTYPES.items()):
+        high = 2 if d == torch.bool else 256
+        sent.append(torch.randint(0, high, (3 * 5 * d.itemsize,), dtype=torch.uint8).view(d).reshape(3, 5))
+    reply = ch.call("same", Message({}, sent))
+    for got, want in zip(reply.tensors, sent, strict=True):
+        assert got.dtype == want.dtype and torch.equal(raw_bytes(got), raw_bytes(want))
+    assert ep.bulk_calls == 1
+
+
+def test_big_requests_and_big_replies_take_the_bulk_channel(serve):
+    """A push (big request) goes over bulk once the port is known; a pull (tiny
+    request, big reply) from its second call; small calls stay on gRPC."""
+    big = torch.ones(1 << 19)  # 2 MiB, over the default threshold
+    ep = serve({"pull": lambda req: Message({}, [big]), "push": lambda req: Message({}), "ping": ping})
+    ch = GrpcTransport().connect(ep.address)
+    calls = [("pull", []), ("pull", []), ("push", [big]), ("ping", []), ("ping", []), ("pull", [])]
+    seen = []
+    for method, tensors in calls:
+        ch.call(method, Message({}, tensors))
+        seen.append((ep.grpc_calls, ep.bulk_calls))
+    assert seen == [(1, 0), (1, 1), (1, 2), (2, 2), (3, 2), (3, 3)]
+
+
+def test_concurrent_calls_from_8_threads_over_bulk(serve):
+    ep = serve({"echo": echo, "ping": ping})
+    ch = over_bulk(ep)
+    errors: list[BaseException] = []
+
+    def worker(k: int) -> None:
+        try:
+            for i in range(10):
+                x = torch.full((1000 + 37 * k,), float(k * 100 + i))
+                reply = ch.call("echo", Message({"k": k, "i": i}, [x]), timeout=30)
+                assert reply.meta["echo"]["k"] == k and reply.meta["echo"]["i"] == i
+                assert torch.equal(reply.tensors[0], x)
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)
+    assert errors == []
+    assert (ep.grpc_calls, ep.bulk_calls) == (1, 80)
+
+
+@pytest.mark.parametrize("via", ["grpc", "bulk"])
+def test_handler_errors_keep_their_class_over_both_paths(serve, via):
+    """Timeout raised by a handler stays the handler's Timeout, also on the bulk channel
+    (where a deadline is a socket timeout)."""
+
+    def fail(req: Message) -> Message:
+        kind = req.meta["kind"]
+        if kind == "transition":
+            raise InvalidTransition("task 7", "done", "lease", "finished tasks are never leased")
+        if kind == "timeout":
+            raise Timeout("waited 3 s for round 4")
+        if kind == "bug":
+            raise KeyError("weights")
+        raise StalePush("version 3 is 5 behind")
+
+    ep = serve({"fail": fail, "echo": echo, "ping": ping})
+    ch = over_bulk(ep) if via == "bulk" else GrpcTransport(bulk_threshold=None).connect(ep.address)
+    with pytest.raises(InvalidTransition, match="'task 7' in state done cannot take event lease: finished tasks"):
+        ch.call("fail", Message({"kind": "transition"}))
+    with pytest.raises(Timeout, match="waited 3 s for round 4"):
+        ch.call("fail", Message({"kind": "timeout"}, [torch.ones(3)]), timeout=30)
+    with pytest.raises(StalePush, match="5 behind"):
+        ch.call("fail", Message({"kind": "stale"}))
+    with pytest.raises(TransportError) as info:
+        ch.call("fail", Message({"kind": "bug"}))
+    assert type(info.value) is TransportError and ep.address in str(info.value) and "KeyError" in str(info.value)
+    with pytest.raises(TransportError, match="has no method 'nope'"):
+        ch.call("nope", Message({}, [torch.ones(3)]))
+    assert ch.call("echo", Message({"still": "up"})).meta == {"echo": {"still": "up"}}
+    assert ep.bulk_calls == (6 if via == "bulk" else 0)
+
+
+@pytest.mark.parametrize("via", ["grpc", "bulk"])
+def test_max_request_bytes_over_both_paths(serve, via):
+    calls = []
+    ep = serve({"echo": lambda req: calls.append(1) or echo(req), "ping": ping}, GrpcTransport(max_request_bytes=1 << 20))
+    ch = over_bulk(ep) if via == "bulk" else GrpcTransport(bulk_threshold=None).connect(ep.address)
+    for size in (1 << 20, 16 << 20):  # 1 MiB + 4 bytes, 64 MiB: refused from the header alone
+        with pytest.raises(TransportError, match="max_request_bytes"):
+            ch.call("echo", Message({}, [torch.zeros((size >> 2) + 1)]), timeout=30)
+    assert calls == []
+    assert ch.call("echo", Message({}, [torch.zeros(1 << 18)])).tensors[0].numel() == 1 << 18  # exactly the limit
+    assert calls == [1]
+    assert ep.bulk_calls == (3 if via == "bulk" else 0)
+
+
+def test_bulk_deadline_raises_timeout(serve):
+    release = threading.Event()
+
+    def stall(req: Message) -> Message:
+        release.wait(10)
+        return Message({})
+
+    ep = serve({"stall": stall, "ping": ping})
+    ch = over_bulk(ep)
+    start = time.monotonic()
+    with pytest.raises(Timeout, match="'stall'.*deadline"):
+        ch.call("stall", Message({}, [torch.ones(4)]), timeout=0.5)
+    assert time.monotonic() - start < 5
+    release.set()
+    assert ep.bulk_calls == 1
+    ch.call("ping", Message({}), timeout=10)  # a fresh connection replaces the one given up
+    assert ep.bulk_calls == 2
+
+
+def test_bulk_hello_with_a_wrong_or_missing_token_is_refused(serve):
+    calls = []
+    ep = serve({"echo": lambda req: calls.append(1) or echo(req), "ping": ping}, GrpcTransport(token="s3cret"))
+    request = b"\x01" + (0).to_bytes(4, "big")  # would be a request, were the hello accepted
+    for token in ("guess", None, "s3cret-but-longer"):
+        with bulk_socket(ep, token) as sock:
+            sock.sendall(request)
+            assert read_to_end(sock) == b"\x02"  # refused (wrong token), then closed
+    with bulk_socket(ep, "s3cret") as sock:
+        sock.shutdown(socket.SHUT_WR)
+        assert read_to_end(sock) == b"\x00"  # accepted; closed when the client is done
+    assert calls == [] and ep.bulk_calls == 0
+    ch = over_bulk(ep, token="s3cret")
+    assert ch.call("echo", Message({"ok": 1}, [torch.ones(2)])).meta == {"echo": {"ok": 1}}
+    assert calls == [1] and ep.bulk_calls == 1
+
+
+def test_bulk_over_tls_and_mutual_tls(serve, tls):
+    server_tls = TlsConfig(cert=tls["server_cert"], key=tls["server_key"])
+    mutual = TlsConfig(cert=tls["server_cert"], key=tls["server_key"], ca=tls["ca"])
+    client = {"server-only": TlsConfig(ca=tls["ca"]), "mutual": TlsConfig(cert=tls["client_cert"], key=tls["client_key"], ca=tls["ca"])}
+    for name, server in (("server-only", server_tls), ("mutual", mutual)):
+        ep = serve({"same": same, "ping": ping}, GrpcTransport(tls=server))
+        ch = over_bulk(ep, tls=client[name])
+        x = torch.randn(3 << 18)  # 3 MiB: several TLS writes and many records
+        assert torch.equal(ch.call("same", Message({}, [x]), timeout=30).tensors[0], x)
+        assert ep.bulk_calls == 1, name
+
+
+def hello_answer(port: int, context: ssl.SSLContext | None = None) -> bytes:
+    """The server's answer to a hello without a token at ``port`` (over TLS with
+    ``context``); b"" when the connection failed or closed first."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
+        try:
+            sock = raw if context is None else context.wrap_socket(raw, server_hostname="127.0.0.1")
+            sock.sendall(b"PDPSBULK\x01\x00\x00")
+            return sock.recv(1)
+        except (ssl.SSLError, ConnectionError):
+            return b""
+
+
+def test_plaintext_and_tls_bulk_ports_do_not_mix(serve, tls):
+    mutual = TlsConfig(cert=tls["server_cert"], key=tls["server_key"], ca=tls["ca"])
+    tls_ep = serve({"ping": ping}, GrpcTransport(tls=mutual))
+    plain_ep = serve({"ping": ping})
+    with_cert = TlsConfig(cert=tls["client_cert"], key=tls["client_key"], ca=tls["ca"]).client_context()
+    without_cert = TlsConfig(ca=tls["ca"]).client_context()
+    assert hello_answer(plain_ep.bulk_port) == b"\x00"
+    assert hello_answer(tls_ep.bulk_port, with_cert) == b"\x00"
+    assert hello_answer(tls_ep.bulk_port) == b""  # plaintext to a TLS port
+    assert hello_answer(plain_ep.bulk_port, with_cert) == b""  # TLS to a plaintext port
+    assert hello_answer(tls_ep.bulk_port, without_cert) == b""  # no client certificate at a mutual-TLS port
+    assert tls_ep.bulk_calls == plain_ep.bulk_calls == 0
+
+
+def test_endpoint_closed_with_idle_bulk_connections(serve):
+    ep = serve({"echo": echo, "ping": ping})
+    ch = over_bulk(ep, connect_timeout=0.5)
+    ch.call("echo", Message({}, [torch.ones(3)]))  # leaves an idle connection in the pool
+    ep.close()
+    start = time.monotonic()
+    with pytest.raises(TransportError, match=ep.address):
+        ch.call("echo", Message({}, [torch.ones(3)]), timeout=5)
+    assert time.monotonic() - start < 5
+
+
+def test_a_connection_the_server_dropped_is_replaced_without_running_a_handler_twice(serve, monkeypatch):
+    runs = []
+    ep = serve({"echo": lambda req: runs.append(req.meta["n"]) or echo(req), "ping": ping})
+    monkeypatch.setattr(gt.bulk, "SERVER_IDLE", 0.2)  # the server closes idle connections fast
+    ch = over_bulk(ep)
+    for n in range(3):
+        assert ch.call("echo", Message({"n": n}, [torch.ones(3)])).meta["echo"]["n"] == n
+        time.sleep(0.5)  # the pooled connection is closed by the server: the next call finds it dead
+    assert runs == [0, 1, 2]
+    assert (ep.grpc_calls, ep.bulk_calls) == (1, 3)
+
+
+def test_handler_runs_once_when_the_bulk_connection_dies_after_the_request_was_accepted():
+    runs = []
+    entered = threading.Event()
+
+    def slow(req: Message) -> Message:
+        runs.append(req.meta["n"])
+        entered.set()
+        time.sleep(1.0)
+        return Message({})
+
+    first = GrpcTransport().serve(LOCAL, {"slow": slow, "ping": ping})
+    second = []
+
+    def kill() -> None:
+        entered.wait(10)
+        first.close(grace=0)
+        second.append(GrpcTransport().serve(f"grpc://127.0.0.1:{first.port}", {"slow": slow, "ping": ping}))
+
+    ch = over_bulk(first)
+    killer = threading.Thread(target=kill)
+    killer.start()
+    try:
+        with pytest.raises(TransportError, match="after the server accepted it"):
+            ch.call("slow", Message({"n": 1}, [torch.ones(3)]), timeout=10)
+    finally:
+        killer.join()
+        for ep in second:
+            ep.close()
+    assert runs == [1] and first.bulk_calls == 1
+    assert second, "the second server did not come up"
+
+
+def test_an_unreachable_bulk_port_sends_calls_over_grpc_and_is_logged_once(serve, caplog):
+    ep = serve({"echo": echo, "ping": ping})
+    ch = over_bulk(ep)
+    ep._bulk.close(0)  # gRPC still serves; the bulk port refuses connections
+    with caplog.at_level("WARNING", logger=gt.__name__):
+        for n in range(3):
+            assert ch.call("echo", Message({"n": n}, [torch.ones(3)])).meta == {"echo": {"n": n}}
+    assert (ep.grpc_calls, ep.bulk_calls) == (4, 0)
+    warnings = [r for r in caplog.records if "bulk channel" in r.getMessage()]
+    assert len(warnings) == 1 and ep.address in warnings[0].getMessage()
+
+
+def test_bulk_connections_beyond_the_limit_are_refused_and_their_calls_take_grpc(serve, monkeypatch):
+    monkeypatch.setattr(gt.bulk, "MAX_CONNECTIONS", 2)
+    ep = serve({"echo": echo, "ping": ping})
+    held = [bulk_socket(ep), bulk_socket(ep)]
+    try:
+        for sock in held:
+            assert sock.recv(1) == b"\x00"
+        with bulk_socket(ep) as third:
+            assert read_to_end(third) == b"\x03"  # busy
+        ch = over_bulk(ep)
+        assert ch.call("echo", Message({"n": 1}, [torch.ones(3)])).meta == {"echo": {"n": 1}}
+        assert (ep.grpc_calls, ep.bulk_calls) == (2, 0)
+    finally:
+        for sock in held:
+            sock.close()

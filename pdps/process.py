@@ -78,6 +78,8 @@ def open_role_transport(values: Mapping[str, Any]) -> Any:
         if path and not os.path.isfile(path):
             raise ConfigError(f"{name} {path} is not a readable file")
     options: dict[str, Any] = {"token": values.get("token"), "advertise_host": values.get("advertise")}
+    if values.get("bulk_port"):
+        options["bulk_port"] = values["bulk_port"]
     if cert or ca:
         from pdps.adapters.grpc_transport import TlsConfig
 

@@ -92,6 +92,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("job", str, DEFAULT_JOB, ALL, "job name: the namespace /pdps/<job>/ in the store"),
     Setting("transport", str, "grpc", ALL, "how roles exchange tensors: grpc (processes) or inproc (launch only: one process)", choices=("grpc", "inproc")),
     Setting("listen", str, "127.0.0.1:0", (MASTER, PSERVER), "host:port to serve on (port 0 picks a free one)"),
+    Setting("bulk_port", int, 0, (MASTER, PSERVER), "port of the bulk channel for large tensors, beside gRPC (0 picks a free one)"),
     Setting("advertise", str, None, (MASTER, PSERVER), "host others use to reach this role (default: the listen host, or the hostname when listening on 0.0.0.0)"),
     Setting("token", str, None, ALL, "shared secret every gRPC call must carry; calls without it are refused", secret=True),
     Setting("token_file", str, None, ALL, "file holding the token (e.g. a mounted Kubernetes secret); used when token is unset"),

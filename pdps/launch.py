@@ -134,12 +134,12 @@ def launch(values: dict[str, Any], *, out: IO[str] = sys.stdout, err: IO[str] = 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _on_sigterm)  # unwinds through the launcher's cleanup
 
-    _fn, module = load_target(values["target"])
+    fn, module = load_target(values["target"])
     workdir = Path(tempfile.mkdtemp(prefix="pdps-launch-"))
     try:
         config = prepare(values, module, workdir)
         if values["transport"] == "inproc":
-            result = _run_inproc(values, config, err)
+            result = _run_inproc(fn, values, config, err)
         else:
             result = Launcher(values, config, err).run()
         evaluate = getattr(module, "evaluate", None)
@@ -173,12 +173,9 @@ def _progress_printer(config: JobConfig, err: IO[str]):
     return show
 
 
-def _run_inproc(values: Mapping[str, Any], config: JobConfig, err: IO[str]) -> dict[str, Any]:
+def _run_inproc(fn: Any, values: Mapping[str, Any], config: JobConfig, err: IO[str]) -> dict[str, Any]:
     import pdps
 
-    from pdps.process import load_target
-
-    fn, _ = load_target(values["target"])
     show = _progress_printer(config, err)
     fields = config.to_json()
     dataset = fields.pop("dataset")

@@ -49,11 +49,15 @@ def load_target(spec: str) -> tuple[Callable[..., Any], ModuleType]:
         if not path.is_file():
             raise ConfigError(f"training target {spec!r}: no file {path}")
         module_name = f"pdps_target_{path.stem}"
-        mod_spec = importlib.util.spec_from_file_location(module_name, path)
-        assert mod_spec is not None and mod_spec.loader is not None
-        module = importlib.util.module_from_spec(mod_spec)
-        sys.modules[module_name] = module
-        mod_spec.loader.exec_module(module)
+        loaded = sys.modules.get(module_name)
+        if loaded is not None and Path(getattr(loaded, "__file__", "")).resolve() == path.resolve():
+            module = loaded  # loaded once per process, like an imported module
+        else:
+            mod_spec = importlib.util.spec_from_file_location(module_name, path)
+            assert mod_spec is not None and mod_spec.loader is not None
+            module = importlib.util.module_from_spec(mod_spec)
+            sys.modules[module_name] = module
+            mod_spec.loader.exec_module(module)
     else:
         try:
             module = importlib.import_module(where)

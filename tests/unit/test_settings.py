@@ -110,8 +110,9 @@ def test_load_target_module_and_file(tmp_path):
     assert fn.__name__ == "train" and hasattr(module, "evaluate")
     script = tmp_path / "my_train.py"
     script.write_text("def go(ctx):\n    return 42\n")
-    fn, _ = load_target(f"{script}:go")
+    fn, module = load_target(f"{script}:go")
     assert fn(None) == 42
+    assert load_target(f"{script}:go")[1] is module  # executed once, like an import
     for bad, msg in [
         ("nocolon", "must look like"),
         ("pdps.examples.digits:nope", "has no function 'nope'"),

@@ -1145,6 +1145,8 @@ class GrpcTransport:
             raise ConfigError(f"workers={workers} must be at least 1")
         if bulk_threshold is not None and (isinstance(bulk_threshold, bool) or not isinstance(bulk_threshold, int) or bulk_threshold < 0):
             raise ConfigError(f"bulk_threshold={bulk_threshold!r} must be a byte count >= 0, or None to turn the bulk channel off")
+        if not 0 <= bulk_port <= 65535:
+            raise ConfigError(f"bulk_port={bulk_port} is not a TCP port (0 picks a free one)")
         self.token = token
         self.tls = tls
         self.chunk_bytes = chunk_bytes
@@ -1152,8 +1154,6 @@ class GrpcTransport:
         self.connect_timeout = connect_timeout
         self.advertise_host = advertise_host
         self.workers = workers
-        if not 0 <= bulk_port <= 65535:
-            raise ConfigError(f"bulk_port={bulk_port} is not a TCP port (0 picks a free one)")
         self.bulk_threshold = bulk_threshold
         self.bulk_port = bulk_port  # where servers listen for bulk connections (0: a free port)
         self._bulk_lock = threading.Lock()

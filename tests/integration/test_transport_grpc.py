@@ -147,9 +147,8 @@ def test_reply_tensors_held_by_the_caller_are_never_overwritten(serve):
     assert torch.count_nonzero(first).item() == 0
 
 
-def test_concurrent_calls_from_8_threads_on_one_channel(serve):
-    ch = GrpcTransport().connect(serve({"echo": echo}).address)
-    assert GrpcTransport.concurrent is True
+def echo_from_8_threads(ch) -> None:
+    """80 echo calls, 10 from each of 8 threads sharing ``ch``; each gets its own reply."""
     errors: list[BaseException] = []
 
     def worker(k: int) -> None:
@@ -169,6 +168,12 @@ def test_concurrent_calls_from_8_threads_on_one_channel(serve):
         t.join(timeout=60)
     assert not any(t.is_alive() for t in threads)
     assert errors == []
+
+
+def test_concurrent_calls_from_8_threads_on_one_channel(serve):
+    ch = GrpcTransport().connect(serve({"echo": echo}).address)
+    assert GrpcTransport.concurrent is True
+    echo_from_8_threads(ch)
 
 
 # --- meta, deadlines, errors --------------------------------------------------------
@@ -635,26 +640,7 @@ def test_big_requests_and_big_replies_take_the_bulk_channel(serve):
 
 def test_concurrent_calls_from_8_threads_over_bulk(serve):
     ep = serve({"echo": echo, "ping": ping})
-    ch = over_bulk(ep)
-    errors: list[BaseException] = []
-
-    def worker(k: int) -> None:
-        try:
-            for i in range(10):
-                x = torch.full((1000 + 37 * k,), float(k * 100 + i))
-                reply = ch.call("echo", Message({"k": k, "i": i}, [x]), timeout=30)
-                assert reply.meta["echo"]["k"] == k and reply.meta["echo"]["i"] == i
-                assert torch.equal(reply.tensors[0], x)
-        except BaseException as exc:  # reported by the main thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=worker, args=(k,)) for k in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert not any(t.is_alive() for t in threads)
-    assert errors == []
+    echo_from_8_threads(over_bulk(ep))
     assert (ep.grpc_calls, ep.bulk_calls) == (1, 80)
 
 

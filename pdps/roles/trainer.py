@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -75,12 +75,17 @@ class Batch(Mapping[str, Any]):
         return len(self.columns)
 
 
-def wait_for_key(store: CoordinationStore, key: str, what: str, timeout: float = DISCOVERY_TIMEOUT) -> bytes:
+def wait_for_key(
+    store: CoordinationStore, key: str, what: str, timeout: float = DISCOVERY_TIMEOUT, *, unless: Callable[[], bool] | None = None
+) -> bytes | None:
+    """The value of ``key`` once it exists; ``None`` if ``unless()`` turns true first."""
     start = last = time.monotonic()
     while True:
         kv = store.get(key)
         if kv is not None:
             return kv.value
+        if unless is not None and unless():
+            return None
         now = time.monotonic()
         if now - start > timeout:
             raise Timeout(f"gave up after {timeout:.0f}s waiting for {what} ({key})")
@@ -461,18 +466,10 @@ class TrainerContext:
     def _master_channel(self) -> Channel | None:
         """The master's channel; ``None`` once the job is done and its master has left."""
         if self._master is None:
-            start = last = time.monotonic()
-            while (kv := self._store.get(self._keys.master_addr)) is None:
-                if job_done(self._store, self._keys):
-                    return None
-                now = time.monotonic()
-                if now - start > DISCOVERY_TIMEOUT:
-                    raise Timeout(f"gave up after {DISCOVERY_TIMEOUT:.0f}s waiting for the master ({self._keys.master_addr})")
-                if now - last > 5.0:
-                    last = now
-                    log.warning("trainer %s: waiting %.0fs for the master (%s)", self.trainer_id, now - start, self._keys.master_addr)
-                time.sleep(0.05)
-            self._master = self._transport.connect(kv.value.decode())
+            addr = wait_for_key(self._store, self._keys.master_addr, "the master", unless=lambda: job_done(self._store, self._keys))
+            if addr is None:
+                return None
+            self._master = self._transport.connect(addr.decode())
         return self._master
 
     def _call_master(self, method: str, request: Message) -> Message:

@@ -59,7 +59,6 @@ import gzip
 import json
 import logging
 import os
-import platform
 import shlex
 import statistics
 import subprocess
@@ -68,7 +67,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +74,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # for tests.servers (throwaway etcd / Redis)
 
+from bench.machine import describe  # noqa: E402
 from pdps.adapters.inproc import InprocTransport  # noqa: E402
 from pdps.core.job import JobConfig, Keys  # noqa: E402
 from pdps.core.tasks import Change, PassStarted, TaskChanged, TaskSpec  # noqa: E402
@@ -544,31 +543,10 @@ def _version(argv: list[str]) -> str:
     return out.splitlines()[0] if out else "unknown"
 
 
-def _package(name: str) -> str:
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return "not installed"
-
-
 def machine() -> dict[str, Any]:
-    model = "unknown"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    return {
-        "cpu_count": os.cpu_count(),
-        "cpu_model": model,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "etcd": _version(["etcd", "--version"]),
-        "redis_server": _version(["redis-server", "--version"]),
-        "grpcio": _package("grpcio"),
-        "redis_py": _package("redis"),
-        "pdps": _package("pdps"),
-    }
+    m = describe("grpcio", "redis", "pdps", etcd=_version(["etcd", "--version"]), redis_server=_version(["redis-server", "--version"]))
+    m["redis_py"] = m.pop("redis")
+    return m
 
 
 def print_report(report: dict[str, Any], command: str) -> None:

@@ -85,7 +85,6 @@ import contextlib
 import json
 import logging
 import os
-import platform
 import select
 import shlex
 import socket
@@ -97,7 +96,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +106,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.machine import describe  # noqa: E402
 from pdps.core.errors import GradientRejected  # noqa: E402
 from pdps.ports.transport import Message  # noqa: E402
 from pdps.registry import open_transport  # noqa: E402
@@ -719,30 +718,8 @@ def ratios(rows: list[dict[str, Any]]) -> dict[str, Any]:
 # --- reporting --------------------------------------------------------------------------
 
 
-def _package(name: str) -> str:
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return "not installed"
-
-
 def machine() -> dict[str, Any]:
-    model = "unknown"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    return {
-        "cpu_count": os.cpu_count(),
-        "cpu_model": model,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "torch": torch.__version__,
-        "numpy": np.__version__,
-        "grpcio": _package("grpcio"),
-        "pdps": _package("pdps"),
-    }
+    return describe("grpcio", "pdps", torch=torch.__version__, numpy=np.__version__)
 
 
 def _gbps(x: float) -> str:

@@ -1040,7 +1040,7 @@ class GrpcChannel:
                 conn.send(bulk.REQUEST, header, views, deadline=deadline)
             except TimeoutError:
                 raise
-            except OSError as exc:  # the server may have refused the request and closed: its ERROR waits
+            except OSError:  # the server may have refused the request and closed: its ERROR waits
                 error = self._bulk_refusal(conn, method, timeout)
                 if error is None:
                     raise

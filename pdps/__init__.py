@@ -12,6 +12,7 @@ The public surface:
 
 from pdps.core.errors import (
     ConfigError,
+    CorruptCheckpoint,
     DatasetError,
     FencingError,
     GradientRejected,
@@ -37,7 +38,7 @@ from pdps.sim import SimulationResult, fetch_parameters, simulate
 __version__ = "0.1.0"
 
 __all__ = [
-    "DEFAULT_JOB", "Batch", "ConfigError", "DatasetError", "FencingError", "GradientRejected",
+    "DEFAULT_JOB", "Batch", "ConfigError", "CorruptCheckpoint", "DatasetError", "FencingError", "GradientRejected",
     "InvalidTransition", "JobConfig", "Killed", "LeaseExpired", "MissingExtraError", "Mode",
     "NotReady", "PdpsError", "SimulationResult", "StalePush", "StorageError", "StoreError",
     "Timeout", "TrainerContext", "TransportError", "UnknownSchemeError", "UnknownTaskError",

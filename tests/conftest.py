@@ -1,4 +1,4 @@
-"""Shared fixtures: one throwaway etcd and one Redis per test session, started on demand.
+"""Shared fixtures: one throwaway etcd, Redis and S3 server (moto) per test session, started on demand.
 
 Tests that need a fresh server of their own (outages, benchmarks with other flags)
 start one from :mod:`tests.servers` directly.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.servers import EtcdServer, RedisServer
+from tests.servers import EtcdServer, MotoServer, RedisServer
 
 
 @pytest.fixture(scope="session")
@@ -23,6 +23,35 @@ def redis_server():
     server = RedisServer().start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def moto_server():
+    server = MotoServer().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3_env(moto_server, monkeypatch):
+    """The standard AWS variables pointing at the session's moto server, as an operator
+    sets them for pdps roles (docs/operations.md): ``s3://`` URLs then need no options."""
+    for name, value in moto_server.environ().items():
+        monkeypatch.setenv(name, value)
+    return moto_server
+
+
+@pytest.fixture
+def s3_storage(s3_env):
+    """A storage at ``s3://<fresh bucket>/root`` on the session's moto server.
+
+    Its uploads use 5 MiB parts (S3's smallest), so a write of a few MiB already
+    exercises the multipart path that big checkpoint parts take.
+    """
+    from pdps.adapters.fsspec_storage import FsspecStorage
+
+    bucket = s3_env.create_bucket()
+    return FsspecStorage(f"s3://{bucket}/root", default_block_size=5 * 2**20)
 
 
 @pytest.fixture

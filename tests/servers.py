@@ -1,10 +1,12 @@
-"""Throwaway etcd and Redis servers on free loopback ports, for tests and benchmarks.
+"""Throwaway etcd, Redis and S3 (moto) servers on free loopback ports, for tests and benchmarks.
 
-Each server is a real subprocess of the Debian binary (``etcd``, ``redis-server``)
-with its data under a fresh temporary directory (``/dev/shm`` when it exists). A
-server that does not become ready raises :class:`ServerFailed` with its log: tests
-fail loudly, they are never skipped. ``kill``/``restart`` and ``pause``/``resume``
-let outage tests take a server away and bring it back on the same port and data.
+Each server is a real subprocess (the Debian binaries ``etcd`` and ``redis-server``;
+moto's S3 server from the virtual environment) with its data under a fresh temporary
+directory (``/dev/shm`` when it exists). A server that does not become ready raises
+:class:`ServerFailed` with its log: tests fail loudly, they are never skipped.
+``kill``/``restart`` and ``pause``/``resume`` let outage tests take a server away and
+bring it back on the same port (and data, where it keeps any: moto keeps its objects
+in memory, so a restarted one is empty).
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
+import uuid
 import time
 import urllib.request
 from pathlib import Path
@@ -47,17 +51,21 @@ class _Server:
         self.proc: subprocess.Popen | None = None
         self._log = None
 
-    # subclasses: argv(), ready() -> bool, url
+    # subclasses: argv(), ready() -> bool, url; executable() when not a binary on PATH
     def argv(self) -> list[str]:
         raise NotImplementedError
 
     def ready(self) -> bool:
         raise NotImplementedError
 
-    def start(self, timeout: float = 20.0) -> _Server:
+    def executable(self) -> str:
         exe = shutil.which(self.binary)
         if exe is None:
             raise ServerFailed(f"{self.binary} is not installed (the README's test command installs it: scripts/test)")
+        return exe
+
+    def start(self, timeout: float = 20.0) -> _Server:
+        exe = self.executable()
         self._log = open(self.dir / "server.log", "ab")
         self.proc = subprocess.Popen([exe, *self.argv()], stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout
@@ -185,5 +193,63 @@ class RedisServer(_Server):
             with socket.create_connection((HOST, self.port), timeout=1) as s:
                 s.sendall(b"PING\r\n")
                 return s.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+
+class MotoServer(_Server):
+    """moto's S3-compatible server (``python -m moto.server``), objects in memory.
+
+    Clients reach it with the standard AWS variables, as pdps roles would reach any
+    S3-compatible store (MinIO, Ceph, ...): :meth:`environ` gives them. moto checks no
+    signatures, so the credentials only have to exist.
+    """
+
+    binary = "moto_server"
+    key = "pdps-test-key"
+    secret = "pdps-test-secret"
+
+    def executable(self) -> str:
+        # The interpreter of the tests' own virtual environment: `moto_server` is not
+        # on PATH when pytest runs as .venv/bin/pytest without activating the venv.
+        return sys.executable
+
+    def argv(self) -> list[str]:
+        return ["-m", "moto.server", "-H", HOST, "-p", str(self.port), *self.extra_args]
+
+    @property
+    def url(self) -> str:
+        """The endpoint URL (``AWS_ENDPOINT_URL``)."""
+        return f"http://{HOST}:{self.port}"
+
+    def environ(self) -> dict[str, str]:
+        """The AWS variables that point boto/s3fs at this server."""
+        return {
+            "AWS_ENDPOINT_URL": self.url,
+            "AWS_ACCESS_KEY_ID": self.key,
+            "AWS_SECRET_ACCESS_KEY": self.secret,
+        }
+
+    def storage_options(self) -> dict[str, object]:
+        """The same as s3fs options, for code that cannot change the environment."""
+        return {"key": self.key, "secret": self.secret, "endpoint_url": self.url}
+
+    def create_bucket(self, name: str | None = None) -> str:
+        """Create a bucket (a fresh uniquely named one by default) and return its name.
+
+        A plain unsigned PUT: moto needs no signature, and leaving s3fs out of it avoids
+        its region handling, which makes bucket creation fail against custom endpoints.
+        """
+        name = name or f"pdps-{uuid.uuid4().hex[:20]}"
+        req = urllib.request.Request(f"{self.url}/{name}", method="PUT")
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            if resp.status != 200:
+                raise ServerFailed(f"moto refused to create bucket {name!r}: HTTP {resp.status}")
+        return name
+
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/", timeout=1) as resp:
+                return resp.status == 200 and b"ListAllMyBucketsResult" in resp.read()
         except OSError:
             return False

@@ -4,14 +4,23 @@ What this module owns: turning a relative object path into a filesystem path und
 root (and refusing paths that would escape it), making ``put`` atomic on each kind of
 filesystem, and translating fsspec/OS exceptions into :class:`StorageError`.
 
-How ``put`` stays atomic:
+How ``put`` / ``put_chunks`` stay atomic:
 
-* local files: the bytes go to a temporary name in the target's directory, are
-  fsynced, and are renamed over the target (``os.replace``), so a reader or a crash
-  sees the old file or the new one. A crash can leave the temporary file behind;
-  its name starts with ``.pdps-tmp-`` and ``list`` never returns it.
-* ``memory://`` and object stores (S3, GCS, Azure): one ``pipe_file`` call; the
-  object only becomes visible when its upload completes.
+* local files: the chunks are written, straight from the caller's buffers, to a
+  temporary name in the target's directory, fsynced, and renamed over the target
+  (``os.replace``), so a reader or a crash sees the old file or the new one. A crash
+  can leave the temporary file behind; its name starts with ``.pdps-tmp-`` and
+  ``list`` never returns it.
+* S3: an object smaller than :data:`STREAM_ABOVE` goes in one ``pipe_file`` (one PUT);
+  a bigger one streams as a multipart upload opened with ``autocommit=False``, which
+  S3 publishes only when it is completed, and which is aborted if anything fails.
+* ``memory://`` and the other object stores (GCS, Azure): the chunks are joined and
+  sent with one ``pipe_file``; the object only becomes visible when it is complete.
+  (fsspec's memory files are visible, growing, from the moment they are opened.)
+
+Reads: ``read_into`` fills the caller's buffer with ``readinto`` on local files (no
+intermediate ``bytes``); object stores answer a ranged GET whose body is copied once
+into the buffer.
 
 Other filesystems (sftp, hdfs, ...) are refused: their writes are visible while in
 progress and their rename semantics vary, so the port's contract would not hold.
@@ -21,7 +30,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 import attrs
@@ -37,6 +46,16 @@ TEMP_PREFIX = ".pdps-tmp-"
 # Filesystems on which a single pipe_file() is atomic for readers: the object appears
 # whole when the (possibly multipart) upload completes, never as a prefix.
 _ATOMIC_PIPE_PROTOCOLS = frozenset({"memory", "s3", "s3a", "gs", "gcs", "abfs", "abfss", "az"})
+
+# Filesystems whose files opened with autocommit=False upload in parts and publish
+# the object only on commit() (discard() aborts): big objects stream without being
+# joined in memory. Checked against moto's S3 server in tests/integration.
+_STREAMING_PROTOCOLS = frozenset({"s3", "s3a"})
+
+#: On S3, objects of at most this many bytes go in one PUT; bigger ones stream as a
+#: multipart upload. 5 MiB is S3's smallest part size: below it, a multipart upload
+#: would cost three requests for nothing.
+STREAM_ABOVE = 5 * 2**20
 
 # Which extra to install when fsspec cannot import the implementation of a scheme.
 _EXTRAS = {"s3": "s3", "s3a": "s3"}
@@ -55,6 +74,7 @@ class FsspecStorage:
     fs: fsspec.AbstractFileSystem = attrs.field(repr=False)
     _root: str = attrs.field(repr=False)
     _local: bool = attrs.field(repr=False)
+    _streaming: bool = attrs.field(repr=False)
 
     def __init__(self, url: str, **storage_options: object) -> None:
         fs, root = filesystem_for(url, **storage_options)
@@ -66,25 +86,112 @@ class FsspecStorage:
                 "use file://, memory://, s3://, gs:// or abfs://"
             )
         # "" is the filesystem root ("file:///", "memory://"); paths are joined as root + "/" + rel.
-        self.__attrs_init__(url=url, fs=fs, root=root.rstrip("/"), local=local)
+        streaming = bool(protocols & _STREAMING_PROTOCOLS)
+        self.__attrs_init__(url=url, fs=fs, root=root.rstrip("/"), local=local, streaming=streaming)
 
     def put(self, path: str, data: bytes) -> None:
+        self.put_chunks(path, (data,))
+
+    def put_chunks(self, path: str, chunks: Iterable[object]) -> int:
         full = self._full(_check_path(path))
-        with self._translate("write", path):
-            if not self._local:
-                self.fs.pipe_file(full, bytes(data))
-                return
-            self._put_local(full, data)
+        source = _Chunks(chunks, self._url_of(path))
+        with self._translate("write", path, source):
+            if self._local:
+                return self._put_local(full, source)
+            if self._streaming:
+                return self._put_streaming(full, source)
+            data = b"".join(source)
+            self.fs.pipe_file(full, data)
+            return len(data)
 
     def get(self, path: str) -> bytes:
         full = self._full(_check_path(path))
         with self._translate("read", path):
             return self.fs.cat_file(full)
 
+    def size(self, path: str) -> int:
+        full = self._full(_check_path(path))
+        with self._translate("read", path):
+            return self._size(full, path)
+
+    def read_into(self, path: str, buffer: object, offset: int = 0) -> int:
+        full = self._full(_check_path(path))
+        try:
+            view = memoryview(buffer)  # type: ignore[arg-type]
+        except TypeError:
+            raise StorageError(f"read_into {self._url_of(path)}: {type(buffer).__name__} is not a buffer") from None
+        if view.readonly or not view.c_contiguous:
+            raise StorageError(f"read_into {self._url_of(path)} needs a writable, C-contiguous buffer")
+        view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+        if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+            raise StorageError(f"read_into {self._url_of(path)}: offset must be an int >= 0, got {offset!r}")
+        with self._translate("read", path):
+            if self._local:
+                self._read_local(full, path, view, offset)
+            else:
+                self._read_remote(full, path, view, offset)
+        return view.nbytes
+
+    def _size(self, full: str, rel: str) -> int:
+        info = self._info(full)
+        if info.get("type") != "file":
+            raise FileNotFoundError(full)  # a folder is not an object
+        return int(info["size"])
+
+    def _info(self, full: str) -> dict:
+        # refresh: s3fs would answer from the listing it cached at the last list(), blind
+        # to objects other processes wrote, replaced or deleted since.
+        return self.fs.info(full) if self._local else self.fs.info(full, refresh=True)
+
+    def _read_local(self, full: str, rel: str, view: memoryview, offset: int) -> None:
+        n = view.nbytes
+        # Unbuffered: readinto goes straight from the page cache into the caller's memory.
+        with open(full, "rb", buffering=0) as f:
+            total = os.fstat(f.fileno()).st_size
+            if total < offset + n:
+                raise self._short(rel, total, offset, n)
+            if offset:
+                f.seek(offset)
+            got = 0
+            while got < n:
+                k = f.readinto(view[got:])
+                if not k:
+                    raise StorageError(f"{self._url_of(rel)} ended at byte {offset + got} while being read; was it truncated?")
+                got += k
+
+    def _read_remote(self, full: str, rel: str, view: memoryview, offset: int) -> None:
+        n = view.nbytes
+        if n == 0:
+            total = self._size(full, rel)  # still: the object must exist and reach offset
+            if total < offset:
+                raise self._short(rel, total, offset, n)
+            return
+        try:
+            data = self.fs.cat_file(full, start=offset, end=offset + n)
+        except FileNotFoundError:
+            raise
+        except Exception:
+            # S3 refuses a range that starts past the end; say so rather than quote its XML.
+            total = self._size(full, rel)
+            if total < offset + n:
+                raise self._short(rel, total, offset, n) from None
+            raise
+        if len(data) != n:
+            raise self._short(rel, self._size(full, rel), offset, n)
+        view[:] = data
+
+    def _short(self, rel: str, total: int, offset: int, n: int) -> StorageError:
+        return StorageError(
+            f"{self._url_of(rel)} holds {total} bytes; reading {n} bytes at offset {offset} needs {offset + n}"
+        )
+
     def exists(self, path: str) -> bool:
         full = self._full(_check_path(path))
         with self._translate("check", path):
-            return self.fs.isfile(full)
+            try:
+                return self._info(full)["type"] == "file"
+            except (FileNotFoundError, NotADirectoryError):  # "a/b" under an object "a": not there
+                return False
 
     def list(self, prefix: str = "") -> list[str]:
         _check_prefix(prefix)
@@ -113,15 +220,20 @@ class FsspecStorage:
                 # not an object (as on S3, where deleting a prefix's key removes nothing).
                 pass
 
-    def _put_local(self, full: str, data: bytes) -> None:
+    def _put_local(self, full: str, chunks: Iterable[memoryview]) -> int:
         parent, _, name = full.rpartition("/")
         # Same directory as the target, so the rename never crosses a filesystem.
         # The name is kept for whoever finds a leftover, cut so the whole fits in 255 bytes.
         tmp = f"{parent}/{TEMP_PREFIX}{uuid.uuid4().hex}-{name[:200]}"
         self.fs.makedirs(parent, exist_ok=True)
+        written = 0
         try:
             with self.fs.open(tmp, "wb") as f:
-                f.write(data)
+                # A buffered writer coalesces small chunks (a header) and writes big ones
+                # straight from the caller's memory, without copying them.
+                for chunk in chunks:
+                    f.write(chunk)
+                    written += chunk.nbytes
                 f.flush()
                 os.fsync(f.fileno())  # the bytes must be on disk before the name points at them
             # os.replace, not fs.mv: shutil.move would move the file *into* a directory
@@ -134,6 +246,40 @@ class FsspecStorage:
                 pass  # already gone or never created; list() hides it either way
             raise
         _fsync_dir(parent)
+        return written
+
+    def _put_streaming(self, full: str, chunks: Iterable[memoryview]) -> int:
+        it = iter(chunks)
+        head: list[memoryview] = []
+        size = 0
+        for chunk in it:
+            head.append(chunk)
+            size += chunk.nbytes
+            if size > STREAM_ABOVE:
+                break
+        else:  # small: one PUT
+            self.fs.pipe_file(full, b"".join(head))
+            return size
+        f = self.fs.open(full, "wb", autocommit=False)
+        try:
+            for chunk in head:
+                f.write(chunk)
+            del head
+            for chunk in it:
+                f.write(chunk)
+                size += chunk.nbytes
+            f.close()  # uploads the last part; with autocommit=False nothing is published yet
+            f.commit()  # completes the multipart upload: the object appears whole
+        except BaseException:
+            try:
+                f.discard()  # aborts the multipart upload: its parts are never visible
+            except Exception:  # noqa: BLE001 - the write's own error is the one to report
+                pass
+            finally:
+                # Else the file's __del__ would close() it, which uploads what it holds.
+                f.closed = True
+            raise
+        return size
 
     def _full(self, rel: str) -> str:
         return f"{self._root}/{rel}"
@@ -147,13 +293,15 @@ class FsspecStorage:
         return f"{self.url}{sep}{rel}"
 
     @contextmanager
-    def _translate(self, action: str, rel: str) -> Iterator[None]:
+    def _translate(self, action: str, rel: str, source: _Chunks | None = None) -> Iterator[None]:
         try:
             yield
         except PdpsError:
             raise
         except Exception as exc:  # fsspec backends raise OSError, botocore errors, ...
-            if action == "read" and isinstance(exc, FileNotFoundError):
+            if source is not None and exc is source.failure:
+                raise  # the caller's chunks failed, not the storage: theirs to report
+            if action == "read" and isinstance(exc, (FileNotFoundError, IsADirectoryError, NotADirectoryError)):
                 raise StorageError(f"no object at {self._url_of(rel)}") from exc
             raise StorageError(
                 f"could not {action} {self._url_of(rel)}: {type(exc).__name__}: {exc}"
@@ -174,6 +322,39 @@ def filesystem_for(url: str, **storage_options: object) -> tuple[fsspec.Abstract
         raise MissingExtraError(f"URL {url!r} needs an optional package ({exc}): {hint}") from exc
     except ValueError as exc:  # fsspec's "Protocol not known: ..."
         raise ConfigError(f"URL {url!r} cannot be opened: {exc}") from exc
+
+
+class _Chunks:
+    """The caller's ``chunks`` as flat byte memoryviews of its memory (no copy).
+
+    Remembers an exception raised by the caller's iterator (``failure``), so that
+    ``put_chunks`` lets it through unchanged instead of calling it a storage failure.
+    """
+
+    def __init__(self, chunks: Iterable[object], where: str) -> None:
+        self._chunks = chunks
+        self._where = where
+        self.failure: BaseException | None = None
+
+    def __iter__(self) -> Iterator[memoryview]:
+        it = iter(self._chunks)
+        index = 0
+        while True:
+            try:
+                chunk = next(it)
+            except StopIteration:
+                return
+            except BaseException as exc:
+                self.failure = exc
+                raise
+            try:
+                view = memoryview(chunk)  # type: ignore[arg-type]
+            except TypeError:
+                raise StorageError(f"writing {self._where}: chunk {index} is a {type(chunk).__name__}, not a buffer") from None
+            if not view.c_contiguous:
+                raise StorageError(f"writing {self._where}: chunk {index} is not C-contiguous; copy it first")
+            yield view.cast("B") if view.format != "B" or view.ndim != 1 else view
+            index += 1
 
 
 def _check_path(path: str) -> str:

@@ -120,10 +120,30 @@ class NoSuchJob(PdpsError, LookupError):
     code = "no_such_job"
 
 
+class NoSuchPass(NoSuchJob):
+    """The job exists but has no audit of that pass (not run yet, or run before audits)."""
+
+    code = "no_such_pass"
+
+
 class StorageError(PdpsError):
     """Blob storage failed: missing object, unreachable bucket, ..."""
 
     code = "storage"
+
+
+class CorruptCheckpoint(StorageError):
+    """A checkpoint part or manifest is missing, truncated, or fails its checksum.
+
+    Unlike a plain StorageError (the bucket is unreachable: retry), retrying does not
+    help: fall back to an older checkpoint. ``path`` names the object.
+    """
+
+    code = "corrupt_checkpoint"
+
+    def __init__(self, message: str, path: str = "") -> None:
+        super().__init__(message)
+        self.path = path
 
 
 class TransportError(PdpsError):
@@ -142,6 +162,20 @@ class NotReady(PdpsError):
     """The callee is up but not ready for this request yet (e.g. parameters not initialized)."""
 
     code = "not_ready"
+
+
+class EpochChanged(PdpsError):
+    """The job rolled back to a checkpoint (a new *epoch*) since this request's step
+    began: drop the step, re-fetch the parameters, take a new task."""
+
+    code = "epoch_changed"
+
+
+class NotInitialized(NotReady):
+    """A pserver holds no parameter values (a fresh job, or a rollback with no
+    checkpoint): a trainer must ``init`` it with its own."""
+
+    code = "not_initialized"
 
 
 def error_classes() -> dict[str, type[PdpsError]]:

@@ -3,9 +3,16 @@
 Paths are relative to the root, ``/``-separated. Contract (every adapter passes
 ``tests/unit/contract_storage.py``):
 
-* ``put`` is atomic: a reader sees the old object or the whole new one, never a
-  prefix (local files are written to a temporary name and renamed).
-* ``get`` of a missing path raises :class:`~pdps.core.errors.StorageError` naming it.
+* ``put`` and ``put_chunks`` are atomic: a reader sees the old object or the whole
+  new one, never a prefix (local files are written to a temporary name and renamed;
+  object stores publish an upload only when it completes). A write that fails, or
+  whose ``chunks`` raise, leaves the old object (or nothing) and nothing half-written.
+* ``put_chunks`` writes straight from the caller's buffers (tensor memory, memoryviews)
+  and ``read_into`` reads into the caller's buffer, so a checkpoint of gigabytes is
+  never copied into one ``bytes`` on its way (object stores copy into HTTP bodies).
+* ``get``, ``size`` and ``read_into`` of a missing path raise
+  :class:`~pdps.core.errors.StorageError` naming it; so does a ``read_into`` that asks
+  for bytes past the object's end.
 * ``list(prefix)`` returns the relative paths of objects whose path starts with
   ``prefix`` as a string (as S3 does: ``list("a")`` finds ``a/1`` and ``ab``), sorted.
 * ``exists`` and ``delete`` concern objects, not folders; deleting a missing path is
@@ -15,7 +22,12 @@ Paths are relative to the root, ``/``-separated. Contract (every adapter passes
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Protocol, runtime_checkable
+
+#: What ``put_chunks`` takes and ``read_into`` fills: bytes, bytearray, memoryview, a
+#: numpy array, ... (``read_into`` needs a writable one). Any C-contiguous buffer.
+Buffer = bytes | bytearray | memoryview
 
 
 @runtime_checkable
@@ -24,7 +36,34 @@ class Storage(Protocol):
 
     def put(self, path: str, data: bytes) -> None: ...
 
+    def put_chunks(self, path: str, chunks: Iterable[Buffer]) -> int:
+        """Write the concatenation of ``chunks`` as one object, atomically; return its size.
+
+        Chunks are consumed one at a time and written from the caller's memory, so
+        they must stay unchanged until this returns. An exception raised by ``chunks``
+        itself propagates unchanged (it is the caller's, not the storage's) after the
+        partial write was thrown away. Raises StorageError naming the path when the
+        write fails or a chunk is not a C-contiguous buffer.
+        """
+        ...
+
     def get(self, path: str) -> bytes: ...
+
+    def size(self, path: str) -> int:
+        """Bytes in the object at ``path``; StorageError naming it when there is none."""
+        ...
+
+    def read_into(self, path: str, buffer: Buffer, offset: int = 0) -> int:
+        """Fill ``buffer`` (``n`` bytes) with the object's bytes ``[offset, offset + n)``; return ``n``.
+
+        ``offset`` is a position in the object, so a big object can be read in pieces
+        (a checksum of piece ``i`` runs while piece ``i + 1`` is read). To read a whole
+        object, size the buffer with :meth:`size`. Raises StorageError naming the path
+        when the object is missing or ends before ``offset + n`` (it holds fewer bytes
+        than the caller expects: truncated, or replaced), and when ``buffer`` is not a
+        writable C-contiguous buffer.
+        """
+        ...
 
     def exists(self, path: str) -> bool: ...
 

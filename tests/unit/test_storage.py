@@ -15,7 +15,7 @@ import pytest
 
 from pdps.adapters.fsspec_storage import TEMP_PREFIX, FsspecStorage
 from pdps.core.errors import ConfigError, MissingExtraError, StorageError
-from tests.unit.contract_storage import StorageContract
+from tests.unit.contract_storage import ProducerFailed, StorageContract
 
 
 class _HalfWrittenFile:
@@ -38,6 +38,14 @@ class _HalfWrittenFile:
 
     def __getattr__(self, name):
         return getattr(self._f, name)
+
+    @property
+    def closed(self):
+        return self._f.closed
+
+    @closed.setter
+    def closed(self, value):
+        self._f.closed = value
 
 
 class _FsspecContract(StorageContract):
@@ -127,6 +135,17 @@ class TestFileStorage(_FsspecContract):
         self.break_next_put(storage, monkeypatch)
         with pytest.raises(StorageError):
             storage.put("a", b"new new new")
+        assert sorted(os.listdir(tmp_path / "root")) == ["a"]
+
+    def test_failing_chunks_remove_the_temporary_file(self, storage, tmp_path):
+        storage.put("a", b"old")
+
+        def chunks():
+            yield b"x" * 2**20
+            raise ProducerFailed("stop")
+
+        with pytest.raises(ProducerFailed):
+            storage.put_chunks("a", chunks())
         assert sorted(os.listdir(tmp_path / "root")) == ["a"]
 
     def test_crash_mid_write_keeps_old_content_and_hides_the_leftover(self, storage, tmp_path):

@@ -1,0 +1,528 @@
+"""Checkpoint parts and manifests (pdps.roles.checkpoint) over file:// and memory://.
+
+:class:`CheckpointFilesTests` holds every test; a subclass supplies the ``storage``
+fixture. tests/integration/test_storage_s3.py runs the same class on an S3 bucket.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import uuid
+import zlib
+
+import fsspec
+import pytest
+import safetensors.torch
+import torch
+
+from pdps.adapters.fsspec_storage import FsspecStorage
+from pdps.core.errors import ConfigError, CorruptCheckpoint, StorageError
+from pdps.roles import checkpoint as ckpt
+
+DTYPES = [
+    torch.float64, torch.float32, torch.float16, torch.bfloat16,
+    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+]  # fmt: skip
+SHAPES = [(), (0,), (3, 0), (1,), (7,), (2, 3, 5)]
+
+
+def random_tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
+    """Any bit pattern (NaN payloads, -0.0, subnormals), so a lossy round trip shows."""
+    g = torch.Generator().manual_seed(seed)
+    n = math.prod(shape)
+    if dtype is torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    raw = torch.randint(0, 256, (n * dtype.itemsize,), dtype=torch.uint8, generator=g)
+    return raw.view(dtype).reshape(shape)
+
+
+def bits(t: torch.Tensor) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert sorted(got) == sorted(want)
+    for key, t in want.items():
+        assert got[key].dtype == t.dtype, key
+        assert tuple(got[key].shape) == tuple(t.shape), key
+        assert bits(got[key]) == bits(t), key
+
+
+def a_state() -> dict[str, torch.Tensor]:
+    """A pserver shard's state as TorchShard.state_dict() gives it, plus the version."""
+    return {
+        "values": random_tensor(torch.float32, (1000,), 1),
+        "state.exp_avg": random_tensor(torch.float32, (1000,), 2),
+        "state.exp_avg_sq": random_tensor(torch.float32, (1000,), 3),
+        "scalar.step": torch.tensor(17.0),
+        "pdps.version": torch.tensor(42, dtype=torch.int64),
+        "mask": random_tensor(torch.bool, (13,), 4),
+    }
+
+
+def rewrite(storage, info: ckpt.PartInfo, data: bytes) -> ckpt.PartInfo:
+    """Put ``data`` at the part's path; return the PartInfo that *matches* it, so that
+    only the structural checks (not size or checksum) can catch what is wrong."""
+    storage.put(info.path, data)
+    return ckpt.PartInfo(info.name, info.path, len(data), f"crc32:{zlib.crc32(data):08x}")
+
+
+def safetensors_file(header: dict, data: bytes, pad: bool = True) -> bytes:
+    head = json.dumps(header).encode()
+    if pad:
+        head += b" " * (-len(head) % 8)
+    return len(head).to_bytes(8, "little") + head + data
+
+
+class CheckpointFilesTests:
+    @pytest.fixture
+    def storage(self):
+        raise NotImplementedError("a subclass provides a `storage` fixture")
+
+    @pytest.fixture
+    def cid(self) -> str:
+        return ckpt.checkpoint_id(2, 1200)
+
+    def write(self, storage, cid, tensors, name="ps-0"):
+        return ckpt.write_part(storage, f"{cid}/{name}.safetensors", tensors, name=name)
+
+    # --- round trips --------------------------------------------------------------------
+
+    @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+    def test_every_dtype_and_shape_round_trips_bit_exact(self, storage, cid, dtype):
+        tensors = {f"t{i}": random_tensor(dtype, shape, i) for i, shape in enumerate(SHAPES)}
+        info = self.write(storage, cid, tensors)
+        assert_same(ckpt.read_part(storage, info), tensors)
+
+    def test_all_dtypes_in_one_part(self, storage, cid):
+        # Mixed element sizes: every tensor must still start aligned to be a view.
+        tensors = {f"{dtype}-{shape}": random_tensor(dtype, shape, i) for i, (dtype, shape) in enumerate(
+            (d, s) for d in reversed(DTYPES) for s in [(), (3,), (0,)])}  # fmt: skip
+        info = self.write(storage, cid, tensors)
+        got = ckpt.read_part(storage, info)
+        assert_same(got, tensors)
+        base = got["torch.float64-(3,)"].untyped_storage().data_ptr()
+        for key, t in got.items():
+            if t.numel():
+                # views of one buffer, no copies
+                assert t.untyped_storage().data_ptr() == base, key
+
+    def test_part_info_describes_the_object(self, storage, cid):
+        info = self.write(storage, cid, a_state())
+        assert info.name == "ps-0"
+        assert info.path == f"{cid}/ps-0.safetensors"
+        assert info.bytes == storage.size(info.path)
+        assert info.checksum == f"crc32:{zlib.crc32(storage.get(info.path)):08x}"
+        assert ckpt.write_part(storage, f"{cid}/ps-3.safetensors", {}).name == "ps-3"
+
+    def test_safetensors_reads_our_file(self, storage, cid):
+        state = a_state()
+        info = self.write(storage, cid, state)
+        assert_same(safetensors.torch.load(storage.get(info.path)), state)
+
+    def test_we_read_what_safetensors_writes(self, storage, cid):
+        state = a_state()
+        data = safetensors.torch.save(state, metadata={"by": "safetensors"})
+        info = rewrite(storage, ckpt.PartInfo("x", f"{cid}/x.safetensors", 0, "crc32:00000000"), data)
+        assert_same(ckpt.read_part(storage, info), state)
+
+    def test_an_unaligned_layout_is_read_by_copying(self, storage, cid):
+        # Another writer may put a 3-byte tensor before a float32 one.
+        small, floats = torch.tensor([1, 2, 3], dtype=torch.uint8), torch.tensor([1.5, -2.25], dtype=torch.float32)
+        header = {"a": {"dtype": "U8", "shape": [3], "data_offsets": [0, 3]},
+                  "b": {"dtype": "F32", "shape": [2], "data_offsets": [3, 11]}}  # fmt: skip
+        data = safetensors_file(header, bits(small) + bits(floats))
+        info = rewrite(storage, ckpt.PartInfo("x", f"{cid}/x.safetensors", 0, "crc32:00000000"), data)
+        assert_same(ckpt.read_part(storage, info), {"a": small, "b": floats})
+
+    def test_tensors_that_cannot_be_written_from_where_they_are(self, storage, cid):
+        base = random_tensor(torch.float32, (6, 8), 5)
+        tensors = {
+            "strided": base[:, ::3],
+            "transposed": base.t(),
+            "grad": torch.ones(4, requires_grad=True) * 2,
+            "expanded": torch.tensor([1, 2], dtype=torch.int16).expand(3, 2),
+        }
+        info = self.write(storage, cid, tensors)
+        assert_same(ckpt.read_part(storage, info), {k: v.detach() for k, v in tensors.items()})
+
+    def test_big_parts_in_pieces_hashed_in_a_thread_or_not(self, storage, cid, monkeypatch):
+        monkeypatch.setattr(ckpt, "PIECE", 4096)
+        tensors = {"values": random_tensor(torch.float32, (10_000,), 6), "small": torch.arange(3)}
+        monkeypatch.setattr(ckpt, "_hash_in_thread", lambda nbytes: True)
+        threaded = self.write(storage, cid, tensors, "threaded")
+        monkeypatch.setattr(ckpt, "_hash_in_thread", lambda nbytes: False)
+        inline = self.write(storage, cid, tensors, "inline")
+        assert threaded.checksum == inline.checksum
+        for in_thread in (True, False):
+            monkeypatch.setattr(ckpt, "_hash_in_thread", lambda nbytes: in_thread)
+            for info in (threaded, inline):
+                assert_same(ckpt.read_part(storage, info), tensors)
+                manifest = ckpt.Manifest(cid, "j", 1, 2, 0.0, {info.name: info})
+                assert ckpt.verify(storage, manifest) == []
+
+    def test_unsupported_tensors_are_refused_before_writing(self, storage, cid):
+        for bad in [
+            {"c": torch.zeros(2, dtype=torch.complex64)},
+            {"s": torch.zeros(2, 2).to_sparse()},
+            {"n": [1.0, 2.0]},
+            {"": torch.zeros(1)},
+            {"__metadata__": torch.zeros(1)},
+            {3: torch.zeros(1)},
+        ]:
+            with pytest.raises(ConfigError):
+                self.write(storage, cid, bad)
+        assert storage.list() == []
+
+    # --- corruption ---------------------------------------------------------------------
+
+    def assert_corrupt(self, storage, cid, info, *words):
+        read = ckpt.read_json_part if info.path.endswith(".json") else ckpt.read_part
+        with pytest.raises(CorruptCheckpoint) as raised:
+            read(storage, info)
+        message = str(raised.value)
+        assert info.path in message and raised.value.path == info.path
+        for word in words:
+            assert word in message
+        manifest = ckpt.Manifest(cid, "j", 1, 2, 0.0, {info.name: info})
+        problems = ckpt.verify(storage, manifest)
+        assert len(problems) == 1 and info.path in problems[0]
+        for word in words:
+            assert word in problems[0]
+        return message
+
+    def test_one_flipped_byte_anywhere_is_caught(self, storage, cid):
+        info = self.write(storage, cid, a_state())
+        good = storage.get(info.path)
+        n = len(good)
+        for pos in sorted({0, 3, 7, 8, 9, n // 4, n // 2, n - 9, n - 2, n - 1}):
+            bad = bytearray(good)
+            bad[pos] ^= 0x10
+            storage.put(info.path, bytes(bad))
+            self.assert_corrupt(storage, cid, info, "checksum")
+        storage.put(info.path, good)
+        assert ckpt.read_part(storage, info)
+
+    @pytest.mark.parametrize("keep", [0, 1, 8, 100, -1])
+    def test_a_truncated_part_is_caught(self, storage, cid, keep):
+        info = self.write(storage, cid, a_state())
+        data = storage.get(info.path)
+        storage.put(info.path, data[:keep] if keep >= 0 else data[:-1])
+        self.assert_corrupt(storage, cid, info, "bytes")
+
+    def test_an_extra_trailing_byte_is_caught(self, storage, cid):
+        info = self.write(storage, cid, a_state())
+        storage.put(info.path, storage.get(info.path) + b"\0")
+        self.assert_corrupt(storage, cid, info, f"holds {info.bytes + 1} bytes")
+
+    def test_a_missing_part_is_caught(self, storage, cid):
+        info = self.write(storage, cid, a_state())
+        storage.delete(info.path)
+        self.assert_corrupt(storage, cid, info, "missing")
+
+    def test_a_wrong_checksum_in_the_record_is_caught(self, storage, cid):
+        info = self.write(storage, cid, a_state())
+        self.assert_corrupt(storage, cid, ckpt.PartInfo(info.name, info.path, info.bytes, "crc32:00000000"), "checksum")
+
+    F32x2 = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
+
+    @pytest.mark.parametrize(
+        ("data", "what"),
+        [
+            (b"", "too short"),
+            (b"\x01\x00\x00", "too short"),
+            ((1000).to_bytes(8, "little") + b"{}", "runs past the end"),
+            ((4).to_bytes(8, "little") + b"{{{{", "not JSON"),
+            ((4).to_bytes(8, "little") + b"\xff\xfe{}", "not JSON"),
+            (safetensors_file([1, 2], b""), "not a JSON object"),
+            (safetensors_file({"a": {"dtype": "F8", "shape": [1], "data_offsets": [0, 1]}}, b"\0"), "dtype 'F8'"),
+            (safetensors_file({"a": {"dtype": "C64", "shape": [1], "data_offsets": [0, 8]}}, b"\0" * 8), "dtype"),
+            (safetensors_file({"a": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}, b"\0" * 8), "shape"),
+            (safetensors_file({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0]}}, b"\0" * 8), "data_offsets"),
+            (safetensors_file({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 16]}}, b"\0" * 8), "outside"),
+            (safetensors_file({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, b"\0" * 8), "spans 8 bytes"),
+            (safetensors_file({"a": F32x2, "b": F32x2}, b"\0" * 8), "overlap"),
+            (safetensors_file({"a": {**F32x2, "data_offsets": [8, 16]}}, b"\0" * 16), "gap"),
+            (safetensors_file({"a": F32x2}, b"\0" * 12), "trailing"),
+            (safetensors_file({"a": "F32"}, b""), "not an object"),
+            (safetensors_file({"__metadata__": {"k": 1}}, b""), "__metadata__"),
+            (b"\x18\0\0\0\0\0\0\0" + b'{"a":{},"a":{}}         ', "twice"),
+        ],
+    )
+    def test_a_bad_header_is_caught_even_with_a_matching_checksum(self, storage, cid, data, what):
+        info = rewrite(storage, ckpt.PartInfo("ps-0", f"{cid}/ps-0.safetensors", 0, "crc32:00000000"), data)
+        self.assert_corrupt(storage, cid, info, what)
+
+    def test_a_header_longer_than_a_piece_is_checked_too(self, storage, cid, monkeypatch):
+        monkeypatch.setattr(ckpt, "PIECE", 64)
+        tensors = {f"name-{i}": torch.tensor([i], dtype=torch.int32) for i in range(20)}
+        info = self.write(storage, cid, tensors)
+        assert ckpt.verify(storage, ckpt.Manifest(cid, "j", 1, 2, 0.0, {info.name: info})) == []
+        data = bytearray(storage.get(info.path))
+        data[data.index(b'"I32"') + 2] = ord("X")  # "IX2": a dtype no reader knows
+        info = rewrite(storage, info, bytes(data))
+        self.assert_corrupt(storage, cid, info, "dtype 'IX2'")
+
+    # --- JSON parts ---------------------------------------------------------------------
+
+    def test_json_part_round_trip(self, storage, cid):
+        snapshot = {"todo": [{"id": 1, "attempt": 0}], "done": list(range(5)), "pass": 3, "name": "é"}
+        info = ckpt.write_json_part(storage, f"{cid}/master.json", snapshot)
+        assert info.name == "master"
+        assert ckpt.read_json_part(storage, info) == snapshot
+        assert json.loads(storage.get(info.path)) == snapshot
+
+    @pytest.mark.parametrize("bad", [{"x": float("nan")}, {"x": object()}, {"x": b"bytes"}])
+    def test_json_part_refuses_what_json_cannot_hold(self, storage, cid, bad):
+        with pytest.raises(ConfigError, match="master.json"):
+            ckpt.write_json_part(storage, f"{cid}/master.json", bad)
+        assert storage.list() == []
+
+    def test_corrupt_json_parts_are_caught(self, storage, cid):
+        info = ckpt.write_json_part(storage, f"{cid}/master.json", {"todo": [1, 2, 3]})
+        data = storage.get(info.path)
+        storage.put(info.path, data.replace(b"2", b"7"))
+        self.assert_corrupt(storage, cid, info, "checksum")
+        self.assert_corrupt(storage, cid, rewrite(storage, info, b'{"todo": [1,'), "not JSON")
+        storage.delete(info.path)
+        self.assert_corrupt(storage, cid, info, "missing")
+
+    # --- manifests ----------------------------------------------------------------------
+
+    def manifest(self, storage, cid) -> ckpt.Manifest:
+        parts = {"ps-0": self.write(storage, cid, a_state())}
+        parts["master"] = ckpt.write_json_part(storage, f"{cid}/master.json", {"pass": 1})
+        return ckpt.Manifest(id=cid, job="digits", round=1200, epoch=2, created=1.7e9, parts=parts, extra={"pservers": 1})
+
+    def test_manifest_round_trip(self, storage, cid):
+        manifest = self.manifest(storage, cid)
+        assert ckpt.Manifest.from_json(json.loads(json.dumps(manifest.to_json()))) == manifest
+        ckpt.write_manifest(storage, manifest)
+        assert manifest.path == f"{cid}/manifest.json"
+        assert ckpt.read_manifest(storage, cid) == manifest
+        assert ckpt.verify(storage, manifest) == []
+
+    def test_verify_reports_every_bad_part(self, storage, cid):
+        manifest = self.manifest(storage, cid)
+        storage.delete(manifest.parts["master"].path)
+        storage.put(manifest.parts["ps-0"].path, b"garbage")
+        problems = ckpt.verify(storage, manifest)
+        assert len(problems) == 2
+        assert "master.json" in problems[0] + problems[1] and "ps-0.safetensors" in problems[0] + problems[1]
+
+    def test_verify_checks_other_parts_by_size_and_checksum_only(self, storage, cid):
+        good = rewrite(storage, ckpt.PartInfo("raw", f"{cid}/raw.bin", 0, "crc32:00000000"), b"not safetensors")
+        manifest = ckpt.Manifest(cid, "j", 1, 2, 0.0, {"raw": good})
+        assert ckpt.verify(storage, manifest) == []
+        storage.put(good.path, b"not safetensorz")
+        assert "checksum" in ckpt.verify(storage, manifest)[0]
+
+    def test_a_manifest_with_a_bad_field_names_its_object(self, storage, cid):
+        d = self.manifest(storage, cid).to_json()
+        storage.put(f"{cid}/manifest.json", json.dumps({**d, "round": -3}).encode())
+        with pytest.raises(CorruptCheckpoint, match=f"{cid}/manifest.json.*'round'") as raised:
+            ckpt.read_manifest(storage, cid)
+        assert storage.url.rstrip("/") in str(raised.value) and raised.value.path == f"{cid}/manifest.json"
+
+    def test_a_missing_manifest_is_corrupt(self, storage, cid):
+        self.manifest(storage, cid)  # the parts, but no manifest: a checkpoint never finished
+        with pytest.raises(CorruptCheckpoint, match=f"{cid}/manifest.json.*no manifest"):
+            ckpt.read_manifest(storage, cid)
+
+    @pytest.mark.parametrize("data", [b"\xff", b"{", b"[]", b'{"format": "other"}', b"null"])
+    def test_an_undecodable_manifest_is_corrupt(self, storage, cid, data):
+        storage.put(f"{cid}/manifest.json", data)
+        with pytest.raises(CorruptCheckpoint):
+            ckpt.read_manifest(storage, cid)
+
+    def test_a_manifest_of_another_checkpoint_is_corrupt(self, storage, cid):
+        manifest = self.manifest(storage, cid)
+        other = ckpt.checkpoint_id(2, 1300)
+        storage.put(f"{other}/manifest.json", json.dumps(manifest.to_json()).encode())
+        with pytest.raises(CorruptCheckpoint, match=f"manifest of {cid}, not of {other}"):
+            ckpt.read_manifest(storage, other)
+
+    def test_read_manifest_refuses_what_is_no_checkpoint_id(self, storage):
+        for bad in ["", "../x", "a/b", "ckpt-1-2-3", 7]:
+            with pytest.raises(CorruptCheckpoint, match="not a checkpoint id"):
+                ckpt.read_manifest(storage, bad)
+
+    # --- list and delete ----------------------------------------------------------------
+
+    def test_list_ids_and_delete(self, storage):
+        ids = [ckpt.checkpoint_id(e, r) for e, r in [(10_000, 1), (0, 5), (1, 0), (0, 40)]]
+        for cid in ids:
+            self.manifest(storage, cid)
+        storage.put("data/shard-0.npy", b"not a checkpoint")
+        storage.put("ckpt-notes.txt", b"nor is this")
+        storage.put("ckpt-0001-0000000000/x", b"nor this")
+        assert ckpt.list_ids(storage) == [ids[1], ids[3], ids[2], ids[0]]  # (epoch, round) order
+        assert ckpt.delete(storage, ids[1]) == 2
+        assert ckpt.list_ids(storage) == [ids[3], ids[2], ids[0]]
+        assert ckpt.delete(storage, ids[1]) == 0
+        assert storage.exists("data/shard-0.npy") and storage.exists("ckpt-notes.txt")
+
+    def test_delete_removes_the_manifest_first(self, storage, cid):
+        ckpt.write_manifest(storage, self.manifest(storage, cid))
+        order = []
+        recording = _RecordingDeletes(storage, order)
+        assert ckpt.delete(recording, cid) == 3
+        assert order[0] == f"{cid}/manifest.json"
+        assert storage.list() == []
+
+    def test_delete_refuses_what_is_no_checkpoint_id(self, storage):
+        storage.put("data/x", b"1")
+        for bad in ["data", "", "../", "ckpt-0001-0000000000-abcd/x"]:
+            with pytest.raises(StorageError, match="not a checkpoint id"):
+                ckpt.delete(storage, bad)
+        assert storage.list() == ["data/x"]
+
+
+class _RecordingDeletes:
+    """A storage that notes the order of deletes and passes everything on."""
+
+    def __init__(self, inner, order):
+        self._inner, self._order = inner, order
+        self.url = inner.url
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def delete(self, path):
+        self._order.append(path)
+        self._inner.delete(path)
+
+
+class TestOnFile(CheckpointFilesTests):
+    @pytest.fixture
+    def storage(self, tmp_path):
+        return FsspecStorage(f"file://{tmp_path}/ckpts")
+
+    def test_safetensors_load_file_reads_our_file(self, storage, cid, tmp_path):
+        state = a_state()
+        info = self.write(storage, cid, state)
+        assert_same(safetensors.torch.load_file(tmp_path / "ckpts" / info.path), state)
+
+
+class TestOnMemory(CheckpointFilesTests):
+    @pytest.fixture
+    def storage(self):
+        name = f"pdps-ckpt-{uuid.uuid4().hex}"
+        yield FsspecStorage(f"memory://{name}")
+        fs = fsspec.filesystem("memory")
+        if fs.exists(f"/{name}"):
+            fs.rm(f"/{name}", recursive=True)
+
+
+# --- pure: ids and records ------------------------------------------------------------
+
+
+def test_checkpoint_ids_sort_by_epoch_then_round():
+    ids = [ckpt.checkpoint_id(e, r) for e, r in [(0, 0), (0, 9), (0, 10), (1, 0), (12, 3)]]
+    assert ids == sorted(ids)
+    assert all(ckpt.is_checkpoint_id(i) for i in ids)
+    assert ckpt.checkpoint_id(3, 7).startswith("ckpt-0003-0000000007-")
+    for bad in [(-1, 0), (0, -1), (1.0, 2), (True, 2)]:
+        with pytest.raises(ConfigError):
+            ckpt.checkpoint_id(*bad)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        None, [], {},
+        {"name": "", "path": "p", "bytes": 1, "checksum": "crc32:00000000"},
+        {"name": "a", "path": 3, "bytes": 1, "checksum": "crc32:00000000"},
+        {"name": "a", "path": "p", "bytes": -1, "checksum": "crc32:00000000"},
+        {"name": "a", "path": "p", "bytes": True, "checksum": "crc32:00000000"},
+        {"name": "a", "path": "p", "bytes": 1, "checksum": "sha256:00"},
+        {"name": "a", "path": "p", "bytes": 1, "checksum": "crc32:0000000G"},
+    ],
+)  # fmt: skip
+def test_part_info_from_json_refuses_bad_records(bad):
+    with pytest.raises(CorruptCheckpoint):
+        ckpt.PartInfo.from_json(bad)
+
+
+def test_part_info_json_round_trip():
+    info = ckpt.PartInfo("ps-0", "ckpt-0000-0000000001-abcd/ps-0.safetensors", 123, "crc32:0badf00d")
+    assert ckpt.PartInfo.from_json(json.loads(json.dumps(info.to_json()))) == info
+
+
+def _manifest_json(**changes):
+    cid = "ckpt-0001-0000000002-abcd"
+    d = {
+        "format": "pdps-checkpoint", "version": 1, "checksum": "crc32", "id": cid, "job": "j",
+        "epoch": 1, "round": 2, "created": 5.5, "extra": {},
+        "parts": {"ps-0": {"name": "ps-0", "path": f"{cid}/ps-0.safetensors", "bytes": 8, "checksum": "crc32:00000000"}},
+    }  # fmt: skip
+    d.update(changes)
+    return d
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"format": "x"}, {"version": 2}, {"checksum": "sha256"}, {"id": "x"}, {"job": None},
+        {"epoch": -1}, {"round": "2"}, {"created": "now"}, {"created": float("inf")}, {"parts": []},
+        {"extra": None},
+        {"parts": {"ps-1": {"name": "ps-0", "path": "ckpt-0001-0000000002-abcd/p", "bytes": 8, "checksum": "crc32:00000000"}}},
+        {"parts": {"ps-0": {"name": "ps-0", "path": "elsewhere/p", "bytes": 8, "checksum": "crc32:00000000"}}},
+    ],
+)  # fmt: skip
+def test_manifest_from_json_refuses_bad_manifests(changes):
+    assert ckpt.Manifest.from_json(_manifest_json()).round == 2
+    with pytest.raises(CorruptCheckpoint):
+        ckpt.Manifest.from_json(_manifest_json(**changes))
+
+
+def test_a_manifest_keeps_its_parts_in_its_folder():
+    info = ckpt.PartInfo("ps-0", "other/ps-0.safetensors", 1, "crc32:00000000")
+    with pytest.raises(ConfigError, match="not inside the folder"):
+        ckpt.Manifest("ckpt-0001-0000000002-abcd", "j", 2, 1, 0.0, {"ps-0": info})
+
+
+def test_write_manifest_refuses_extra_that_is_not_json(tmp_path):
+    storage = FsspecStorage(f"file://{tmp_path}")
+    manifest = ckpt.Manifest("ckpt-0001-0000000002-abcd", "j", 2, 1, 0.0, {}, extra={"x": object()})
+    with pytest.raises(ConfigError, match="extra"):
+        ckpt.write_manifest(storage, manifest)
+    assert storage.list() == []
+
+
+def test_the_crc32_is_zlibs_whichever_implementation_computes_it():
+    data = random_tensor(torch.uint8, (100_000,), 8).numpy().tobytes()
+    assert ckpt._crc32(data) == zlib.crc32(data)
+    assert ckpt._crc32(memoryview(data)[7:], 12345) == zlib.crc32(data[7:], 12345)
+
+
+def test_only_zlibs_crc32_gets_a_thread_and_only_for_big_parts(monkeypatch):
+    monkeypatch.setattr(ckpt, "_crc32", zlib.crc32)
+    assert ckpt._hash_in_thread(ckpt.HASH_IN_THREAD_ABOVE + 1)
+    assert not ckpt._hash_in_thread(ckpt.HASH_IN_THREAD_ABOVE)
+    monkeypatch.setattr(ckpt, "_crc32", lambda data, value=0: zlib.crc32(data, value))  # a fast one
+    assert not ckpt._hash_in_thread(2**40)
+
+
+def test_parts_checksummed_by_one_crc32_read_with_the_other(tmp_path, monkeypatch):
+    # A checkpoint written where ISA-L is installed restores where it is not, and back.
+    storage = FsspecStorage(f"file://{tmp_path}")
+    cid = ckpt.checkpoint_id(0, 1)
+    state = a_state()
+    first = ckpt.write_part(storage, f"{cid}/ps-0.safetensors", state)
+    monkeypatch.setattr(ckpt, "_crc32", zlib.crc32)
+    second = ckpt.write_part(storage, f"{cid}/ps-1.safetensors", state)
+    assert first.checksum == second.checksum
+    assert_same(ckpt.read_part(storage, first), state)
+    monkeypatch.undo()
+    assert_same(ckpt.read_part(storage, second), state)
+
+
+@pytest.mark.gpu
+def test_cuda_tensors_are_written_from_a_cpu_copy(tmp_path):
+    storage = FsspecStorage(f"file://{tmp_path}")
+    cid = ckpt.checkpoint_id(0, 1)
+    cpu = random_tensor(torch.float32, (1000,), 9)
+    info = ckpt.write_part(storage, f"{cid}/ps-0.safetensors", {"values": cpu.cuda(), "half": cpu.half().cuda()})
+    assert_same(ckpt.read_part(storage, info), {"values": cpu, "half": cpu.half()})

@@ -3,14 +3,20 @@
 ``pdps demo`` trains the digits MLP in one process through :func:`pdps.simulate`.
 Progress goes to stderr; with ``--json`` the last line of stdout is one JSON object.
 
-``pdps status STORE_URL`` shows a job as the coordination store holds it.
+``pdps status STORE_URL`` shows a job as the coordination store holds it; with
+``--pass N``, the audit of pass N (every attempt at every task and its outcome).
+
+``pdps checkpoint list|inspect|restore`` lists a job's checkpoints, verifies one
+part by part, or rolls the running job back to one (:mod:`pdps.checkpoint_cli`).
 
 ``pdps master``, ``pdps pserver`` and ``pdps trainer TARGET`` run one role as this
 process; ``pdps launch TARGET`` runs a whole job on this machine. Their settings
 come from a TOML file, ``PDPS_*`` variables and flags (:mod:`pdps.settings`).
 
-Exit codes: 0 success, 1 the job does not exist (status) or the training function
-raised (trainer), 2 any other pdps error, 3 a role lost its lease or lock (restart it).
+Exit codes: 0 success, 1 the job (or, with ``--pass``, that pass) does not exist
+(status, checkpoint), the checkpoint does not exist, fails verification (checkpoint
+inspect) or may not be restored (checkpoint restore), or the training function raised
+(trainer), 2 any other pdps error, 3 a role lost its lease or lock (restart it).
 """
 
 from __future__ import annotations
@@ -37,6 +43,16 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _pass_number(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a pass number (0 is the first pass), got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"a pass number is 0 or more (0 is the first pass), got {value}")
     return value
 
 
@@ -82,14 +98,57 @@ def build_parser() -> argparse.ArgumentParser:
         "status",
         help="show a job's queues, pass, members and latest checkpoint",
         description="Read a job's state from its coordination store: queue counts, pass, live trainers "
-        "and pservers, the latest checkpoint, and quarantined task records. No master needs to run.",
+        "and pservers, the latest checkpoint, and quarantined task records; with --pass N, the audit of "
+        "that pass instead. No master needs to run.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    status.add_argument("store", metavar="STORE_URL", help="coordination store, e.g. etcd://127.0.0.1:2379 or redis://127.0.0.1:6379/0")
-    status.add_argument("--job", default=DEFAULT_JOB, help="job name")
-    status.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    status.add_argument("--connect-timeout", type=float, default=10.0, help="seconds to keep retrying an unreachable store")
-    status.set_defaults(func=cmd_status)
+    _add_store_arguments(status)
+    status.add_argument(
+        "--pass",
+        dest="pass_no",
+        metavar="N",
+        type=_pass_number,
+        default=None,
+        help="show the audit of pass N (0 is the first): every attempt at every task, its trainer and outcome, "
+        "and how many records were trained",
+    )
+    status.set_defaults(func=cmd_status, parser=status)
+
+    checkpoint = sub.add_parser(
+        "checkpoint",
+        help="list a job's checkpoints, verify one, or roll the job back to one",
+        description="A job's coordinated checkpoints: which exist (the coordination store) and whether their "
+        "files are sound (the checkpoint storage, at the job's checkpoint_url unless --storage names it). "
+        "Exit status: 0; 1 when the job or checkpoint does not exist, inspect finds a problem, or restore refuses; "
+        "2 for any other error (a store or storage that cannot be reached).",
+    )
+    actions = checkpoint.add_subparsers(dest="action", required=True, metavar="{list,inspect,restore}")
+    about = {
+        "list": ("every checkpoint of the job, newest first", "List every checkpoint of the job, newest first: those "
+                 "the store knows (latest, committed, or writing: announced and not committed) and folders only the "
+                 "storage holds (orphan), under the job's current epoch."),
+        "inspect": ("a checkpoint's manifest, each part verified", "Show checkpoint ID (default: the latest committed): "
+                    "its epoch, round and parts, each part read back in full and checked against its size and crc32 "
+                    "checksum. Exits 1 when any part (or the manifest) is unusable, like fsck."),
+        "restore": ("roll the running job back to a checkpoint", "Roll the running job back to checkpoint ID (default: "
+                    "the newest committed checkpoint whose every part verifies) by starting a new epoch in the store. "
+                    "Every role follows the new epoch by itself: pservers reload their parts of the checkpoint, the "
+                    "master reloads its queue from it, and trainers drop the step in flight and re-fetch the "
+                    "parameters. Updates made since the checkpoint are lost. Refused (exit 1, nothing changed) for a job "
+                    "that is done, a checkpoint that is not committed (unless --force) and one that fails verification."),
+    }
+    for action, (short, long) in about.items():
+        p = actions.add_parser(action, help=short, description=long)
+        _add_store_arguments(p)
+        if action != "list":
+            which = "the latest committed" if action == "inspect" else "the newest committed one that verifies"
+            p.add_argument("ckpt_id", metavar="ID", nargs="?", help=f"checkpoint id, ckpt-<epoch>-<round>-<hex> (default: {which})")
+        p.add_argument("--storage", metavar="URL", help="checkpoint storage to read (default: the job's checkpoint_url), "
+                       "e.g. when this machine reaches the bucket by another URL")
+        if action == "restore":
+            p.add_argument("--force", action="store_true", help="restore a checkpoint that is not committed (an orphan, "
+                           "or one whose commit never landed) if its files verify")
+        p.set_defaults(func=cmd_checkpoint, parser=p)
 
     from pdps import settings
 
@@ -111,6 +170,29 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("target", metavar="TARGET", nargs="?", default=argparse.SUPPRESS, help="module:function or path/to/file.py:function")
         p.set_defaults(func=globals()[f"cmd_{name}"], role=True)
     return parser
+
+
+def _add_store_arguments(p: argparse.ArgumentParser) -> None:
+    """How the commands that read a job (status, checkpoint) are told where it is."""
+    p.add_argument(
+        "store", metavar="STORE_URL", nargs="?", help="coordination store, e.g. etcd://127.0.0.1:2379 or redis://127.0.0.1:6379/0"
+    )
+    p.add_argument("--store", dest="store_flag", metavar="URL", help="the same, as the role commands take it")
+    p.add_argument("--job", default=DEFAULT_JOB, help="job name (default: %(default)s)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument(
+        "--connect-timeout", type=float, default=10.0, help="seconds to keep retrying an unreachable store (default: %(default)s)"
+    )
+
+
+def _store_url(args: argparse.Namespace) -> str:
+    """The store named by STORE_URL or --store (a parser error when none, or two differ)."""
+    if args.store and args.store_flag and args.store != args.store_flag:
+        args.parser.error(f"two stores given: STORE_URL {args.store!r} and --store {args.store_flag!r}")
+    url = args.store or args.store_flag
+    if not url:
+        args.parser.error("a coordination store is required: STORE_URL or --store URL")
+    return url
 
 
 def _settings(args: argparse.Namespace, defaults: dict | None = None) -> dict:
@@ -154,18 +236,65 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     from pdps.roles.resilient import connect_store
-    from pdps.status import format_status, job_status
+    from pdps.status import format_pass_audit, format_status, job_status, pass_audit
 
-    store = connect_store(args.store, timeout=args.connect_timeout)
+    url = _store_url(args)
+    store = connect_store(url, timeout=args.connect_timeout)
     try:
-        status = job_status(store, args.job)
-    except NoSuchJob as exc:
+        if args.pass_no is None:
+            status = job_status(store, args.job)
+        else:
+            status = pass_audit(store, args.job, args.pass_no)
+    except NoSuchJob as exc:  # NoSuchPass too
         print(f"pdps: {exc}", file=sys.stderr)
         return 1
     finally:
         store.close()
-    print(json.dumps(status) if args.json else format_status(status, args.store))
+    if args.json:
+        print(json.dumps(status))
+    else:
+        print(format_status(status, url) if args.pass_no is None else format_pass_audit(status, url))
     return 0
+
+
+def cmd_checkpoint(args: argparse.Namespace) -> int:
+    from pdps import checkpoint_cli as ckpt
+    from pdps.core.errors import CorruptCheckpoint, StorageError
+    from pdps.roles.resilient import connect_store
+    from pdps.status import job_config
+
+    if args.action != "list" and args.store and "://" not in args.store:
+        # one positional that is no URL is the ID: `inspect ID --store URL`
+        if args.ckpt_id is not None:
+            args.parser.error(f"STORE_URL {args.store!r} is not a URL (etcd://host:port, redis://host:port/db)")
+        args.store, args.ckpt_id = None, args.store
+    url = _store_url(args)
+    store = connect_store(url, timeout=args.connect_timeout)
+    storage = None
+    try:
+        config = job_config(store, args.job)
+        storage = ckpt.open_job_storage(config, args.storage)
+        if args.action == "list":
+            result = ckpt.list_checkpoints(store, storage, args.job)
+            text = ckpt.format_list(result, url)
+        elif args.action == "inspect":
+            result = ckpt.inspect_checkpoint(store, storage, args.job, args.ckpt_id)
+            text = ckpt.format_inspection(result, url)
+        else:
+            result = ckpt.restore(store, storage, args.job, args.ckpt_id, force=args.force)
+            text = ckpt.format_restore(result, url)
+    except (NoSuchJob, ckpt.RestoreRefused) as exc:  # NoSuchCheckpoint too
+        print(f"pdps: {exc}", file=sys.stderr)
+        return 1
+    except StorageError as exc:
+        if isinstance(exc, CorruptCheckpoint) or storage is None:
+            raise
+        hint = "" if args.storage else " (if this machine reaches it by another URL, give --storage URL)"
+        raise StorageError(f"cannot read checkpoint storage {storage.url}{hint}: {exc}") from exc
+    finally:
+        store.close()
+    print(json.dumps(result) if args.json else text)
+    return 1 if args.action == "inspect" and not result["sound"] else 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

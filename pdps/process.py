@@ -81,7 +81,10 @@ def open_role_transport(values: Mapping[str, Any]) -> Any:
     for name, path in (("tls_cert", cert), ("tls_key", key), ("tls_ca", ca)):
         if path and not os.path.isfile(path):
             raise ConfigError(f"{name} {path} is not a readable file")
-    options: dict[str, Any] = {"token": values.get("token"), "advertise_host": values.get("advertise")}
+    # A call to an unreachable peer fails after connect_timeout; the roles retry above it
+    # with the peer's address looked up again in the store (a restarted pserver or master
+    # serves elsewhere), so the channel itself only needs to ride out a blip.
+    options: dict[str, Any] = {"token": values.get("token"), "advertise_host": values.get("advertise"), "connect_timeout": 2.0}
     if values.get("bulk_port"):
         options["bulk_port"] = values["bulk_port"]
     if cert or ca:

@@ -130,6 +130,12 @@ SETTINGS: tuple[Setting, ...] = (
     _job("num_slots", int, "slots the parameters are hashed into"),
     _job("min_block", int, "parameters smaller than this many elements are not split across slots"),
     _job("store_outage_deadline", float, "seconds a role rides out an unreachable store before it exits"),
+    _job("checkpoint_url", str, "where checkpoints go (file:///abs/dir, s3://bucket/prefix); empty: no checkpoints"),
+    _job("checkpoint_every", int, "take a checkpoint every this many sync rounds (async: updates on pserver 0); 0: not by count"),
+    _job("checkpoint_seconds", float, "take a checkpoint at least this often, in seconds; 0: not by time"),
+    _job("checkpoint_keep", int, "committed checkpoints kept (older ones are deleted after each commit)"),
+    _job("restore", str, "when a pserver restarts: roll the whole job back (job), or async only, reload just its slots (lost)", choices=("job", "lost")),
+    _job("keep_rounds", int, "sync: round records kept in the store (the audit of which gradients each step applied)"),
 )
 
 BY_NAME = {s.name: s for s in SETTINGS}

@@ -4,35 +4,57 @@ Reads only: no master needs to be running. Counts come from the per-task records
 the master persists, read the way a restoring master reads them (a record from an
 older pass, or no record, is todo), so the figures are what a master restarted now
 would serve.
+
+``pdps status --pass N`` reads the audit of one pass instead (:func:`pass_audit`):
+every attempt at every task, its trainer and outcome, and how many of the dataset's
+records were trained, and how many more than once.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
-from pdps.core.errors import CorruptRecord, NoSuchJob
+from pdps.core.audit import Attempt, Outcome, decode_attempts
+from pdps.core.errors import CorruptRecord, NoSuchJob, NoSuchPass
 from pdps.core.job import JobConfig, Keys, decode_as, decode_json
 from pdps.ports.coordination import CoordinationStore
-from pdps.roles.master import decode_record
+from pdps.roles.master import decode_record, parse_queue_record
 
 
-def job_status(store: CoordinationStore, job: str) -> dict[str, Any]:
-    """The job's status as one JSON-safe object (the ``pdps status --json`` contract):
-    ``job``, ``state``, ``pass``, ``passes``, ``tasks``, ``todo``, ``pending``, ``done``,
-    ``failed``, ``quarantined``, ``quarantine`` (key and error of each), ``corrupt``
-    (undecodable records not yet quarantined), ``master``, ``trainers``, ``pservers``,
-    ``pservers_desired`` and ``checkpoint`` (object or null).
-    """
+def job_config(store: CoordinationStore, job: str) -> JobConfig:
+    """The stored configuration of ``job``; :class:`NoSuchJob` when the store has none."""
     keys = Keys(job)
     config_kv = store.get(keys.config)
     if config_kv is None:
         raise NoSuchJob(f"job {job!r} does not exist in {store.url} (no {keys.config})")
-    config = JobConfig.decode(config_kv.value, keys.config)
+    return JobConfig.decode(config_kv.value, keys.config)
+
+
+def job_state(store: CoordinationStore, keys: Keys) -> str:
+    """``running`` or ``done`` as the job's state record says, ``starting`` before it has one."""
+    state_kv = store.get(keys.state)
+    return decode_as(state_kv.value, keys.state, lambda d: str(d["state"])) if state_kv else "starting"
+
+
+def job_status(store: CoordinationStore, job: str, *, now: float | None = None) -> dict[str, Any]:
+    """The job's status as one JSON-safe object (the ``pdps status --json`` contract):
+    ``job``, ``state``, ``pass``, ``passes``, ``tasks``, ``todo``, ``pending``, ``done``,
+    ``failed``, ``quarantined``, ``quarantine`` (key and error of each), ``corrupt``
+    (undecodable records not yet quarantined), ``master``, ``trainers``, ``pservers``,
+    ``pservers_desired``, ``checkpoint`` (the pointer to the latest committed checkpoint:
+    ``id``, ``epoch``, ``round``, ``url``, ``created``, ``history`` of ids newest first;
+    or null), ``epoch`` (the record of the last rollback: ``epoch``, ``checkpoint``,
+    ``round``, ``reason``, ``time``; null if the job never rolled back) and ``waits``
+    (one per role waiting longer than a few seconds: ``who``, ``what``, ``for``,
+    ``since``, and ``seconds`` it has waited as of ``now``, default the clock's time).
+    """
+    keys = Keys(job)
+    config = job_config(store, job)
 
     pass_kv = store.get(keys.pass_no)
     pass_no = decode_as(pass_kv.value, keys.pass_no, int) if pass_kv is not None else 0
-    state_kv = store.get(keys.state)
-    state = decode_as(state_kv.value, keys.state, lambda d: str(d["state"])) if state_kv else "starting"
+    state = job_state(store, keys)
     queue_kv = store.get(keys.queue)
     total = decode_as(queue_kv.value, keys.queue, lambda d: int(d["tasks"])) if queue_kv else None
 
@@ -68,6 +90,7 @@ def job_status(store: CoordinationStore, job: str) -> dict[str, Any]:
     desired_kv = store.get(keys.ps_desired)
     master_kv = store.get(keys.master_addr)
     checkpoint_kv = store.get(keys.checkpoint)
+    epoch_kv = store.get(keys.epoch)
     return {
         "job": job,
         "state": state,
@@ -86,7 +109,34 @@ def job_status(store: CoordinationStore, job: str) -> dict[str, Any]:
         "pservers": pservers,
         "pservers_desired": int(desired_kv.value) if desired_kv else None,
         "checkpoint": decode_json(checkpoint_kv.value, keys.checkpoint) if checkpoint_kv else None,
+        "epoch": decode_json(epoch_kv.value, keys.epoch) if epoch_kv else None,
+        "waits": waits(store, keys, time.time() if now is None else now),
     }
+
+
+def waits(store: CoordinationStore, keys: Keys, now: float) -> list[dict[str, Any]]:
+    """The ``waits/<who>`` records (trainer.Waits writes them), oldest wait first, each
+    with the ``seconds`` it has lasted at ``now``. A record that cannot be decoded is
+    listed with its ``who`` and an ``error`` instead: it expires with its writer's lease."""
+    out = []
+    for kv in store.range(keys.waits):
+        who = kv.key[len(keys.waits) :]
+        try:
+            rec = decode_json(kv.value, kv.key)
+            since = float(rec["since"])
+            out.append(
+                {
+                    "who": str(rec.get("who", who)),
+                    "what": str(rec.get("what", "")),
+                    "for": [str(w) for w in rec.get("for", [])],
+                    "since": since,
+                    "seconds": max(0.0, now - since),
+                }
+            )
+        except (CorruptRecord, KeyError, TypeError, ValueError, AttributeError) as exc:
+            out.append({"who": who, "what": None, "for": [], "since": None, "seconds": None, "error": str(exc)})
+    out.sort(key=lambda w: (w["since"] is None, w["since"] or 0.0, w["who"]))
+    return out
 
 
 def format_status(status: dict[str, Any], url: str) -> str:
@@ -101,10 +151,194 @@ def format_status(status: dict[str, Any], url: str) -> str:
         f"  trainers    {len(s['trainers'])}" + (f": {', '.join(s['trainers'])}" if s["trainers"] else ""),
         f"  pservers    {len(s['pservers'])} of {s['pservers_desired'] if s['pservers_desired'] is not None else '?'}"
         + "".join(f"\n                {p['index']} at {p['address']}" for p in s["pservers"]),
-        f"  checkpoint  {s['checkpoint'] if s['checkpoint'] is not None else 'none'}",
+        f"  checkpoint  {_pointer_text(s['checkpoint'])}",
+        f"  epoch       {epoch_text(s.get('epoch'))}",
     ]
     for q in s["quarantine"]:
         lines.append(f"  quarantined {q['key']}: {q['error']}")
     for key in s["corrupt"]:
         lines.append(f"  corrupt     {key} (a master will quarantine it when it restores)")
+    if s.get("waits"):
+        lines.append("  waiting:")
+        lines += [f"    {wait_text(w)}" for w in s["waits"]]
     return "\n".join(lines)
+
+
+def clock(t: float | None) -> str:
+    """A unix time as the local time of day (``10:04:05``), as the roles log it."""
+    return "?" if t is None else time.strftime("%H:%M:%S", time.localtime(t))
+
+
+def wait_text(w: dict[str, Any]) -> str:
+    """``t1 has waited 12s (since 10:04:05) for t0 (the barrier of round 92)``: the
+    words of the waiter's own log line."""
+    if w.get("error"):
+        return f"{w['who']}: undecodable wait record ({w['error']})"
+    whom = ", ".join(w["for"]) or "nobody known"
+    return f"{w['who']} has waited {w['seconds']:.0f}s (since {clock(w['since'])}) for {whom} ({w['what']})"
+
+
+def _pointer_text(ptr: Any) -> str:
+    if ptr is None:
+        return "none"
+    if not isinstance(ptr, dict) or "id" not in ptr:
+        return str(ptr)
+    text = str(ptr["id"])
+    if "epoch" in ptr and "round" in ptr:
+        text += f" (epoch {ptr['epoch']}, round {ptr['round']}"
+        text += f", taken at {clock(ptr['created'])})" if isinstance(ptr.get("created"), (int, float)) else ")"
+    if isinstance(ptr.get("history"), list):
+        text += f", {len(ptr['history'])} kept"
+    return text
+
+
+def epoch_text(rec: Any) -> str:
+    """The epoch record of the last rollback in words: ``1, from ckpt-... (round 8) at
+    10:04:05: operator: pdps checkpoint restore``, or ``0 (never rolled back)``."""
+    if rec is None:
+        return "0 (never rolled back)"
+    if not isinstance(rec, dict) or "epoch" not in rec:
+        return str(rec)
+    start = f"from {rec['checkpoint']} (round {rec.get('round', '?')})" if rec.get("checkpoint") else "from scratch"
+    when = f" at {clock(rec['time'])}" if isinstance(rec.get("time"), (int, float)) else ""
+    reason = f": {rec['reason']}" if rec.get("reason") else ""
+    return f"{rec['epoch']}, {start}{when}{reason}"
+
+
+def pass_audit(store: CoordinationStore, job: str, pass_no: int) -> dict[str, Any]:
+    """The audit of pass ``pass_no`` as one JSON-safe object (the ``pdps status --pass N
+    --json`` contract).
+
+    ``job``, ``pass``, ``tasks``, ``records`` (the dataset's, or null for a job started
+    before record counts were kept), ``entries`` (one per task, by id: ``task``,
+    ``records``, ``attempts`` [{``attempt``, ``trainer``, ``outcome``, and ``offset``
+    / ``late_finish`` when set}], ``outcome`` of the task in the pass: done, failed,
+    pending or todo, and ``trained``: its attempts whose records were trained),
+    ``summary`` (``done``, ``failed``, ``pending``, ``todo``, ``records_trained``:
+    records of tasks trained at least once, ``records_trained_more_than_once``,
+    ``attempts_total``) and ``corrupt`` (audit keys of the pass that could not be
+    decoded, or were quarantined: those tasks' attempts are incomplete).
+
+    Raises :class:`NoSuchJob` for an unknown job and :class:`NoSuchPass` for a pass
+    the job has not reached, or one that has no audit.
+    """
+    keys = Keys(job)
+    config = job_config(store, job)
+    pass_kv = store.get(keys.pass_no)
+    current = decode_as(pass_kv.value, keys.pass_no, int) if pass_kv is not None else None
+    if current is None:
+        raise NoSuchPass(f"job {job!r} has not started its first pass (pass 0) yet")
+    if not 0 <= pass_no <= current:
+        raise NoSuchPass(f"job {job!r} has no pass {pass_no}: passes 0..{current} exist so far (of {config.passes})")
+    queue_kv = store.get(keys.queue)
+    total, records = decode_as(queue_kv.value, keys.queue, parse_queue_record) if queue_kv else (None, None)
+
+    attempts: dict[int, tuple[Attempt, ...]] = {}
+    corrupt: list[str] = []
+    for kv in store.range(keys.audit_pass(pass_no)):
+        try:
+            attempts[keys.task_id(kv.key)] = decode_attempts(kv.value, kv.key)
+        except (CorruptRecord, ValueError):
+            corrupt.append(kv.key)
+    for kv in store.range(keys.quarantined_audit(pass_no)):
+        try:
+            corrupt.append(str(decode_json(kv.value, kv.key).get("key", kv.key)))
+        except (CorruptRecord, AttributeError):
+            corrupt.append(kv.key)
+    if pass_no < current and not attempts and not corrupt:
+        raise NoSuchPass(f"job {job!r} has no audit of pass {pass_no}: a pdps that kept no audit ran it (passes 0..{current} exist)")
+
+    if records is not None:
+        ids = set(records)
+    else:
+        ids = set(range(total)) if total is not None else set()
+    ids |= set(attempts)
+    outcomes = _final_outcomes(store, keys, pass_no, current, ids)
+    entries = []
+    for tid in sorted(ids):
+        tried = attempts.get(tid, ())
+        outcome = outcomes.get(tid) or _outcome_of(tried, finished=pass_no < current)
+        entries.append(
+            {
+                "task": tid,
+                "records": None if records is None else records.get(tid),
+                "attempts": [a.to_json() for a in tried],
+                "outcome": outcome,
+                "trained": sum(a.trained for a in tried),
+            }
+        )
+    summary: dict[str, Any] = {k: sum(e["outcome"] == k for e in entries) for k in ("done", "failed", "pending", "todo")}
+    known = records is not None
+    summary["records_trained"] = sum(e["records"] or 0 for e in entries if e["trained"] >= 1) if known else None
+    summary["records_trained_more_than_once"] = sum(e["records"] or 0 for e in entries if e["trained"] >= 2) if known else None
+    summary["attempts_total"] = sum(len(e["attempts"]) for e in entries)
+    return {
+        "job": job,
+        "pass": pass_no,
+        "tasks": len(entries),
+        "records": sum(records.values()) if known else None,
+        "entries": entries,
+        "summary": summary,
+        "corrupt": corrupt,
+    }
+
+
+def _final_outcomes(store: CoordinationStore, keys: Keys, pass_no: int, current: int, ids: set[int]) -> dict[int, str]:
+    """How each task stands in ``pass_no``: from the task records for the current pass,
+    from the pass summary for a finished one (what is missing is left out)."""
+    if pass_no == current:
+        out = {}
+        for kv in store.range(keys.tasks):
+            try:
+                rec = decode_record(kv, keys, current)
+            except CorruptRecord:
+                continue  # pdps status lists it; the audit stands in for it
+            out[rec.id] = rec.state.value if rec.pass_no == current else "todo"
+        return out
+    summary_kv = store.get(keys.pass_summary(pass_no))
+    if summary_kv is None:
+        return {}
+    failed = set(decode_as(summary_kv.value, summary_kv.key, lambda d: [int(t) for t in d["failed"]]))
+    return {tid: "failed" if tid in failed else "done" for tid in ids | failed}
+
+
+def _outcome_of(attempts: tuple[Attempt, ...], *, finished: bool) -> str:
+    """A task's outcome from its attempts alone (its record or pass summary is missing)."""
+    if any(a.outcome is Outcome.DONE for a in attempts):
+        return "done"
+    if attempts and attempts[-1].outcome is Outcome.PENDING:
+        return "pending"
+    return "failed" if finished else "todo"
+
+
+def format_pass_audit(audit: dict[str, Any], url: str) -> str:
+    """The human-readable form ``pdps status --pass N`` prints."""
+    a, s = audit, audit["summary"]
+    rows = [("task", "records", "outcome", "attempts")]
+    for e in a["entries"]:
+        tries = " ".join(_attempt_text(t) for t in e["attempts"]) or "-"
+        rows.append((str(e["task"]), "?" if e["records"] is None else str(e["records"]), e["outcome"], tries))
+    w = [max(len(r[i]) for r in rows) for i in range(3)]
+    lines = [f"job {a['job']} on {url}: audit of pass {a['pass']}"]
+    lines += [f"  {r[0]:>{w[0]}}  {r[1]:>{w[1]}}  {r[2]:<{w[2]}}  {r[3]}" for r in rows]
+    if s["records_trained"] is None:
+        trained = "record counts unknown"
+    else:
+        trained = f"{s['records_trained']} of {a['records']} records trained, {s['records_trained_more_than_once']} more than once"
+    lines.append(
+        f"  {a['tasks']} tasks: done {s['done']}, failed {s['failed']}, pending {s['pending']}, todo {s['todo']}; "
+        f"{trained}; {s['attempts_total']} attempts"
+    )
+    for key in a["corrupt"]:
+        lines.append(f"  corrupt  {key}: undecodable or quarantined, the attempts of its task are incomplete")
+    return "\n".join(lines)
+
+
+def _attempt_text(t: dict[str, Any]) -> str:
+    """``1:trainer-a:timeout``, plus ``+late_finish`` and ``@offset`` when set."""
+    text = f"{t['attempt']}:{t['trainer'] or '?'}:{t['outcome']}"
+    if t.get("late_finish"):
+        text += "+late_finish"
+    if t.get("offset"):
+        text += f"@{t['offset']}"
+    return text

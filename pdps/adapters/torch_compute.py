@@ -355,9 +355,9 @@ class TorchShard:
     """The blocks one pserver owns, in one flat tensor, with the job's optimizer over it.
 
     Blocks are laid out in the given order. Gradients go through one reused buffer
-    (``values.grad``); the sync accumulator is allocated on the first
-    :meth:`accumulate`, in float32 when the blocks are half precision. Callers run
-    :meth:`check` before :meth:`accumulate` and :meth:`apply`, which do not re-validate.
+    (``values.grad``). Sync rounds stage each trainer's gradient in a buffer of its own
+    (float32 when the blocks are half precision), reused round after round. Callers
+    run :meth:`check` before :meth:`stage` and :meth:`apply`, which do not re-validate.
     """
 
     def __init__(
@@ -377,8 +377,9 @@ class TorchShard:
         self.values = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
         self._grad = torch.zeros_like(self.values)
         self.values.grad = self._grad
-        self._acc: torch.Tensor | None = None
-        self._acc_views: list[torch.Tensor] = []
+        self._acc: torch.Tensor | None = None  # float32 sum of staged half-precision gradients
+        self._staged: dict[str, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        self._live: set[str] = set()
         self._ranges: list[tuple[int, int]] = []
         offset = 0
         for b in self.blocks:
@@ -438,7 +439,7 @@ class TorchShard:
                 )
 
     def initialize(self, tensors: Sequence[Any], trainer: str) -> None:
-        """Take initial values (copied); resets optimizer state and the accumulator."""
+        """Take initial values (copied); resets optimizer state and drops staged gradients."""
         self.check(tensors, trainer, what="initial value")
         with torch.no_grad():
             for view, t in zip(self._value_views, self._on_device(tensors)):
@@ -446,26 +447,60 @@ class TorchShard:
         self.optimizer.state.clear()
         if self._acc is not None:
             self._acc.zero_()
+        self._live.clear()
         self.initialized = True
 
-    def accumulate(self, tensors: Sequence[torch.Tensor], weight: float) -> None:
+    # --- transactional sync rounds: stage per trainer, apply what the round names --------
+
+    def stage(self, key: str, tensors: Sequence[torch.Tensor]) -> None:
+        """Keep a copy of ``key``'s gradient for the open round (replacing an earlier one).
+
+        One buffer per key, reused round after round: no allocation per step.
+        """
         self._ready()
+        buf = self._staged.get(key)
+        if buf is None:
+            acc_dtype = torch.float32 if self.dtype in (torch.float16, torch.bfloat16) else self.dtype
+            flat = torch.empty(self.numel, dtype=acc_dtype, device=self.device)
+            buf = self._staged[key] = (flat, self._views_of(flat))
+        if buf[1]:
+            torch._foreach_copy_(buf[1], self._on_device(tensors))
+        self._live.add(key)
+
+    def staged(self) -> set[str]:
+        """Keys whose gradient is staged for the open round."""
+        return set(self._live)
+
+    def unstage(self, key: str | None = None, *, forget: bool = False) -> None:
+        """Drop ``key``'s staged gradient (every key's if None); ``forget`` frees its buffer."""
+        keys = list(self._staged) if key is None else [key]
+        for k in keys:
+            self._live.discard(k)
+            if forget:
+                self._staged.pop(k, None)
+
+    def apply_staged(self, weights: Sequence[tuple[str, float]]) -> None:
+        """One optimizer step with gradient ``sum(w * staged[key])``, summed in the given
+        order; then nothing is staged. Every key must be staged (KeyError otherwise)."""
+        self._ready()
+        missing = [k for k, _ in weights if k not in self._live]
+        if missing:
+            raise KeyError(f"no staged gradient for {missing}")
+        # half-precision shards sum in float32 (the staged buffers' dtype), then round once
+        acc = self._acc_buffer() if self.dtype in (torch.float16, torch.bfloat16) else self._grad
+        acc.zero_()
+        for key, w in weights:
+            acc.add_(self._staged[key][0], alpha=float(w))
+        if acc is not self._grad:
+            self._grad.copy_(acc)
+        self._step()
+        self._live.clear()
+
+    def _acc_buffer(self) -> torch.Tensor:
         if self._acc is None:
             acc_dtype = torch.float32 if self.dtype in (torch.float16, torch.bfloat16) else self.dtype
             self._acc = torch.zeros(self.numel, dtype=acc_dtype, device=self.device)
-            self._acc_views = self._views_of(self._acc)
-        if self._acc_views:
-            torch._foreach_add_(self._acc_views, self._on_device(tensors), alpha=float(weight))
-
-    def apply_accumulated(self, scale: float) -> None:
-        self._ready()
-        if self._acc is None:
-            self._grad.zero_()
-        else:
-            torch.mul(self._acc, float(scale), out=self._grad)
-        self._step()
-        if self._acc is not None:
-            self._acc.zero_()
+        return self._acc
 
     def apply(self, tensors: Sequence[torch.Tensor]) -> None:
         self._ready()
@@ -532,4 +567,5 @@ class TorchShard:
             self.values.copy_(values)
         if self._acc is not None:
             self._acc.zero_()
+        self._live.clear()
         self.initialized = True

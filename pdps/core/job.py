@@ -66,6 +66,12 @@ class JobConfig:
     num_slots: int = attrs.field(default=DEFAULT_NUM_SLOTS, validator=_positive("num_slots"))
     min_block: int = attrs.field(default=DEFAULT_MIN_BLOCK, validator=_positive("min_block"))
     store_outage_deadline: float = attrs.field(default=60.0, validator=_positive("store_outage_deadline"))
+    checkpoint_url: str = ""  # storage root for checkpoints (file://, s3://, memory://); "" = none
+    checkpoint_every: int = 0  # sync: rounds; async: updates on pserver 0; 0 = not by count
+    checkpoint_seconds: float = 0.0  # at most this long between checkpoints; 0 = not by time
+    checkpoint_keep: int = attrs.field(default=3, validator=_positive("checkpoint_keep"))
+    restore: str = "job"  # on a pserver restart: "job" rolls everyone back; "lost" (async) restores only its slots
+    keep_rounds: int = attrs.field(default=10000, validator=_positive("keep_rounds"))  # sync round records kept
 
     def __attrs_post_init__(self) -> None:
         if not self.name or "/" in self.name:
@@ -76,8 +82,21 @@ class JobConfig:
             raise ConfigError("staleness is a bound >= 0 for async mode only")
         if self.failure_max < 0:
             raise ConfigError(f"failure_max must be >= 0, got {self.failure_max}")
+        if self.restore not in ("job", "lost"):
+            raise ConfigError(f"restore must be 'job' or 'lost', got {self.restore!r}")
+        if self.restore == "lost" and self.mode is Mode.SYNC:
+            raise ConfigError("restore='lost' is for async mode; a sync job rolls back as a whole so every step stays atomic")
+        if self.checkpoint_every < 0 or self.checkpoint_seconds < 0:
+            raise ConfigError("checkpoint_every and checkpoint_seconds must be >= 0 (0 turns that trigger off)")
+        if (self.checkpoint_every or self.checkpoint_seconds) and not self.checkpoint_url:
+            raise ConfigError("checkpoint_every/checkpoint_seconds need a checkpoint_url to write to")
         if self.num_slots < self.pservers:
             raise ConfigError(f"num_slots ({self.num_slots}) must be at least the number of pservers ({self.pservers})")
+
+    @property
+    def checkpoints(self) -> bool:
+        """Checkpoints are taken (a storage URL and at least one trigger)."""
+        return bool(self.checkpoint_url) and bool(self.checkpoint_every or self.checkpoint_seconds)
 
     @property
     def cadence(self) -> Cadence:
@@ -136,16 +155,29 @@ class Keys:
     ``master/addr``       where the master serves (leased)
     ``pass``              the current pass number
     ``passes/<n>``        summary of a finished pass: {done, failed}
-    ``queue``             {"tasks": N}: the number of tasks, written once with pass 0
+    ``queue``             {"tasks": N, "records": [[first_id, tasks, records], ...]}: the
+                          number of tasks and each one's record count (runs over the
+                          ids), written once with pass 0
     ``tasks/<id>``        one TaskRecord per task (JSON); O(1) writes per transition
     ``quarantine/<id>``   a task record that could not be decoded, moved aside
+    ``audit/<pass>/<id>`` the attempts at one task in one pass: a JSON list of {attempt,
+                          trainer, outcome[, offset][, late_finish]}, written in the
+                          transaction of each transition of the task (pass 6 digits, id 8)
+    ``quarantine/audit/<pass>/<id>``  an audit entry that could not be decoded, moved aside
     ``state``             {"state": "running" | "done", ...}
     ``ps_desired``        desired pserver count (not leased)
     ``ps/<index>``        a pserver's claim of its index, with its address (leased)
     ``trainers/<id>``     a live trainer (leased)
     ``model``             the model's parameter specs (JSON), set by the first trainer
     ``slotmap``           the versioned slot map (JSON)
-    ``checkpoint``        pointer to the latest committed checkpoint (JSON), if any
+    ``checkpoint``        pointer to the latest committed checkpoint: {id, epoch, round,
+                          url, created, history: [ids, newest first]} (JSON), if any
+    ``ckpt/<id>/info``    a checkpoint being written or committed: {epoch, round, state}
+    ``ckpt/<id>/part/<name>``  one written part (``ps-<i>``, ``master``): its PartInfo
+    ``epoch``             {epoch, checkpoint, round, reason}: bumped by each rollback
+    ``rounds/<epoch>/<r>``  a sync round's record (RoundRecord): the step's decision point
+    ``initialized``       the pservers were given initial values (a later pserver start is a restart)
+    ``waits/<who>``       a role waiting longer than a few seconds: for whom, since when (leased)
     """
 
     job: str
@@ -185,7 +217,7 @@ class Keys:
         return f"{self.tasks}{task_id:08d}"
 
     def task_id(self, key: str) -> int:
-        """The task id in a ``tasks/<id>`` or ``quarantine/<id>`` key (ValueError if none)."""
+        """The task id in a ``tasks/<id>``, ``quarantine/<id>`` or ``audit/<pass>/<id>`` key (ValueError if none)."""
         return int(key.rsplit("/", 1)[1])
 
     @property
@@ -198,6 +230,22 @@ class Keys:
 
     def quarantined(self, task_id: int) -> str:
         return f"{self.quarantine}{task_id:08d}"
+
+    @property
+    def audit(self) -> str:
+        return self.root + "audit/"
+
+    def audit_pass(self, pass_no: int) -> str:
+        """The prefix of one pass's audit entries."""
+        return f"{self.audit}{pass_no:06d}/"
+
+    def audit_entry(self, pass_no: int, task_id: int) -> str:
+        return f"{self.audit_pass(pass_no)}{task_id:08d}"
+
+    def quarantined_audit(self, pass_no: int, task_id: int | None = None) -> str:
+        """Where an undecodable audit entry is moved aside (without ``task_id``: the prefix of a pass's)."""
+        prefix = f"{self.quarantine}audit/{pass_no:06d}/"
+        return prefix if task_id is None else f"{prefix}{task_id:08d}"
 
     @property
     def state(self) -> str:
@@ -236,3 +284,38 @@ class Keys:
     @property
     def checkpoint(self) -> str:
         return self.root + "checkpoint"
+
+    @property
+    def epoch(self) -> str:
+        return self.root + "epoch"
+
+    @property
+    def rounds(self) -> str:
+        return self.root + "rounds/"
+
+    def round(self, epoch: int, round_no: int) -> str:
+        return f"{self.rounds}{epoch:06d}/{round_no:010d}"
+
+    @property
+    def checkpoints(self) -> str:
+        return self.root + "ckpt/"
+
+    def checkpoint_info(self, ckpt_id: str) -> str:
+        return f"{self.checkpoints}{ckpt_id}/info"
+
+    def checkpoint_parts(self, ckpt_id: str) -> str:
+        return f"{self.checkpoints}{ckpt_id}/part/"
+
+    def checkpoint_part(self, ckpt_id: str, name: str) -> str:
+        return self.checkpoint_parts(ckpt_id) + name
+
+    @property
+    def initialized(self) -> str:
+        return self.root + "initialized"
+
+    @property
+    def waits(self) -> str:
+        return self.root + "waits/"
+
+    def wait(self, who: str) -> str:
+        return self.waits + who

@@ -1,10 +1,11 @@
 """The consistency rules: when a pserver applies an update, and with what weight.
 
-* **Sync-SGD.** Updates happen in numbered *rounds*. Every trainer that is a member
-  of the job when the round closes must contribute to it (a trainer with no task
-  contributes zero samples, so idle trainers never stall the barrier). The round
-  closes when all current members have contributed; a member whose lease expires
-  stops being waited for. The update is the sample-weighted mean of the
+* **Sync-SGD.** Updates happen in numbered *rounds*, each decided once in the
+  coordination store (:class:`RoundRecord`): a round applies on every pserver the
+  contributions its closed record names, and nothing else, so a step is atomic
+  across pservers. Every participant must contribute (a trainer with no task
+  contributes zero samples, so idle trainers never stall the barrier); a
+  participant whose lease expires stops being waited for. The update is the sample-weighted mean of the
   contributions, ``sum(b_i * g_i) / sum(b_i)``, where ``g_i`` is the gradient of
   trainer i's *mean*-reduced loss over its ``b_i`` samples: exactly the gradient of
   the mean loss over the concatenated batch, ragged batches included. A round with
@@ -71,58 +72,126 @@ def check_staleness(base_version: int, current_version: int, bound: int | None) 
 
 
 @attrs.frozen
-class RoundResult:
-    """A closed sync round: who contributed how many samples, and each one's weight."""
+class Contribution:
+    """One trainer's part of a sync round, as committed to the round's record.
+
+    ``samples`` weights its gradient; ``task``/``attempt``/``offset`` say which records
+    it trained (``offset`` counts the task's records consumed through this batch) so a
+    checkpoint taken at this round can resume each task exactly where it was.
+    """
+
+    samples: int
+    task: int | None = None
+    attempt: int | None = None
+    offset: int = 0
+    last: bool = False  # the batch was its task's last
+
+    def to_json(self) -> dict:
+        return attrs.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> Contribution:
+        task = d.get("task")
+        attempt = d.get("attempt")
+        return cls(
+            samples=int(d["samples"]),
+            task=None if task is None else int(task),
+            attempt=None if attempt is None else int(attempt),
+            offset=int(d.get("offset", 0)),
+            last=bool(d.get("last", False)),
+        )
+
+
+@attrs.frozen
+class RoundRecord:
+    """One sync round as the coordination store holds it: the *decision point* of the
+    transactional step.
+
+    A trainer pushes its gradient to every pserver (each stages it, nothing applied),
+    and only then commits its :class:`Contribution` here, in one compare-and-swap. A
+    pserver closes the round once every participant has committed, again in one
+    compare-and-swap; from then on the record never changes, and every pserver applies
+    exactly the contributions it names. A trainer that died between its pushes never
+    committed, so its staged gradient is dropped everywhere: all pservers or none.
+
+    The participants of round ``r`` are the live trainers that contributed to round
+    ``r - 1``; for the first round of an epoch, every live trainer. A trainer that
+    joins later is waited for from the round after its first contribution (it joins
+    with a zero-sample one), so a newcomer still loading its model never stalls the
+    job. A trainer without a task contributes zero samples.
+    """
 
     round_no: int
-    samples: dict[str, int]
+    contributions: dict[str, Contribution] = attrs.field(factory=dict)
+    closed: bool = False
+    checkpoint: str | None = None  # the checkpoint taken right after this round, if any
 
     @property
     def total(self) -> int:
-        return sum(self.samples.values())
+        return sum(c.samples for c in self.contributions.values())
 
     @property
     def applies_update(self) -> bool:
         return self.total > 0
 
+    def weights(self) -> list[tuple[str, float]]:
+        """``(trainer, samples / total)`` for every contributor with samples, sorted by
+        trainer id: the one summation order every pserver and any replay uses."""
+        total = self.total
+        return [(t, c.samples / total) for t, c in sorted(self.contributions.items()) if c.samples]
 
-@attrs.define
-class Barrier:
-    """The sync barrier of one pserver: which trainers have contributed to the open round."""
+    def contribute(self, trainer: str, contribution: Contribution) -> RoundRecord:
+        """The record with ``trainer``'s contribution added.
 
-    round_no: int = 0
-    _samples: dict[str, int] = attrs.field(factory=dict)
-
-    def contribute(self, trainer: str, round_no: int, samples: int) -> None:
-        """Record ``trainer``'s contribution of ``samples`` to ``round_no``.
-
-        Raises :class:`StalePush` for a closed round, :class:`InvalidTransition` for a
-        future round or a second contribution to the open one.
+        Raises :class:`StalePush` once the round is closed. Committing the same
+        contribution again (a retry whose reply was lost) returns the record unchanged;
+        a different one is an :class:`InvalidTransition`.
         """
-        if samples < 0:
-            raise ConfigError(f"trainer {trainer!r} reported {samples} samples")
-        if round_no < self.round_no:
-            raise StalePush(f"round {round_no} is closed; the open round is {self.round_no}: pull and compute again")
-        if round_no > self.round_no:
-            raise InvalidTransition(f"trainer {trainer}", f"round {self.round_no}", f"push for round {round_no}", "pull first")
-        if trainer in self._samples:
-            raise InvalidTransition(f"trainer {trainer}", f"round {self.round_no}", "push", "already contributed")
-        self._samples[trainer] = samples
+        if contribution.samples < 0:
+            raise ConfigError(f"trainer {trainer!r} reported {contribution.samples} samples")
+        if self.closed:
+            raise StalePush(f"round {self.round_no} is closed: pull and compute again")
+        prior = self.contributions.get(trainer)
+        if prior is not None:
+            if prior == contribution:
+                return self
+            raise InvalidTransition(f"trainer {trainer}", f"round {self.round_no}", "commit", "already contributed")
+        return attrs.evolve(self, contributions={**self.contributions, trainer: contribution})
 
-    def contributed(self, trainer: str) -> bool:
-        return trainer in self._samples
+    def waiting_for(self, participants: Iterable[str]) -> set[str]:
+        return {p for p in participants if p not in self.contributions}
 
-    def waiting_for(self, members: Iterable[str]) -> set[str]:
-        return {m for m in members if m not in self._samples}
+    def ready(self, participants: Iterable[str]) -> bool:
+        """The round can close: someone contributed, and no participant is missing."""
+        return bool(self.contributions) and not self.waiting_for(participants)
 
-    def ready(self, members: Iterable[str]) -> bool:
-        """The round can close: someone contributed, and no current member is missing."""
-        return bool(self._samples) and not self.waiting_for(members)
-
-    def close(self) -> RoundResult:
-        if not self._samples:
+    def close(self, checkpoint: str | None = None) -> RoundRecord:
+        if self.closed:
+            raise InvalidTransition(f"round {self.round_no}", "closed", "close")
+        if not self.contributions:
             raise InvalidTransition(f"round {self.round_no}", "open", "close", "nobody contributed")
-        result = RoundResult(self.round_no, dict(self._samples))
-        self.round_no += 1
-        self._samples = {}
-        return result
+        return attrs.evolve(self, closed=True, checkpoint=checkpoint)
+
+    def to_json(self) -> dict:
+        return {
+            "round": self.round_no,
+            "closed": self.closed,
+            "checkpoint": self.checkpoint,
+            "contributions": {t: c.to_json() for t, c in sorted(self.contributions.items())},
+        }
+
+    @classmethod
+    def from_json(cls, d: dict) -> RoundRecord:
+        return cls(
+            round_no=int(d["round"]),
+            contributions={str(t): Contribution.from_json(c) for t, c in dict(d["contributions"]).items()},
+            closed=bool(d["closed"]),
+            checkpoint=None if d.get("checkpoint") is None else str(d["checkpoint"]),
+        )
+
+
+def participants(live: Iterable[str], previous: Iterable[str] | None) -> set[str]:
+    """Whom round ``r`` waits for: the live contributors of round ``r - 1``
+    (``previous``), or every live trainer when ``r`` opens an epoch (``previous`` is None)."""
+    live = set(live)
+    return live if previous is None else live & set(previous)

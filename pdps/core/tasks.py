@@ -103,10 +103,13 @@ class TaskRecord:
     failures: int = 0
     trainer: str | None = None
     deadline: float | None = None
+    offset: int = 0  # records already trained into the parameters (a checkpoint restore resumes here)
 
     def to_json(self) -> dict:
         d = attrs.asdict(self)
         d["state"] = self.state.value
+        if not self.offset:
+            del d["offset"]  # records written before offsets existed read the same
         return d
 
     @classmethod
@@ -119,6 +122,7 @@ class TaskRecord:
             failures=int(d["failures"]),
             trainer=d.get("trainer"),
             deadline=None if d.get("deadline") is None else float(d["deadline"]),
+            offset=int(d.get("offset", 0)),
         )
 
 
@@ -170,6 +174,7 @@ class Assignment:
     attempt: int
     pass_no: int
     deadline: float
+    offset: int = 0  # start reading the task at this record
 
 
 class WaitReason(str, enum.Enum):
@@ -341,15 +346,32 @@ class TaskQueue:
         new = self._move(
             rec, Event.DISPATCH, State.PENDING, attempt=rec.attempt + 1, trainer=trainer, deadline=now + self.timeout
         )
-        assignment = Assignment(task=self._specs[tid], attempt=new.attempt, pass_no=self._pass_no, deadline=now + self.timeout)
+        assignment = Assignment(
+            task=self._specs[tid], attempt=new.attempt, pass_no=self._pass_no, deadline=now + self.timeout, offset=rec.offset
+        )
         return assignment, [TaskChanged(new, Event.DISPATCH)]
+
+    def redeliver(self, trainer: str, holding: Iterable[int] = ()) -> Assignment | None:
+        """The oldest task ``trainer`` holds but does not know it holds, as it was handed
+        out, or None.
+
+        A trainer says which tasks it holds when it asks for work. One it does not name
+        was dispatched by an answer it never received (the reply was lost, or the master
+        died after persisting the dispatch): it gets the same attempt again instead of
+        waiting for the task to time out. Changes nothing.
+        """
+        held = self._by_trainer.get(trainer, set()) - set(holding)
+        if not held:
+            return None
+        rec = self._records[min(held, key=lambda t: self._records[t].attempt)]
+        return Assignment(self._specs[rec.id], rec.attempt, self._pass_no, rec.deadline or 0.0, rec.offset)
 
     def finish(self, task_id: int, attempt: int) -> list[Change]:
         """The trainer of ``attempt`` trained the task."""
         rec, ignored = self._current(task_id, attempt, Event.FINISH)
         if ignored:
             return [ignored]
-        new = self._move(rec, Event.FINISH, State.DONE, trainer=None, deadline=None)
+        new = self._move(rec, Event.FINISH, State.DONE, trainer=None, deadline=None, offset=0)
         return [TaskChanged(new, Event.FINISH), *self._completion()]
 
     def fail(self, task_id: int, attempt: int) -> list[Change]:
@@ -470,3 +492,42 @@ def _check_config(failure_max: int, timeout: float, max_in_flight: int) -> None:
         raise ConfigError(f"task timeout must be > 0 seconds, got {timeout}")
     if max_in_flight < 1:
         raise ConfigError(f"max_in_flight must be >= 1, got {max_in_flight}")
+
+
+def rolled_back(
+    snapshot: Iterable[TaskRecord],
+    current: Iterable[TaskRecord],
+    progress: Mapping[int, tuple[int, int, bool]],
+    *,
+    pass_no: int,
+) -> list[TaskRecord]:
+    """The task records of a queue rolled back to a checkpoint.
+
+    ``snapshot`` is the queue as the checkpoint saved it (at pass ``pass_no``),
+    ``current`` the records now (only their attempts matter: an attempt never goes
+    back, so reports of attempts made after the checkpoint stay fenced), and
+    ``progress`` maps a task to ``(attempt, records trained, last)`` as the round
+    the checkpoint followed recorded it. A task done or failed at the checkpoint stays
+    so; a pending one goes back to todo, resuming at the records its attempt had
+    trained (or done, if that was all of them); everything else is todo as saved.
+    """
+    attempts = {r.id: r.attempt for r in current}
+    out = []
+    for rec in snapshot:
+        attempt = max(rec.attempt, attempts.get(rec.id, 0))
+        if rec.pass_no < pass_no:
+            out.append(TaskRecord(id=rec.id, pass_no=pass_no, state=State.TODO, attempt=attempt))
+            continue
+        if rec.state in (State.DONE, State.FAILED):
+            out.append(attrs.evolve(rec, attempt=attempt, trainer=None, deadline=None))
+            continue
+        offset = rec.offset
+        if rec.state is State.PENDING:
+            seen = progress.get(rec.id)
+            if seen is not None and seen[0] == rec.attempt:
+                if seen[2]:
+                    out.append(attrs.evolve(rec, state=State.DONE, attempt=attempt, trainer=None, deadline=None, offset=0))
+                    continue
+                offset = seen[1]
+        out.append(attrs.evolve(rec, state=State.TODO, attempt=attempt, trainer=None, deadline=None, offset=offset))
+    return out

@@ -12,12 +12,12 @@ Two holders:
   optimizers, updating shards independently is exactly updating the whole model.
 
 Tensors crossing this port are shaped like their block (``Block.shape``). Validation
-(:meth:`ParameterShard.check`) happens before any state changes; ``accumulate`` and
+(:meth:`ParameterShard.check`) happens before any state changes; ``stage`` and
 ``apply`` trust their input, so the caller checks first.
 
 Aliasing: ``grads`` and ``values`` hand out views, so a pushed gradient must be
-consumed (accumulated or applied) before the trainer's next ``zero_grad``, which
-holds while calls are synchronous. ``views`` alias the shard: in async mode a pull
+consumed (staged, i.e. copied, or applied) before the trainer's next ``zero_grad``,
+which holds while calls are synchronous. ``views`` alias the shard: in async mode a pull
 copied outside the pserver's lock may mix two versions, as Downpour's reads do; in
 sync mode pulls happen between rounds and see one version.
 """
@@ -69,15 +69,23 @@ class ParameterShard(Protocol):
         match the blocks in count, shape and dtype and hold only finite values."""
         ...
 
-    def accumulate(self, tensors: Sequence[Any], weight: float) -> None:
-        """Sync rounds: ``acc += weight * g``."""
+    def stage(self, key: str, tensors: Sequence[Any]) -> None:
+        """Sync rounds: keep a copy of ``key``'s (a trainer's) gradient for the open round,
+        replacing one staged before. Nothing is applied until :meth:`apply_staged`."""
         ...
 
-    def apply_accumulated(self, scale: float) -> None:
-        """Close a sync round: one optimizer step with gradient ``acc * scale``; acc reset.
+    def staged(self) -> set[str]:
+        """The keys staged for the open round."""
+        ...
 
-        Not for an empty round: momentum rules would still move the parameters.
-        """
+    def unstage(self, key: str | None = None, *, forget: bool = False) -> None:
+        """Drop ``key``'s staged gradient (all if None); ``forget`` also frees its buffer."""
+        ...
+
+    def apply_staged(self, weights: Sequence[tuple[str, float]]) -> None:
+        """Close a sync round: one optimizer step with ``sum(w * staged[key])`` summed in
+        the given order; then nothing is staged. Raises KeyError if a key is not staged.
+        Not for an empty round: momentum rules would still move the parameters."""
         ...
 
     def apply(self, tensors: Sequence[Any]) -> None:

@@ -12,9 +12,16 @@ standby (``start(standby=True)``) waits for the lock, then restores the queue fr
 the per-task records and carries on: pending tasks get a fresh timeout, and tasks
 held by trainers that are no longer registered go back to todo at once.
 
+Every transition also writes the audit of the touched task, ``audit/<pass>/<id>``
+(:mod:`pdps.core.audit`), in the same transaction as its record, so the audit and the
+queue never disagree; a master that takes over restores the current pass's audit so
+later attempts append to it.
+
 A task record that cannot be decoded is moved to ``quarantine/<id>`` (its task is
-trained again from todo); undecodable job state (``config``, ``pass``, ``state``,
-``queue``) stops the master with :class:`~pdps.core.errors.CorruptRecord` naming the key.
+trained again from todo), an audit entry to ``quarantine/audit/<pass>/<id>`` (that
+task's log of the pass starts afresh; ``pdps status --pass`` lists it); undecodable
+job state (``config``, ``pass``, ``state``, ``queue``) stops the master with
+:class:`~pdps.core.errors.CorruptRecord` naming the key.
 """
 
 from __future__ import annotations
@@ -25,10 +32,20 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
+from pdps.core.audit import (
+    AuditEntry,
+    AuditLog,
+    decode_attempts,
+    decode_record_counts,
+    encode_attempts,
+    encode_record_counts,
+    roll_back_attempts,
+)
 from pdps.core.errors import ConfigError, CorruptRecord, FencingError, LeaseExpired, PdpsError, StoreUnavailable
 from pdps.core.job import JobConfig, Keys, decode_as, decode_json
+from pdps.core.sgd import Mode, RoundRecord
 from pdps.core.slots import SlotMap
 from pdps.core.tasks import (
     Assignment,
@@ -41,10 +58,14 @@ from pdps.core.tasks import (
     TaskRecord,
     TaskSpec,
     WaitReason,
+    rolled_back,
 )
+from pdps.core.tasks import State as TaskState
 from pdps.ports.coordination import Compare, CoordinationStore, Delete, EventType, Fence, KeyValue, Op, Put, TxnOp, WatchEvent
 from pdps.ports.data import DataSource
+from pdps.ports.storage import Storage
 from pdps.ports.transport import Endpoint, Message, Transport
+from pdps.roles import recovery
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +106,13 @@ class Master:
         *,
         address: str = "inproc://",
         clock: Callable[[], float] = time.monotonic,
+        storage: Storage | None = None,
     ) -> None:
         self.config = config
+        self._storage = storage
+        self._epoch = 0  # the job's epoch whose queue this master serves (see recovery)
+        self._snapshots: set[str] = set()
+        self._writers: list[threading.Thread] = []
         self._store = store
         self._transport = transport
         self._source = source
@@ -96,10 +122,12 @@ class Master:
         self._lock = threading.RLock()
         self._stopped = threading.Event()
         self._queue: TaskQueue | None = None
+        self._audit = AuditLog()  # the current pass's attempts, kept in step with _queue
         self._fence: Fence | None = None
         self._endpoint: Endpoint | None = None
         self._threads: list[threading.Thread] = []
         self._watch = None
+        self._watches: list = []
         self._keeper = None
         self.done = threading.Event()
         self.leading = threading.Event()  # set while this master holds the lock and serves
@@ -135,18 +163,22 @@ class Master:
         if self._fence is None:
             self._keeper.stop()
             raise ConfigError(f"job {self.config.name!r} already has a master (lock {self._keys.master_lock} is held)")
+        if self._storage is None:
+            self._storage = recovery.open_checkpoint_storage(self.config)
         try:
             self._queue = self._load_queue(specs)
+            self._catch_up_epoch()
             self._resume()
         except BaseException:
             self._keeper.stop()  # give the lock back: another master may do better
             raise
-        self._endpoint = self._transport.serve(
-            self._address,
-            {"get_task": self._get_task, "finish_task": self._finish_task, "fail_task": self._fail_task, "give_back": self._give_back},
-        )
+        handlers = {"get_task": self._get_task, "finish_task": self._finish_task, "fail_task": self._fail_task, "give_back": self._give_back}
+        self._endpoint = self._transport.serve(self._address, {**handlers, "checkpoint": self._checkpoint})
         self._write([Put(self._keys.master_addr, self._endpoint.address.encode(), self._keeper.lease)])
         self._watch = self._store.watch(self._keys.trainers, self._on_trainer_event)
+        self._watches.append(self._store.watch(self._keys.epoch, self._on_epoch_event))
+        if self.config.mode is Mode.ASYNC:
+            self._watches.append(self._store.watch(self._keys.checkpoints, self._on_checkpoint_event))
         self._reconcile()  # trainers that went while no master was watching
         t = threading.Thread(target=self._timer_loop, name="pdps-master-timer", daemon=True)
         t.start()
@@ -160,9 +192,11 @@ class Master:
         self.leading.clear()
         if self._watch is not None:
             self._watch.cancel()
+        for w in self._watches:
+            w.cancel()
         if self._endpoint is not None:
             self._endpoint.close()
-        for t in self._threads:
+        for t in self._threads + self._writers:
             if t is not threading.current_thread():
                 t.join()
         if self._keeper is not None:
@@ -188,23 +222,32 @@ class Master:
         cfg = self.config
         limits = {"failure_max": cfg.failure_max, "timeout": cfg.task_timeout, "max_in_flight": cfg.max_in_flight}
         kv = self._store.get(self._keys.pass_no)
+        # the record counts go in once, for the audit (pdps status --pass): O(tasks) here, never per transition
+        queue_record = json.dumps({"tasks": len(specs), "records": encode_record_counts(specs)}).encode()
         if kv is None:
             queue = TaskQueue.create(specs, **limits)
             self._write(
                 [
                     Put(self._keys.pass_no, b"0"),
                     Put(self._keys.state, b'{"state": "running"}'),
-                    Put(self._keys.queue, json.dumps({"tasks": len(specs)}).encode()),
+                    Put(self._keys.queue, queue_record),
                 ]
             )
+            self._audit = AuditLog(pass_no=0)
             return queue
         pass_no = _int_record(kv)
         state = self._stored_state()
         queue_kv = self._store.get(self._keys.queue)
-        if queue_kv is None:
-            self._write([Put(self._keys.queue, json.dumps({"tasks": len(specs)}).encode())])
-        elif decode_as(queue_kv.value, queue_kv.key, _task_count) != len(specs):
-            raise ConfigError(f"{self._keys.queue} says {queue_kv.value!r} but the dataset {cfg.dataset!r} now has {len(specs)} tasks")
+        stored_tasks, stored_records = (None, None) if queue_kv is None else decode_as(queue_kv.value, queue_kv.key, parse_queue_record)
+        if stored_tasks is not None and stored_tasks != len(specs):
+            raise ConfigError(f"{self._keys.queue} says {queue_kv.value[:100]!r} but the dataset {cfg.dataset!r} now has {len(specs)} tasks")
+        if stored_records is not None and stored_records != {s.id: s.records for s in specs}:
+            raise ConfigError(
+                f"{self._keys.queue} holds other per-task record counts than the dataset {cfg.dataset!r} has now: "
+                "the dataset changed under the job (its audit would not add up)"
+            )
+        if stored_records is None:  # no queue record, or one from before record counts
+            self._write([Put(self._keys.queue, queue_record)])
         ids = {s.id for s in specs}
         records = []
         for rec_kv in self._store.range(self._keys.tasks):
@@ -214,6 +257,7 @@ class Master:
                 self._quarantine(rec_kv, exc)
         queue = TaskQueue.restore(specs, records, pass_no=pass_no, now=self._clock(), **limits)
         self.restored = queue.records()
+        self._audit = self._restore_audit(pass_no, ids)
         self.passes_completed = len(self._store.range(self._keys.passes))
         if state.get("state") == "done":
             self.done.set()
@@ -228,13 +272,32 @@ class Master:
             raise CorruptRecord(f"{kv.key} holds {kv.value[:100]!r}, not a job state", kv.key)
         return state
 
-    def _quarantine(self, kv: KeyValue, exc: CorruptRecord) -> None:
-        """Move an undecodable task record aside; its task starts over from todo."""
-        aside = self._keys.quarantine + kv.key.rsplit("/", 1)[1]
+    def _restore_audit(self, pass_no: int, ids: set[int]) -> AuditLog:
+        """The current pass's attempt logs, so that later attempts append to them.
+
+        An undecodable entry (or one for a task the dataset lacks) is quarantined and
+        that task's log of the pass starts afresh: the audit must not stop the job, and
+        the original bytes stay in the quarantine note for ``pdps status`` to point at.
+        """
+        entries = {}
+        for kv in self._store.range(self._keys.audit_pass(pass_no)):
+            name = kv.key.rsplit("/", 1)[1]
+            try:
+                if not name.isdigit() or int(name) not in ids:
+                    raise CorruptRecord(f"{kv.key} is an audit entry for no task of the dataset", kv.key)
+                entries[int(name)] = decode_attempts(kv.value, kv.key)
+            except CorruptRecord as exc:
+                aside = self._keys.quarantined_audit(pass_no) + name
+                self._quarantine(kv, exc, aside=aside, then="that task's audit of the pass starts afresh")
+        return AuditLog.restore(pass_no, entries)
+
+    def _quarantine(self, kv: KeyValue, exc: CorruptRecord, *, aside: str | None = None, then: str = "its task will be trained again") -> None:
+        """Move an undecodable record aside (a task record to ``quarantine/<id>``: its task starts over from todo)."""
+        aside = aside or self._keys.quarantine + kv.key.rsplit("/", 1)[1]
         note = {"key": kv.key, "error": str(exc), "value": base64.b64encode(kv.value).decode(), "mod_revision": kv.mod_revision}
         ops: list[TxnOp] = [Put(aside, json.dumps(note).encode()), Delete(kv.key)]
         self._store.commit((Compare.revision(kv.key, Op.EQ, kv.mod_revision),), ops, fence=self._fence)
-        log.error("quarantined %s (moved to %s); its task will be trained again: %s", kv.key, aside, exc)
+        log.error("quarantined %s (moved to %s); %s: %s", kv.key, aside, then, exc)
 
     def _resume(self) -> None:
         """A restored pass may have completed before the restart: act on it now."""
@@ -270,6 +333,10 @@ class Master:
                 follow.append(ch)
             elif isinstance(ch, Ignored):
                 log.info("ignored %s for task %d attempt %d: %s", ch.event, ch.task_id, ch.attempt, ch.reason)
+        ops.extend(self._audit_put(entry) for entry in self._audit.record(changes))  # same transaction
+        if any(isinstance(ch, PassStarted) for ch in changes):
+            # a pass run again after a rollback has entries already: its new attempts append to them
+            self._audit = self._restore_audit(self._audit.pass_no, {s.id for s in self._queue.specs()})
         self._write(ops)
         for ch in follow:
             assert isinstance(ch, PassCompleted)
@@ -282,6 +349,36 @@ class Master:
             else:
                 self._write([Put(self._keys.state, json.dumps({"state": "done", "passes": self.passes_completed}).encode())])
                 self.done.set()
+
+    def _audit_put(self, entry: AuditEntry) -> Put:
+        """The write of one audit entry, for the transaction of the change that made it."""
+        return Put(self._keys.audit_entry(entry.pass_no, entry.task_id), entry.encode())
+
+    def _roll_back_audit(self, snapshot: Sequence[TaskRecord], pass_no: int, finished: Iterable[int] = ()) -> list[TxnOp]:
+        """The audit's part of a rollback to a checkpoint that saved ``snapshot`` at pass
+        ``pass_no`` (lock held): the writes that mark ``rolled_back`` what the checkpoint
+        does not keep, in the current pass, the passes in between and the checkpoint's
+        own; the log then follows the checkpoint's pass. ``finished``: tasks pending in
+        the snapshot whose attempt had trained their last record (the rollback counts
+        them done). Idempotent, so a rollback redone by the next master redoes it too.
+        """
+        assert self._queue is not None
+        finished = set(finished)
+        ops: list[TxnOp] = [self._audit_put(e) for e in self._audit.roll_back(snapshot, finished=finished)]
+        if pass_no == self._audit.pass_no:
+            return ops
+        for p in range(pass_no + 1, self._audit.pass_no):
+            for kv in self._store.range(self._keys.audit_pass(p)):
+                try:
+                    attempts = decode_attempts(kv.value, kv.key)
+                except CorruptRecord:
+                    continue  # a restoring master quarantines it
+                undone = roll_back_attempts(attempts)
+                if undone != attempts:
+                    ops.append(Put(kv.key, encode_attempts(undone)))
+        self._audit = self._restore_audit(pass_no, {s.id for s in self._queue.specs()})
+        ops += [self._audit_put(e) for e in self._audit.roll_back(snapshot, finished=finished)]
+        return ops
 
     # --- handlers ---------------------------------------------------------------------
 
@@ -296,16 +393,26 @@ class Master:
             self._check_leading()
             if self.done.is_set():
                 return Message({"done": True})
+            epoch = req.meta.get("epoch")
+            if isinstance(epoch, int) and epoch > self._epoch:
+                return Message({"wait": "rolling back", "retry_in": RETRY_IN, "epoch": self._epoch})
             if self._store.get(self._keys.trainer(trainer)) is None:
                 # Its tasks were re-queued when its key went; it must not take new ones.
                 raise LeaseExpired(f"trainer {trainer!r} is not registered in job {self.config.name!r} (its lease expired?); re-register first")
-            result, changes = self._queue.dispatch(trainer, self._clock())
+            holding = req.meta.get("holding")
+            again = self._queue.redeliver(trainer, holding) if isinstance(holding, list) else None
+            if again is not None:
+                log.warning("trainer %s asks for work while holding task %d attempt %d (a lost reply?): handing it out again", trainer, again.task.id, again.attempt)
+                result, changes = again, []
+            else:
+                result, changes = self._queue.dispatch(trainer, self._clock())
             self._apply(changes)
             if isinstance(result, Assignment):
-                return Message({"task": result.task.to_json(), "attempt": result.attempt, "pass": result.pass_no})
+                task = {"task": result.task.to_json(), "attempt": result.attempt, "pass": result.pass_no, "offset": result.offset}
+                return Message({**task, "epoch": self._epoch})
             if result is WaitReason.PASS_COMPLETE and self.done.is_set():
                 return Message({"done": True})
-            return Message({"wait": str(result), "retry_in": RETRY_IN})
+            return Message({"wait": str(result), "retry_in": RETRY_IN, "epoch": self._epoch})
 
     def _report(self, req: Message, event: Callable[[int, int], list[Change]]) -> Message:
         with self._lock:
@@ -327,6 +434,153 @@ class Master:
     def _give_back(self, req: Message) -> Message:
         assert self._queue is not None
         return self._report(req, self._queue.give_back)
+
+    # --- checkpoints and rollbacks ----------------------------------------------------
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def _checkpoint(self, req: Message) -> Message:
+        """Sync: a trainer reports a checkpoint taken right after the round it pulled.
+        Every trainer calls this before any other call of its next step, so the first
+        call finds the queue exactly as it was when that round closed."""
+        ckpt = req.meta.get("checkpoint")
+        if not isinstance(ckpt, str) or not ckpt:
+            raise ConfigError(f"checkpoint report from {req.meta.get('trainer')!r} names no checkpoint")
+        with self._lock:
+            self._check_leading()
+            self._snapshot(ckpt)
+        return Message({"accepted": True, "epoch": self._epoch})
+
+    def _on_checkpoint_event(self, event: WatchEvent) -> None:
+        """Async: snapshot the queue when pserver 0 announces a checkpoint."""
+        if event.type is not EventType.PUT or not event.key.endswith("/info") or self._stopped.is_set():
+            return
+        try:
+            info = decode_json(event.value or b"", event.key)
+        except CorruptRecord:
+            return
+        if isinstance(info, dict) and info.get("state") == "writing" and isinstance(info.get("id"), str):
+            with self._lock:
+                self._snapshot(info["id"])
+
+    def _snapshot(self, ckpt_id: str) -> None:
+        """Copy the queue for checkpoint ``ckpt_id`` now (lock held); write it in the background."""
+        assert self._queue is not None
+        if ckpt_id in self._snapshots or self._storage is None:
+            return
+        info_kv = self._store.get(self._keys.checkpoint_info(ckpt_id))
+        if info_kv is None:
+            return  # abandoned by a rollback
+        info = decode_json(info_kv.value, info_kv.key)
+        if int(info.get("epoch", -1)) != self._epoch:
+            return
+        self._snapshots.add(ckpt_id)
+        progress: dict[str, list] = {}
+        if info.get("mode") == "sync" and int(info["round"]) > 0:
+            kv = self._store.get(self._keys.round(self._epoch, int(info["round"]) - 1))
+            if kv is not None:
+                record = decode_as(kv.value, kv.key, RoundRecord.from_json)
+                for c in record.contributions.values():
+                    if c.task is not None and c.attempt is not None:
+                        progress[str(c.task)] = [c.attempt, c.offset, c.last]
+        state = {
+            "epoch": self._epoch,
+            "round": int(info["round"]),
+            "pass": self._queue.pass_no,
+            "passes_completed": self.passes_completed,
+            "records": [r.to_json() for r in self._queue.records()],
+            "progress": progress,
+        }
+        t = threading.Thread(target=self._write_snapshot, args=(ckpt_id, state), name=f"pdps-ckpt-{ckpt_id}", daemon=True)
+        self._writers = [w for w in self._writers if w.is_alive()] + [t]
+        t.start()
+
+    def _write_snapshot(self, ckpt_id: str, state: dict) -> None:
+        from pdps.roles import checkpoint as files
+
+        assert self._storage is not None
+        try:
+            part = files.write_json_part(self._storage, f"{ckpt_id}/{recovery.MASTER_PART}.json", state, name=recovery.MASTER_PART)
+            if recovery.record_part(self._store, self._keys, ckpt_id, part):
+                recovery.try_commit(self._store, self._storage, self.config, ckpt_id)
+        except PdpsError as exc:
+            log.error("master could not write its part of checkpoint %s: %s", ckpt_id, exc)
+
+    def _catch_up_epoch(self) -> None:
+        """At takeover: finish a rollback the previous master did not (or never saw)."""
+        epoch, _ = recovery.read_epoch(self._store, self._keys)
+        restored = int(self._stored_state().get("epoch", 0))
+        self._epoch = restored
+        if epoch.epoch > restored:
+            with self._lock:
+                self._restore_epoch(epoch)
+
+    def _on_epoch_event(self, event: WatchEvent) -> None:
+        if event.type is not EventType.PUT or self._stopped.is_set():
+            return
+        try:
+            epoch = recovery.Epoch.from_json(decode_json(event.value or b"", event.key))
+        except (CorruptRecord, KeyError, TypeError, ValueError):
+            log.error("master ignores an undecodable epoch record %r", (event.value or b"")[:200])
+            return
+        with self._lock:
+            try:
+                self._restore_epoch(epoch)
+            except FencingError:
+                pass  # stepped down
+            except PdpsError as exc:
+                self._fail(exc)
+
+    def _restore_epoch(self, epoch: recovery.Epoch) -> None:
+        """Put the queue back where the epoch's checkpoint had it (lock held).
+
+        Tasks done or failed at the checkpoint stay so; tasks pending then resume at
+        the records their attempt had trained; everything trained since is todo again.
+        Attempts never go back, so reports of attempts made after the checkpoint are
+        ignored. The job's ``state`` records the epoch last, so a master that dies
+        half-way leaves the next one to redo the whole restore.
+        """
+        from pdps.roles import checkpoint as files
+
+        assert self._queue is not None
+        if epoch.epoch <= self._epoch:
+            return
+        specs = self._queue.specs()
+        pass_no, completed, progress = 0, 0, {}
+        snapshot = [TaskRecord(id=s.id, pass_no=0, state=TaskState.TODO) for s in specs]
+        if epoch.checkpoint is not None and self._storage is not None:
+            manifest = files.read_manifest(self._storage, epoch.checkpoint)
+            state = files.read_json_part(self._storage, manifest.parts[recovery.MASTER_PART])
+            snapshot = [TaskRecord.from_json(d) for d in state["records"]]
+            progress = {int(k): (int(v[0]), int(v[1]), bool(v[2])) for k, v in state["progress"].items()}
+            pass_no, completed = int(state["pass"]), int(state["passes_completed"])
+        records = rolled_back(snapshot, self._queue.records(), progress, pass_no=pass_no)
+        cfg = self.config
+        queue = TaskQueue.restore(
+            specs, records, pass_no=pass_no, failure_max=cfg.failure_max, timeout=cfg.task_timeout, max_in_flight=cfg.max_in_flight
+        )
+        ops: list[TxnOp] = [Put(self._keys.task(r.id), json.dumps(r.to_json()).encode()) for r in queue.records()]
+        ops.append(Put(self._keys.pass_no, str(pass_no).encode()))
+        ops.extend(Delete(kv.key) for kv in self._store.range(self._keys.passes) if int(kv.key.rsplit("/", 1)[1]) >= pass_no)
+        finished = [
+            r.id for r in snapshot
+            if r.state is TaskState.PENDING and r.id in progress and progress[r.id][0] == r.attempt and progress[r.id][2]
+        ]
+        ops.extend(self._roll_back_audit(snapshot, pass_no, finished))
+        for i in range(0, len(ops), 100):
+            self._write(ops[i : i + 100])
+        self._write([Put(self._keys.state, json.dumps({"state": "running", "epoch": epoch.epoch}).encode())])
+        self._queue, self.passes_completed, self._epoch = queue, completed, epoch.epoch
+        self._snapshots.clear()
+        self.done.clear()
+        c = queue.counts()
+        log.warning(
+            "master rolled the queue back to %s (epoch %d): pass %d, %d todo, %d done, %d failed",
+            epoch.checkpoint or "the start", epoch.epoch, c.pass_no, c.todo, c.done, c.failed,
+        )
+        self._apply(queue.check_completion())
 
     # --- background -------------------------------------------------------------------
 
@@ -421,8 +675,9 @@ def decode_record(kv: KeyValue, keys: Keys, pass_no: int, ids: set[int] | range 
     return rec
 
 
-def _task_count(d: dict) -> int:
-    return int(d["tasks"])
+def parse_queue_record(d: dict) -> tuple[int, dict[int, int] | None]:
+    """(tasks, task id → records) from the ``queue`` record; no counts in one written before them."""
+    return int(d["tasks"]), None if d.get("records") is None else decode_record_counts(d["records"])
 
 
 def _int_record(kv: KeyValue) -> int:

@@ -4,6 +4,17 @@ It claims an index ``/ps/<i>`` (the first free one below the desired count, by
 transaction), learns the model and slot map from the store when the first trainer
 arrives, and serves ``init``, ``push`` and ``pull``. The consistency rules are the
 core's (:mod:`pdps.core.sgd`); this shell adds locking, waiting and membership.
+
+Sync rounds are transactions (:class:`~pdps.core.sgd.RoundRecord`): a push only
+*stages* a trainer's gradient; the round's record in the store, closed once by
+compare-and-swap, says whose staged gradients every pserver applies.
+
+Recovery: a pserver that starts in a job whose pservers were already initialized is
+a *restart*. It rolls the whole job back to the latest sound checkpoint (a new
+epoch, :mod:`pdps.roles.recovery`), or, for an async job with ``restore="lost"``,
+reloads only its own slots. Every pserver follows the ``epoch`` record: it loads its
+part of the epoch's checkpoint and refuses requests of older epochs
+(:class:`~pdps.core.errors.EpochChanged`).
 """
 
 from __future__ import annotations
@@ -13,13 +24,31 @@ import logging
 import threading
 import time
 
-from pdps.core.errors import ConfigError, GradientRejected, NotReady, StoreError, Timeout, TransportError
-from pdps.core.job import JobConfig, Keys, decode_as
-from pdps.core.sgd import Barrier, Mode, check_staleness
+import uuid
+
+from pdps.core.errors import (
+    ConfigError,
+    CorruptRecord,
+    EpochChanged,
+    GradientRejected,
+    InvalidTransition,
+    NotInitialized,
+    NotReady,
+    PdpsError,
+    StalePush,
+    StorageError,
+    StoreError,
+    Timeout,
+    TransportError,
+)
+from pdps.core.job import JobConfig, Keys, decode_as, decode_json
+from pdps.core.sgd import Mode, RoundRecord, check_staleness, participants
 from pdps.core.slots import Layout, ParamSpec, SlotMap
 from pdps.ports.compute import Compute, ParameterShard
-from pdps.ports.coordination import Compare, CoordinationStore, EventType, Put, WatchEvent
+from pdps.ports.coordination import Compare, CoordinationStore, Delete, EventType, Op, Put, TxnOp, WatchEvent
+from pdps.ports.storage import Storage
 from pdps.ports.transport import Endpoint, Message, Transport
+from pdps.roles import recovery
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +103,19 @@ def _field(req: Message, name: str, kind: type, default: object = _MISSING):
     return kind(value)
 
 
+#: A sync pull that waits this long at the barrier answers "still waiting" with whom it
+#: waits for, so the trainer can say so; the trainer then asks again.
+PULL_SLICE = WAIT_LOG_EVERY
+#: A pull waiting at the barrier re-reads the round's record at least this often.
+POLL = 0.25
+#: A round that seems to wait for someone reads the membership from the store (not
+#: the watch) when the last such read is older than this, in case a deletion was missed.
+MEMBERS_FRESH = 1.0
+#: Fault injection for tests: seconds a pserver sleeps between writing its checkpoint
+#: part and recording it (so a test can kill it in the middle of a checkpoint).
+CHECKPOINT_DELAY_ENV = "_PDPS_FAULT_CHECKPOINT_DELAY"  # not PDPS_*: the launcher passes it on
+
+
 class Pserver:
     def __init__(
         self,
@@ -85,6 +127,7 @@ class Pserver:
         address: str = "inproc://",
         index: int | None = None,
         claim_wait: float = 0.0,
+        storage: Storage | None = None,
     ) -> None:
         self.config = config
         self._want_index = index
@@ -93,44 +136,89 @@ class Pserver:
         self._transport = transport
         self._compute = compute
         self._address = address
+        self._storage = storage
         self._keys = Keys(config.name)
         self._cond = threading.Condition(threading.RLock())
         self._shard: ParameterShard | None = None
-        self._barrier = Barrier()
-        self._members: set[str] = set()
         self.version = 0  # updates applied
+        self.epoch = 0
+        self.round_no = 0  # the open sync round
+        self._prev: set[str] | None = None  # contributors of the last round (None: the epoch's first)
+        self._round_checkpoint: tuple[int, str] | None = None  # (round, checkpoint taken after it)
+        self._waiting: set[str] = set()
+        self._gone: set[str] = set()  # trainers whose key went: their staging buffers can go
+        self._members: set[str] = set()  # registered trainers, as the watch reports them
+        self._members_read = 0.0  # when _members was last read from the store
+        self._ready = False
+        self.incarnation = uuid.uuid4().hex[:12]
+        self.rollbacks = 0  # epochs entered after the first
         self.index: int | None = None
         self._endpoint: Endpoint | None = None
         self._keeper = None
-        self._watch = None
+        self._watches: list = []
+        self._writers: list[threading.Thread] = []
+        self._seen_checkpoints: set[str] = set()
+        self._last_checkpoint = time.monotonic()
         self._stopped = False
 
     def start(self) -> None:
         from pdps.roles.lease import LeaseKeeper
 
         self._compute.check_optimizer(self.config.optimizer, self.config.optimizer_args)  # never serve a bad rule
+        if self._storage is None:
+            self._storage = recovery.open_checkpoint_storage(self.config)
         self._endpoint = self._transport.serve(self._address, {"init": self._init, "push": self._push, "pull": self._pull})
         self._keeper = LeaseKeeper(self._store, self.config.lease_ttl, name="pserver")
         value = json.dumps({"addr": self._endpoint.address}).encode()
         try:
             self.index = claim_index(self._store, self._keys, self._keeper.lease, value, index=self._want_index, wait=self._claim_wait)
+            epoch, _ = recovery.read_epoch(self._store, self._keys)
+            restart = self._store.get(self._keys.initialized) is not None
+            with self._cond:
+                self.epoch, self.round_no = epoch.epoch, epoch.round
+            self._watches.append(self._store.watch(self._keys.trainers, self._on_trainer_event))
+            with self._cond:
+                self._live(fresh=True)
+            self._watches.append(self._store.watch(self._keys.epoch, self._on_epoch_event))
+            if self.config.mode is Mode.ASYNC:
+                self._watches.append(self._store.watch(self._keys.checkpoints, self._on_checkpoint_event))
+            if not restart:
+                self._ready = True
+            elif self.config.mode is Mode.ASYNC and self.config.restore == "lost":
+                self._restore_own_slots()
+            else:
+                self._enter_epoch(recovery.rollback(self._store, self._storage, self._keys, f"pserver {self.index} restarted"))
         except BaseException:
             self.stop()
             raise
-        self._watch = self._store.watch(self._keys.trainers, self._on_trainer_event)
-        log.info("pserver %d of job %r serving at %s", self.index, self.config.name, self._endpoint.address)
+        log.info("pserver %d of job %r serving at %s (epoch %d)", self.index, self.config.name, self._endpoint.address, self.epoch)
 
     def stop(self) -> None:
         """Stop serving: waiting pulls end first, in-flight calls finish, then the claim goes."""
         self._stopped = True
         with self._cond:
             self._cond.notify_all()
-        if self._watch is not None:
-            self._watch.cancel()
+        for w in self._watches:
+            w.cancel()
+        if self._endpoint is not None:
+            self._endpoint.close()
+        for t in self._writers:
+            t.join(timeout=30)
+        if self._keeper is not None:
+            self._keeper.stop()
+
+    def crash(self) -> None:
+        """Stop as a killed process would (tests, simulations): calls fail at once, the
+        claim lives until its lease runs out, and no checkpoint part is written."""
+        self._stopped = True
+        with self._cond:
+            self._cond.notify_all()
+        for w in self._watches:
+            w.cancel()
         if self._endpoint is not None:
             self._endpoint.close()
         if self._keeper is not None:
-            self._keeper.stop()
+            self._keeper.stop(revoke=False)
 
     @property
     def lease_lost(self) -> bool:
@@ -148,14 +236,29 @@ class Pserver:
 
     # --- handlers ---------------------------------------------------------------------
 
+    def _reply(self, **extra: object) -> dict:
+        return {"round": self.round_no, "version": self.version, "epoch": self.epoch, "incarnation": self.incarnation, **extra}
+
+    def _check_epoch(self, req: Message) -> None:
+        """Refuse a request of another epoch; the caller holds the lock."""
+        if not self._ready:
+            raise NotReady(f"pserver {self.index} is loading epoch {self.epoch}")
+        epoch = _field(req, "epoch", int, None)
+        if epoch is None or epoch == self.epoch:
+            return
+        if epoch < self.epoch:
+            raise EpochChanged(f"pserver {self.index} is at epoch {self.epoch} (the job rolled back); the request was for epoch {epoch}")
+        raise NotReady(f"pserver {self.index} has not entered epoch {epoch} yet (at {self.epoch})")
+
     def _init(self, req: Message) -> Message:
         with self._cond:
+            self._check_epoch(req)
             shard = self._ensure_shard()
             if not shard.initialized:
                 trainer = _field(req, "trainer", str)
                 shard.initialize(req.tensors, trainer)
-                log.info("pserver %s initialized %d blocks from trainer %s", self.index, len(shard.blocks), trainer)
-            return Message({"version": self.version})
+                log.info("pserver %s initialized %d blocks from trainer %s (epoch %d)", self.index, len(shard.blocks), trainer, self.epoch)
+            return Message(self._reply())
 
     def _push(self, req: Message) -> Message:
         trainer = _field(req, "trainer", str)
@@ -163,19 +266,25 @@ class Pserver:
         if samples < 0:
             raise GradientRejected(f"push from trainer {trainer!r} claims {samples} samples")
         with self._cond:
+            self._check_epoch(req)
             shard = self._ready_shard()
+            incarnation = _field(req, "incarnation", str, None)
+            if incarnation is not None and incarnation != self.incarnation:
+                raise StalePush(f"pserver {self.index} restarted since trainer {trainer!r} last pulled from it: pull first")
             if self.config.mode is Mode.SYNC:
-                if samples:
-                    self._check_blocks(req.meta.get("blocks"), trainer)  # before any state changes
-                    shard.check(req.tensors, trainer)
-                elif req.tensors:
-                    raise ConfigError(f"trainer {trainer!r} pushed tensors with zero samples")
-                self._barrier.contribute(trainer, _field(req, "round", int), samples)
-                if samples:
-                    shard.accumulate(req.tensors, float(samples))
-                self._members.add(trainer)
-                self._maybe_close_round()
-                return Message({"round": self._barrier.round_no, "version": self.version})
+                round_no = _field(req, "round", int)
+                if round_no > self.round_no:
+                    self._advance(self.round_no)  # it may have closed in the store, unseen here yet
+                if round_no < self.round_no:
+                    raise StalePush(f"round {round_no} is closed; the open round is {self.round_no}: pull and compute again")
+                if round_no > self.round_no:
+                    raise InvalidTransition(f"trainer {trainer}", f"round {self.round_no}", f"push for round {round_no}", "pull first")
+                if not samples:
+                    raise GradientRejected(f"trainer {trainer!r} pushed for round {round_no} with zero samples; commit it instead")
+                self._check_blocks(req.meta.get("blocks"), trainer)  # before any state changes
+                shard.check(req.tensors, trainer)
+                shard.stage(trainer, req.tensors)  # applied only if the round's record names it
+                return Message(self._reply())
             self._check_blocks(req.meta.get("blocks"), trainer)
             shard.check(req.tensors, trainer)
             seen = _field(req, "version", int)
@@ -184,16 +293,28 @@ class Pserver:
             check_staleness(seen, self.version, self.config.staleness)
             shard.apply(req.tensors)
             self.version += 1
-            return Message({"version": self.version})
+            self._maybe_announce_async()
+            return Message(self._reply())
 
     def _pull(self, req: Message) -> Message:
         after = _field(req, "after_round", int, None)
         timeout = _field(req, "timeout", float, 600.0)
+        slice_s = _field(req, "slice", float, None)
         with self._cond:
+            self._check_epoch(req)
             shard = self._ready_shard()
-            if after is not None:
-                self._wait_round_closed(int(after), timeout)
-            return Message({"round": self._barrier.round_no, "version": self.version}, shard.views())
+            extra: dict[str, object] = {}
+            if after is not None and self.config.mode is Mode.SYNC:
+                epoch = self.epoch
+                if not self._wait_round_closed(after, epoch, timeout if slice_s is None else min(slice_s, timeout)):
+                    if slice_s is None:
+                        raise Timeout(f"pserver {self.index}: round {after} did not close in {timeout:.0f}s; waiting for {sorted(self._waiting)}")
+                    return Message(self._reply(waiting=sorted(self._waiting)))
+                if self._round_checkpoint is not None and self._round_checkpoint[0] == after:
+                    extra["checkpoint"] = self._round_checkpoint[1]
+            elif self.config.mode is Mode.SYNC:
+                self._advance(self.round_no)  # serve every round the store has closed
+            return Message(self._reply(**extra), shard.views())
 
     def _check_blocks(self, keys: object, trainer: str) -> None:
         """The push must name exactly this pserver's blocks, in order (``param@row``)."""
@@ -220,41 +341,102 @@ class Pserver:
 
     # --- sync rounds ------------------------------------------------------------------
 
-    def _wait_round_closed(self, round_no: int, timeout: float) -> None:
+    def _wait_round_closed(self, round_no: int, epoch: int, patience: float) -> bool:
+        """Wait (lock held) until ``round_no`` is applied here; False if ``patience`` ran out."""
         start = last_log = time.monotonic()
-        while self._barrier.round_no <= round_no:
+        while self.round_no <= round_no:
             if self._stopped:
                 raise TransportError(f"pserver {self.index} stopped while round {round_no} was open")
+            if self.epoch != epoch:
+                raise EpochChanged(f"pserver {self.index} rolled back to epoch {self.epoch} while round {round_no} was open")
+            if self._advance(round_no):
+                continue
             now = time.monotonic()
-            if now - start >= timeout:
-                raise Timeout(f"pserver {self.index}: round {round_no} did not close in {timeout:.0f}s; waiting for {sorted(self._barrier.waiting_for(self._members))}")
+            if now - start >= patience:
+                return False
             if now - last_log >= WAIT_LOG_EVERY:
                 last_log = now
-                log.warning(
-                    "pserver %s: round %d waiting %.0fs for trainers %s",
-                    self.index, round_no, now - start, sorted(self._barrier.waiting_for(self._members)),
-                )
-            self._cond.wait(min(1.0, timeout - (now - start)))
+                log.warning("pserver %s: round %d waiting %.0fs for trainers %s", self.index, round_no, now - start, sorted(self._waiting))
+            self._cond.wait(min(POLL, max(0.0, patience - (now - start))))
+        return True
 
-    def _maybe_close_round(self) -> None:
-        """Close the open round if every current member has contributed (lock held)."""
-        if not self._barrier.ready(self._members):
-            return
-        # The watch may lag behind the store: confirm membership with an authoritative read,
-        # so a trainer that has registered but not been announced yet is still waited for.
+    def _advance(self, round_no: int) -> bool:
+        """Close ``round_no`` in the store if every participant committed, and apply it
+        if it is closed (by us or another pserver). True once it is applied here."""
+        key = self._keys.round(self.epoch, round_no)
+        while True:
+            try:
+                kv = self._store.get(key)
+                if kv is None:
+                    return False  # nobody committed yet
+                record = decode_as(kv.value, kv.key, RoundRecord.from_json)
+                if not record.closed:
+                    waiting_on = participants(self._live(fresh=self._prev is None), self._prev)
+                    if not record.ready(waiting_on) and time.monotonic() - self._members_read > MEMBERS_FRESH:
+                        waiting_on = participants(self._live(fresh=True), self._prev)  # a missed deletion?
+                    self._waiting = record.waiting_for(waiting_on)
+                    if not record.ready(waiting_on) and not (record.contributions and self._job_done()):
+                        return False
+                    ckpt = self._checkpoint_due(round_no)
+                    closed = record.close(ckpt)
+                    ops: list[TxnOp] = [Put(key, json.dumps(closed.to_json()).encode())]
+                    if ckpt is not None:
+                        ops.append(recovery.announce(self._keys, ckpt, self.epoch, round_no + 1, "sync"))
+                    if round_no >= self.config.keep_rounds:
+                        ops.append(Delete(self._keys.round(self.epoch, round_no - self.config.keep_rounds)))
+                    if not self._store.commit((Compare.revision(key, Op.EQ, kv.mod_revision),), ops).succeeded:
+                        continue  # a commit or another pserver's close got there first: read again
+                    record = closed
+            except StoreError as exc:
+                log.warning("pserver %s could not read round %d (%s); it stays open", self.index, round_no, exc)
+                return False
+            self._apply_round(record)
+            return True
+
+    def _live(self, *, fresh: bool) -> set[str]:
+        """The registered trainers: the watch-fed set, or (``fresh``) read from the store."""
+        if fresh:
+            self._members = {self._keys.trainer_id(t.key) for t in self._store.range(self._keys.trainers)}
+            self._members_read = time.monotonic()
+        return self._members
+
+    def _job_done(self) -> bool:
+        """Once the job is done, a round waits for nobody: trainers that got no more
+        tasks have stopped stepping, whether or not they have left yet."""
+        kv = self._store.get(self._keys.state)
+        if kv is None:
+            return False
         try:
-            live = {self._keys.trainer_id(kv.key) for kv in self._store.range(self._keys.trainers)}
-        except StoreError as exc:
-            log.warning("pserver %s could not read membership (%s); round stays open", self.index, exc)
-            return
-        self._members = live
-        if not self._barrier.ready(self._members):
-            return
-        result = self._barrier.close()
-        if result.applies_update:
-            assert self._shard is not None
-            self._shard.apply_accumulated(1.0 / result.total)
+            state = decode_json(kv.value, kv.key)
+        except CorruptRecord:
+            return False
+        return isinstance(state, dict) and state.get("state") == "done"
+
+    def _apply_round(self, record: RoundRecord) -> None:
+        assert self._shard is not None
+        weights = record.weights()
+        missing = [t for t, _ in weights if t not in self._shard.staged()]
+        if missing:
+            # Only a pserver that lost its state can lack a committed gradient; the job
+            # must roll back rather than apply a partial step.
+            reason = f"pserver {self.index} lacks the committed gradients of {missing} for round {record.round_no}"
+            log.error("%s", reason)
+            self._ready = False
+            threading.Thread(target=self._request_rollback, args=(reason,), daemon=True).start()
+            raise EpochChanged(reason)
+        if weights:
+            self._shard.apply_staged(weights)
             self.version += 1
+        self._shard.unstage()
+        for t in self._gone - set(record.contributions):
+            self._shard.unstage(t, forget=True)
+        self._gone &= set(record.contributions)
+        self._prev = set(record.contributions)
+        self.round_no = record.round_no + 1
+        self._waiting = set()
+        if record.checkpoint is not None:
+            self._round_checkpoint = (record.round_no, record.checkpoint)
+            self._snapshot(record.checkpoint)
         self._cond.notify_all()
 
     def _on_trainer_event(self, event: WatchEvent) -> None:
@@ -262,10 +444,166 @@ class Pserver:
         with self._cond:
             if event.type is EventType.DELETE:
                 self._members.discard(trainer)
-                if self._shard is not None and self._shard.initialized:
-                    self._maybe_close_round()
+                self._gone.add(trainer)
+                self._cond.notify_all()  # waiting pulls look again: the round may be ready now
             else:
                 self._members.add(trainer)
+
+    # --- checkpoints ------------------------------------------------------------------
+
+    def _checkpoint_due(self, round_no: int) -> str | None:
+        """Sync: the id of a checkpoint to take right after ``round_no``, if one is due."""
+        cfg = self.config
+        if not cfg.checkpoints or self._storage is None:
+            return None
+        by_count = cfg.checkpoint_every and (round_no + 1) % cfg.checkpoint_every == 0
+        by_time = cfg.checkpoint_seconds and time.monotonic() - self._last_checkpoint >= cfg.checkpoint_seconds
+        if not (by_count or by_time):
+            return None
+        from pdps.roles import checkpoint as files
+
+        return files.checkpoint_id(self.epoch, round_no + 1)
+
+    def _maybe_announce_async(self) -> None:
+        """Async: pserver 0 announces a checkpoint every ``checkpoint_every`` updates or
+        ``checkpoint_seconds``; every role snapshots when it sees the announcement."""
+        cfg = self.config
+        if self.index != 0 or not cfg.checkpoints or self._storage is None:
+            return
+        by_count = cfg.checkpoint_every and self.version % cfg.checkpoint_every == 0
+        by_time = cfg.checkpoint_seconds and time.monotonic() - self._last_checkpoint >= cfg.checkpoint_seconds
+        if not (by_count or by_time):
+            return
+        from pdps.roles import checkpoint as files
+
+        self._last_checkpoint = time.monotonic()
+        ckpt = files.checkpoint_id(self.epoch, self.version)
+        try:
+            self._store.commit((Compare.absent(self._keys.checkpoint_info(ckpt)),), (recovery.announce(self._keys, ckpt, self.epoch, self.version, "async"),))
+        except StoreError as exc:
+            log.warning("pserver 0 could not announce checkpoint %s: %s", ckpt, exc)
+
+    def _on_checkpoint_event(self, event: WatchEvent) -> None:
+        if event.type is not EventType.PUT or not event.key.endswith("/info"):
+            return
+        try:
+            info = decode_json(event.value, event.key)
+        except CorruptRecord:
+            return
+        with self._cond:
+            ckpt = str(info.get("id"))
+            if info.get("state") != "writing" or int(info.get("epoch", -1)) != self.epoch or ckpt in self._seen_checkpoints:
+                return
+            if self._shard is None or not self._shard.initialized or not self._ready:
+                return
+            self._snapshot(ckpt)
+
+    def _snapshot(self, ckpt_id: str) -> None:
+        """Copy this shard's state now (lock held) and write it in the background."""
+        import torch
+
+        assert self._shard is not None
+        self._seen_checkpoints.add(ckpt_id)
+        self._last_checkpoint = time.monotonic()
+        state = {k: v.detach().clone() for k, v in self._shard.state_dict().items()}
+        state["pdps.version"] = torch.tensor(self.version, dtype=torch.int64)
+        t = threading.Thread(target=self._write_part, args=(ckpt_id, state), name=f"pdps-ckpt-{ckpt_id}", daemon=True)
+        self._writers = [w for w in self._writers if w.is_alive()] + [t]
+        t.start()
+
+    def _write_part(self, ckpt_id: str, state: dict) -> None:
+        import os
+
+        from pdps.roles import checkpoint as files
+
+        assert self._storage is not None and self.index is not None
+        name = recovery.pserver_part(self.index)
+        try:
+            part = files.write_part(self._storage, f"{ckpt_id}/{name}.safetensors", state, name=name)
+            delay = float(os.environ.get(CHECKPOINT_DELAY_ENV, "0") or 0)
+            if delay:
+                time.sleep(delay)
+            if self._stopped:
+                return
+            if recovery.record_part(self._store, self._keys, ckpt_id, part):
+                recovery.try_commit(self._store, self._storage, self.config, ckpt_id)
+        except PdpsError as exc:
+            log.error("pserver %s could not write its part of checkpoint %s: %s", self.index, ckpt_id, exc)
+
+    # --- rollbacks --------------------------------------------------------------------
+
+    def _request_rollback(self, reason: str) -> None:
+        try:
+            recovery.rollback(self._store, self._storage, self._keys, reason)
+        except PdpsError as exc:
+            log.error("pserver %s could not start a rollback (%s): %s", self.index, reason, exc)
+
+    def _on_epoch_event(self, event: WatchEvent) -> None:
+        if event.type is not EventType.PUT:
+            return
+        try:
+            epoch = recovery.Epoch.from_json(decode_json(event.value, event.key))
+        except (CorruptRecord, KeyError, TypeError, ValueError):
+            log.error("pserver %s ignores an undecodable epoch record %r", self.index, event.value[:200])
+            return
+        self._enter_epoch(epoch)
+
+    def _enter_epoch(self, epoch: recovery.Epoch) -> None:
+        """Drop the open round and load this pserver's part of the epoch's checkpoint."""
+        with self._cond:
+            if epoch.epoch < self.epoch or (epoch.epoch == self.epoch and self._ready):
+                return
+            self.epoch, self.round_no, self._prev = epoch.epoch, epoch.round, None
+            self._ready = False
+            self._round_checkpoint = None
+            self.rollbacks += 1
+            self._cond.notify_all()  # waiting pulls end with EpochChanged
+            try:
+                shard = self._ensure_shard()
+            except NotReady:
+                shard = None  # no trainer ever attached: nothing to restore
+            if shard is not None:
+                shard.unstage()
+                if epoch.checkpoint is None:
+                    shard.initialized = False  # a trainer initializes it again with its values
+                else:
+                    self.version = self._load_part(epoch.checkpoint, shard)
+            self._last_checkpoint = time.monotonic()
+            self._ready = True
+            self._cond.notify_all()
+        log.warning("pserver %s entered epoch %d from %s", self.index, epoch.epoch, epoch.checkpoint or "scratch")
+
+    def _load_part(self, ckpt_id: str, shard: ParameterShard) -> int:
+        from pdps.roles import checkpoint as files
+
+        assert self._storage is not None and self.index is not None
+        delay = 0.2
+        for attempt in range(5):
+            try:
+                manifest = files.read_manifest(self._storage, ckpt_id)
+                tensors = files.read_part(self._storage, manifest.parts[recovery.pserver_part(self.index)])
+                version = int(tensors.pop("pdps.version"))
+                shard.load_state_dict(tensors)
+                log.info("pserver %s loaded checkpoint %s (version %d)", self.index, ckpt_id, version)
+                return version
+            except (StorageError, KeyError) as exc:
+                if attempt == 4:
+                    raise StorageError(f"pserver {self.index} cannot load its part of checkpoint {ckpt_id}: {exc}") from exc
+                log.warning("pserver %s: loading checkpoint %s failed (%s); retrying", self.index, ckpt_id, exc)
+                time.sleep(delay)
+                delay *= 2
+        raise AssertionError("unreachable")
+
+    def _restore_own_slots(self) -> None:
+        """Async ``restore="lost"``: reload only this pserver's part; the others go on."""
+        manifest = recovery.choose(self._store, self._storage, self._keys) if self._storage is not None else None
+        with self._cond:
+            if manifest is not None:
+                self.version = self._load_part(manifest.id, self._ensure_shard())
+                log.warning("pserver %s restored its own slots from checkpoint %s; the other pservers keep theirs", self.index, manifest.id)
+            else:
+                log.warning("pserver %s restarted with no checkpoint to restore; a trainer will initialize it with its values", self.index)
+            self._ready = True
 
     # --- model ------------------------------------------------------------------------
 
@@ -279,11 +617,10 @@ class Pserver:
             layout = Layout.build(specs, decode_as(slots.value, slots.key, SlotMap.from_json), self.config.min_block)
             assert self.index is not None
             self._shard = self._compute.shard(layout.blocks_of(self.index), self.config.optimizer, self.config.optimizer_args)
-            self._members = {self._keys.trainer_id(kv.key) for kv in self._store.range(self._keys.trainers)}
         return self._shard
 
     def _ready_shard(self) -> ParameterShard:
         shard = self._ensure_shard()
         if not shard.initialized:
-            raise NotReady(f"pserver {self.index} has no initial parameters yet; call init first")
+            raise NotInitialized(f"pserver {self.index} has no parameter values (epoch {self.epoch}); call init first")
         return shard

@@ -75,3 +75,81 @@ def test_status_of_a_job_that_does_not_exist_names_it(real_store):
 def test_status_uses_the_default_job_name(real_store):
     out = pdps_status(real_store.url)
     assert out.returncode == 1 and "job 'default' does not exist" in out.stderr
+
+
+def test_the_audit_of_every_pass_of_a_real_job_accounts_for_every_record(etcd_store, etcd_server, tmp_path):
+    import pdps
+    import torch.nn.functional as F
+    from torch import nn
+
+    url = f"{tmp_path.as_uri()}/data"
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(130, 4)).astype(np.float32)
+    write_parquet_shards({"x": x, "y": (x[:, 0] > 0).astype(np.int64)}, url, shards=2, row_group_size=20)
+    source = ParquetSource(url)
+    sizes = {t.id: t.records for t in source.tasks()}
+    assert len(set(sizes.values())) > 1  # ragged row groups: the counts per task matter
+
+    def train(ctx: pdps.TrainerContext) -> None:
+        model = ctx.attach(nn.Sequential(nn.Linear(4, 2)))
+        for batch in ctx.batches():
+            ctx.step(F.cross_entropy(model(batch["x"]), batch["y"]))
+
+    result = pdps.simulate(train, dataset=source, store=etcd_store, name="audited", trainers=2, passes=2, mode="async", batch_size=8)
+    assert result.passes == 2 and result.tasks_failed == 0
+
+    for n, flag in ((0, [etcd_server.url]), (1, ["--store", etcd_server.url])):
+        out = pdps_status(*flag, "--job", "audited", "--pass", str(n), "--json")
+        assert out.returncode == 0, out.stderr
+        audit = json.loads(out.stdout)
+        assert (audit["job"], audit["pass"], audit["tasks"], audit["records"]) == ("audited", n, len(sizes), 130)
+        assert {e["task"]: e["records"] for e in audit["entries"]} == sizes
+        for e in audit["entries"]:
+            assert e["outcome"] == "done" and e["trained"] >= 1, e
+            assert e["attempts"][-1]["outcome"] == "done" and e["attempts"][-1]["trainer"] in ("trainer-0", "trainer-1")
+        assert audit["summary"]["records_trained"] == 130
+        assert (audit["summary"]["done"], audit["summary"]["failed"]) == (len(sizes), 0)
+
+    text = pdps_status(etcd_server.url, "--job", "audited", "--pass", "1")
+    assert text.returncode == 0 and "audit of pass 1" in text.stdout
+    assert f"{len(sizes)} tasks: done {len(sizes)}, failed 0, pending 0, todo 0; 130 of 130 records trained" in text.stdout
+    missing = pdps_status(etcd_server.url, "--job", "audited", "--pass", "2")
+    assert missing.returncode == 1 and "has no pass 2: passes 0..1 exist" in missing.stderr
+    refused = pdps_status(etcd_server.url, "--pass", "-1")
+    assert refused.returncode == 2 and "0 or more" in refused.stderr
+
+
+def test_status_shows_who_waits_for_whom_and_since_when(real_store):
+    import re
+    import time
+
+    from pdps.roles.trainer import Waits
+
+    keys = Keys("waiting")
+    real_store.put(keys.config, JobConfig(name="waiting").encode())
+    since = time.time() - 12
+    waits = Waits(real_store, keys, "t1", lambda: None)  # what a trainer at the barrier records
+    waits.waiting("the barrier of round 92", ["t0"], since)
+    real_store.put(keys.wait("t2"), b"not json")
+
+    out = pdps_status(real_store.url, "--job", "waiting", "--json")
+    assert out.returncode == 0, out.stderr
+    status = json.loads(out.stdout)
+    assert status["epoch"] is None
+    first, broken = status["waits"]
+    assert {k: first[k] for k in ("who", "what", "for", "since")} == {"who": "t1", "what": "the barrier of round 92", "for": ["t0"], "since": since}
+    assert 12 <= first["seconds"] < 12 + 60
+    assert broken["who"] == "t2" and broken["seconds"] is None and "cannot decode" in broken["error"]
+
+    text = pdps_status(real_store.url, "--job", "waiting")
+    assert text.returncode == 0, text.stderr
+    clock = time.strftime("%H:%M:%S", time.localtime(since))
+    line = re.search(rf"^  waiting:\n    t1 has waited (\d+)s \(since {clock}\) for t0 \(the barrier of round 92\)$", text.stdout, re.M)
+    assert line and int(line.group(1)) >= 12, text.stdout
+    assert "  epoch       0 (never rolled back)" in text.stdout
+
+    waits.done()
+    real_store.delete(keys.wait("t2"))
+    after = pdps_status(real_store.url, "--job", "waiting", "--json")
+    assert json.loads(after.stdout)["waits"] == []
+    assert "waiting:" not in pdps_status(real_store.url, "--job", "waiting").stdout

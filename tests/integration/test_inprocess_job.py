@@ -15,6 +15,7 @@ import pdps
 from pdps.adapters.parquet import ParquetSource, write_parquet_shards
 from pdps.core.errors import ConfigError, DatasetError, GradientRejected, UnknownSchemeError
 from pdps.core.job import Keys
+from pdps.core.sgd import Contribution
 
 K = 20  # steps
 B = 8  # batch per trainer
@@ -206,7 +207,7 @@ def _push(ctx, tensors, keys=None):
     part = ctx._group.parts[0]
     from pdps.ports.transport import Message
 
-    meta = {"trainer": "t-bad", "version": part.version, "round": part.round_no, "samples": 4, "blocks": keys or part.keys}
+    meta = {"trainer": "t-bad", "version": part.version, "round": part.round_no, "samples": 4, "blocks": keys or part.keys, "epoch": ctx.epoch}
     return ctx._group.call(part, "push", Message(meta, tensors))
 
 
@@ -223,15 +224,18 @@ def _push(ctx, tensors, keys=None):
 def test_bad_gradient_is_rejected_and_changes_nothing(live_job, mutate, expect):
     store, transport, config, ctx, ps = live_job
     before = pdps.fetch_parameters(store, transport, config)
-    round_before = ps._barrier.round_no
+    round_before = ps.round_no
     good = [torch.ones_like(t) for t in ctx._replica.grads(ctx._group.parts[0].blocks)]
     with pytest.raises(GradientRejected, match=expect):
         _push(ctx, mutate(good))
     after = pdps.fetch_parameters(store, transport, config)
     for name in before:
         assert torch.equal(before[name], after[name])
-    assert ps._barrier.round_no == round_before and not ps._barrier.contributed("t-bad")  # sync: no trace
+    assert ps.round_no == round_before and "t-bad" not in ps._shard.staged()  # sync: no trace
     _push(ctx, good)  # the pserver still serves and applies a good push
+    if config.mode.value == "sync":  # a staged push applies once the round's record says so
+        assert ctx._commit(round_before, Contribution(4))
+        ctx._pull_round(round_before)
     assert not torch.equal(pdps.fetch_parameters(store, transport, config)["0.weight"], before["0.weight"])
 
 

@@ -1,112 +1,95 @@
-"""The consistency rules: the sync barrier, the staleness bound, the async cadence."""
+"""The consistency rules: the sync round record, the staleness bound, the async cadence."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
 from pdps.core.errors import ConfigError, InvalidTransition, StalePush
-from pdps.core.sgd import Barrier, Cadence, Mode, RoundResult, check_staleness
+from pdps.core.sgd import Cadence, Contribution, Mode, RoundRecord, check_staleness, participants
 
-# --- Barrier ------------------------------------------------------------------------
-
-
-def test_round_closes_once_every_member_contributed():
-    b = Barrier()
-    members = {"a", "b", "c"}
-    assert not b.ready(members)
-    b.contribute("a", 0, 32)
-    b.contribute("b", 0, 16)
-    assert b.contributed("a") and not b.contributed("c")
-    assert b.waiting_for(members) == {"c"}
-    assert not b.ready(members)
-    b.contribute("c", 0, 0)  # an idle trainer contributes zero samples
-    assert b.waiting_for(members) == set()
-    assert b.ready(members)
-    result = b.close()
-    assert result == RoundResult(0, {"a": 32, "b": 16, "c": 0})
-    assert result.total == 48 and result.applies_update
+# --- RoundRecord: the transactional sync round --------------------------------------
 
 
-def test_close_advances_the_round_and_forgets_contributions():
-    b = Barrier()
-    b.contribute("a", 0, 4)
-    b.close()
-    assert b.round_no == 1
-    assert not b.contributed("a")
-    assert not b.ready({"a"})
-    b.contribute("a", 1, 2)  # the same trainer, the next round
-    assert b.close() == RoundResult(1, {"a": 2})
-    assert b.round_no == 2
+def C(samples: int, **kw) -> Contribution:
+    return Contribution(samples, **kw)
 
 
-def test_member_leaving_is_no_longer_waited_for():
-    b = Barrier(round_no=5)
-    b.contribute("a", 5, 8)
-    assert not b.ready(["a", "b"])
-    assert b.ready(["a"])  # b's lease expired: it left the members
-    assert b.close() == RoundResult(5, {"a": 8})
+def test_round_closes_once_every_participant_committed():
+    r = RoundRecord(0)
+    parts = {"a", "b", "c"}
+    assert not r.ready(parts)
+    r = r.contribute("a", C(32, task=1, attempt=1, offset=32)).contribute("b", C(16))
+    assert r.waiting_for(parts) == {"c"}
+    assert not r.ready(parts)
+    r = r.contribute("c", C(0))  # an idle trainer contributes zero samples
+    assert r.ready(parts)
+    closed = r.close("ckpt-x")
+    assert closed.closed and closed.checkpoint == "ckpt-x"
+    assert closed.total == 48 and closed.applies_update
+    assert closed.weights() == [("a", 32 / 48), ("b", 16 / 48)]  # sorted, zero-sample ones left out
 
 
-def test_contribution_of_a_member_that_left_still_counts():
-    b = Barrier()
-    b.contribute("a", 0, 8)
-    b.contribute("b", 0, 4)
-    assert b.ready(["b"])
-    assert b.close().samples == {"a": 8, "b": 4}
+def test_record_is_immutable_and_round_trips_through_json():
+    r = RoundRecord(7).contribute("b", C(3, task=4, attempt=2, offset=9, last=True)).contribute("a", C(0))
+    assert RoundRecord(7).contributions == {}
+    again = RoundRecord.from_json(json.loads(json.dumps(r.to_json())))
+    assert again == r
+    assert again.close().to_json()["closed"] is True
 
 
-def test_no_contribution_is_never_ready_even_without_members():
-    b = Barrier()
-    assert not b.ready([])
+def test_a_closed_round_takes_no_more_commits():
+    r = RoundRecord(3).contribute("a", C(4)).close()
+    with pytest.raises(StalePush, match="round 3 is closed"):
+        r.contribute("b", C(8))
+    with pytest.raises(InvalidTransition):
+        r.close()
+
+
+def test_participant_leaving_by_lease_is_no_longer_waited_for():
+    r = RoundRecord(5).contribute("a", C(8))
+    assert not r.ready(participants({"a"}, {"a", "b"}) | {"b"})
+    assert r.ready(participants({"a"}, {"a", "b"}))  # b's lease expired: not live
+    assert r.close().weights() == [("a", 1.0)]
+
+
+def test_contribution_of_a_trainer_that_died_after_committing_still_counts():
+    r = RoundRecord(0).contribute("a", C(8)).contribute("b", C(4))
+    assert r.ready(participants({"b"}, None))
+    assert dict(r.close().weights()) == {"a": 8 / 12, "b": 4 / 12}
+
+
+def test_participants_are_last_rounds_contributors_or_everyone_at_an_epoch_start():
+    assert participants({"a", "b", "c"}, None) == {"a", "b", "c"}
+    prev = RoundRecord(0).contribute("a", C(1)).contribute("b", C(0))
+    # c joined after round 0: not waited for until it contributes; d contributed and died
+    assert participants({"a", "b", "c"}, set(prev.contributions) | {"d"}) == {"a", "b"}
+
+
+def test_nobody_committed_is_never_ready_and_cannot_close():
+    r = RoundRecord(0)
+    assert not r.ready([])
     with pytest.raises(InvalidTransition, match="nobody contributed"):
-        b.close()
-    assert b.round_no == 0
+        r.close()
 
 
 def test_zero_sample_round_closes_but_applies_no_update():
-    b = Barrier()
-    b.contribute("a", 0, 0)
-    b.contribute("b", 0, 0)
-    assert b.ready({"a", "b"})
-    result = b.close()
-    assert result.total == 0
-    assert not result.applies_update
-    assert b.round_no == 1
+    r = RoundRecord(0).contribute("a", C(0)).contribute("b", C(0))
+    closed = r.close()
+    assert closed.total == 0 and not closed.applies_update and closed.weights() == []
 
 
-def test_push_for_a_closed_round_is_stale():
-    b = Barrier(round_no=3)
-    with pytest.raises(StalePush, match="round 2 is closed"):
-        b.contribute("a", 2, 10)
-    assert not b.contributed("a")
-
-
-def test_push_for_a_future_round_is_an_invalid_transition():
-    b = Barrier(round_no=3)
-    with pytest.raises(InvalidTransition) as ei:
-        b.contribute("a", 4, 10)
-    assert ei.value.subject == "trainer a"
-    assert "pull first" in str(ei.value)
-    assert not b.contributed("a")
-
-
-def test_second_contribution_to_the_open_round_is_refused_and_keeps_the_first():
-    b = Barrier()
-    b.contribute("a", 0, 10)
+def test_committing_the_same_contribution_again_is_a_no_op_and_another_is_refused():
+    r = RoundRecord(0).contribute("a", C(10))
+    assert r.contribute("a", C(10)) is r  # a retry whose reply was lost
     with pytest.raises(InvalidTransition, match="already contributed"):
-        b.contribute("a", 0, 99)
-    assert b.close().samples == {"a": 10}
+        r.contribute("a", C(99))
 
 
 def test_negative_samples_are_rejected_before_any_change():
-    b = Barrier()
     with pytest.raises(ConfigError):
-        b.contribute("a", 0, -1)
-    assert not b.contributed("a")
-    # even for a stale round, the bad value is what is reported
-    b.round_no = 2
-    with pytest.raises(ConfigError):
-        b.contribute("a", 0, -1)
+        RoundRecord(0).contribute("a", C(-1))
 
 
 # --- staleness ----------------------------------------------------------------------

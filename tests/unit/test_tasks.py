@@ -535,3 +535,15 @@ def test_no_tasks_and_duplicate_ids_are_config_errors():
 def test_defaults():
     q = TaskQueue.create(specs(1))
     assert (q.failure_max, q.timeout, q.max_in_flight, q.pass_no) == (3, 60.0, 1, 0)
+
+
+def test_a_task_whose_dispatch_reply_was_lost_is_handed_out_again_not_left_to_time_out():
+    q = TaskQueue.create(specs(3), timeout=60.0)
+    first, _ = q.dispatch("t1", 0.0)
+    assert isinstance(first, Assignment)
+    # t1 asks again holding nothing: it never got the answer above
+    again = q.redeliver("t1", holding=[])
+    assert again is not None and (again.task, again.attempt, again.pass_no) == (first.task, first.attempt, first.pass_no)
+    assert q.redeliver("t1", holding=[first.task.id]) is None  # it knows: nothing to hand out again
+    assert q.redeliver("t2") is None
+    assert q.record(first.task.id).attempt == 1 and q.counts().pending == 1  # nothing changed

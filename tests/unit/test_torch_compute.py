@@ -360,8 +360,8 @@ class TestShard:
         shard = TorchShard([], "Adam", {"lr": 0.1})
         shard.initialize([], "t0")
         shard.check([], "t0")
-        shard.accumulate([], 1.0)
-        shard.apply_accumulated(1.0)
+        shard.stage("t0", [])
+        shard.apply_staged([("t0", 1.0)])
         shard.apply([])
         assert shard.views() == [] and shard.numel == 0
         with pytest.raises(GradientRejected, match="got 1 tensors"):
@@ -412,42 +412,53 @@ class TestShard:
         assert shard.initialized is False
         assert not shard.values.any()
 
-    def test_accumulate_then_apply_is_the_weighted_mean(self):
+    def test_apply_staged_is_the_weighted_mean_of_what_the_round_names(self):
         shard, blocks, g1 = shard_and_grads("SGD", {"lr": 1.0})
         g2 = [torch.randn(b.shape, dtype=torch.float64) for b in blocks]
+        g3 = [torch.randn(b.shape, dtype=torch.float64) for b in blocks]
         twin = TorchShard(blocks, "SGD", {"lr": 1.0})
         twin.initialize(shard.views(), "t0")
-        shard.accumulate(g1, 3.0)
-        shard.accumulate(g2, 5.0)
-        shard.apply_accumulated(1 / 8)
-        mean = [(3.0 * a + 5.0 * b) / 8 for a, b in zip(g1, g2)]
-        torch.testing.assert_close(shard.values.grad, torch.cat([m.reshape(-1) for m in mean]), rtol=1e-15, atol=0)
+        shard.stage("a", g1)
+        shard.stage("b", g2)
+        shard.stage("dead", g3)  # staged, but the round's record does not name it
+        for g in g1 + g2:
+            g.mul_(-7)  # staging copied: the trainer's buffer may change at once
+        shard.apply_staged([("a", 3 / 8), ("b", 5 / 8)])
+        mean = [(3.0 * a + 5.0 * b) / -56 for a, b in zip(g1, g2)]  # the staged (original) values
+        torch.testing.assert_close(shard.values.grad, torch.cat([m.reshape(-1) for m in mean]), rtol=1e-13, atol=0)
         twin.apply(mean)
-        torch.testing.assert_close(shard.values, twin.values, rtol=1e-15, atol=0)
-        # the accumulator was reset: the next round holds only its own contribution
+        torch.testing.assert_close(shard.values, twin.values, rtol=1e-13, atol=0)
+        assert shard.staged() == set()  # the round is over: nothing stays staged
+        with pytest.raises(KeyError, match="dead"):
+            shard.apply_staged([("dead", 1.0)])
+        # a new round holds only its own contributions, in reused buffers
+        buffers = {k: v[0].data_ptr() for k, v in shard._staged.items()}
         before = shard.values.clone()
-        shard.accumulate(g2, 2.0)
-        shard.apply_accumulated(0.5)
+        shard.stage("b", g2)
+        shard.apply_staged([("b", 1.0)])
         torch.testing.assert_close(shard.values, before - torch.cat([g.reshape(-1) for g in g2]), rtol=1e-15, atol=0)
+        assert shard._staged["b"][0].data_ptr() == buffers["b"]
+        shard.unstage("b", forget=True)
+        assert "b" not in shard._staged
 
-    def test_apply_accumulated_reuses_one_gradient_buffer(self):
+    def test_apply_staged_reuses_one_gradient_buffer(self):
         shard, _, grads = shard_and_grads()
         buffer = shard.values.grad
         for _ in range(2):
-            shard.accumulate(grads, 1.0)
-            shard.apply_accumulated(1.0)
+            shard.stage("t", grads)
+            shard.apply_staged([("t", 1.0)])
             shard.apply(grads)
         assert shard.values.grad is buffer
 
-    def test_half_precision_accumulates_in_float32(self):
+    def test_half_precision_sums_staged_gradients_in_float32(self):
         blocks = cut_blocks(TorchReplica(make_model(dtype=torch.bfloat16), "cpu").specs)
         shard = TorchShard(blocks, "SGD", {"lr": 1.0})
         shard.initialize([torch.zeros(b.shape, dtype=torch.bfloat16) for b in blocks], "t0")
-        tiny = [torch.full(b.shape, 1e-3, dtype=torch.bfloat16) for b in blocks]
-        for _ in range(1000):  # 1 + 1e-3 * n rounds away in bfloat16 without a float32 accumulator
-            shard.accumulate(tiny, 1.0)
-        shard.accumulate([torch.ones(b.shape, dtype=torch.bfloat16) for b in blocks], 1.0)
-        shard.apply_accumulated(1.0)
+        tiny = [torch.full(b.shape, 1e-2, dtype=torch.bfloat16) for b in blocks]
+        for i in range(100):  # 1 + 1e-2 * n rounds away in bfloat16 without a float32 sum
+            shard.stage(f"t{i}", tiny)
+        shard.stage("one", [torch.ones(b.shape, dtype=torch.bfloat16) for b in blocks])
+        shard.apply_staged([("one", 1.0)] + [(f"t{i}", 1.0) for i in range(100)])
         torch.testing.assert_close(shard.values.float(), torch.full((shard.numel,), -2.0), rtol=1e-2, atol=0)
 
     @pytest.mark.parametrize("key", ["SGD-momentum", "Adam", "NAdam", "ASGD", "Rprop", "Adagrad"])

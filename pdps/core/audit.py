@@ -1,0 +1,292 @@
+"""The audit of a pass: every attempt at every task, which trainer made it and how it ended.
+
+Rules, in a few lines:
+
+* One log per (pass, task): the task's attempts in that pass, in dispatch order.
+* A dispatch opens an attempt (outcome ``pending``, the trainer the record names).
+  The event that ends it sets its outcome: finish → ``done``, a failure report →
+  ``failed``, ``timeout``, ``trainer_lost``, give-back → ``given_back``. The trainer
+  comes from the attempt as opened: a finished or failed record no longer names it.
+* A finish report for an attempt the master had already ended by ``timeout`` or
+  ``trainer_lost`` (the queue ignores it) sets ``late_finish`` on that attempt: its
+  trainer trained the whole task and pushed its gradients anyway, so its records
+  were trained, possibly once more than the task's ``done`` attempt says.
+* A checkpoint rollback undoes what was trained or being trained since the
+  checkpoint: those attempts (done, pending, or finished late) become ``rolled_back``
+  (:meth:`AuditLog.roll_back`, :func:`roll_back_attempts`).
+* A new pass starts every log empty; the logs of earlier passes stay as persisted.
+
+The log is derived only from the changes :class:`~pdps.core.tasks.TaskQueue` returns,
+so it never disagrees with the queue when the shell persists both in one
+transaction; each transition touches one task's log (O(1) in the size of the queue).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from pdps.core.errors import CorruptRecord
+from pdps.core.job import decode_json
+from pdps.core.tasks import Change, Event, Ignored, PassStarted, State, TaskChanged, TaskRecord, TaskSpec
+
+
+class Outcome(str, enum.Enum):
+    PENDING = "pending"  # in flight
+    DONE = "done"
+    FAILED = "failed"  # the trainer reported that it could not train the task
+    TIMEOUT = "timeout"
+    TRAINER_LOST = "trainer_lost"
+    GIVEN_BACK = "given_back"
+    ROLLED_BACK = "rolled_back"  # a checkpoint rollback undid it
+
+    def __str__(self) -> str:
+        return self.value
+
+
+#: The outcome each ending event gives the attempt it ends.
+ENDED_BY: Mapping[Event, Outcome] = {
+    Event.FINISH: Outcome.DONE,
+    Event.FAIL: Outcome.FAILED,
+    Event.TIMEOUT: Outcome.TIMEOUT,
+    Event.TRAINER_LOST: Outcome.TRAINER_LOST,
+    Event.GIVE_BACK: Outcome.GIVEN_BACK,
+}
+
+#: Outcomes after which a late finish report still means the records were trained.
+_LATE_FINISH_AFTER = frozenset({Outcome.TIMEOUT, Outcome.TRAINER_LOST})
+
+
+@attrs.frozen
+class Attempt:
+    """One attempt at a task: who made it and how it ended."""
+
+    attempt: int
+    trainer: str | None  # None only when the dispatch was never audited (a log started afresh)
+    outcome: Outcome
+    offset: int = 0  # the record the attempt started reading at (a resumed task)
+    late_finish: bool = False
+
+    @property
+    def trained(self) -> bool:
+        """Its records reached the parameters and no rollback undid them."""
+        return self.outcome is Outcome.DONE or (self.late_finish and self.outcome is not Outcome.ROLLED_BACK)
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"attempt": self.attempt, "trainer": self.trainer, "outcome": self.outcome.value}
+        if self.offset:
+            d["offset"] = self.offset
+        if self.late_finish:
+            d["late_finish"] = True
+        return d
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> Attempt:
+        attempt, trainer, offset, late = d["attempt"], d["trainer"], d.get("offset", 0), d.get("late_finish", False)
+        if type(attempt) is not int or attempt < 1 or type(offset) is not int or offset < 0:
+            raise ValueError(f"attempt must be an integer >= 1 and offset >= 0, got {attempt!r}, {offset!r}")
+        if not (trainer is None or isinstance(trainer, str)) or not isinstance(late, bool):
+            raise ValueError(f"trainer must be a string or null and late_finish a boolean, got {trainer!r}, {late!r}")
+        return cls(attempt=attempt, trainer=trainer, outcome=Outcome(d["outcome"]), offset=offset, late_finish=late)
+
+
+@attrs.frozen
+class AuditEntry:
+    """Persist this: the attempts of one task in one pass (its audit key)."""
+
+    pass_no: int
+    task_id: int
+    attempts: tuple[Attempt, ...]
+
+    def encode(self) -> bytes:
+        """The stored value: a compact JSON list of attempts."""
+        return encode_attempts(self.attempts)
+
+
+_COMPACT = json.JSONEncoder(separators=(",", ":"))  # one encoder: json.dumps with options builds one per call
+
+
+def encode_attempts(attempts: Iterable[Attempt]) -> bytes:
+    return _COMPACT.encode([a.to_json() for a in attempts]).encode()
+
+
+def decode_attempts(raw: bytes, key: str) -> tuple[Attempt, ...]:
+    """The attempts stored at ``key``; anything else raises :class:`CorruptRecord` naming it."""
+    value = decode_json(raw, key)
+    try:
+        if not isinstance(value, list):
+            raise TypeError(f"expected a JSON list of attempts, got {type(value).__name__}")
+        attempts = tuple(Attempt.from_json(d) for d in value)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CorruptRecord(f"{key} is not an audit entry ({exc!r}): {raw[:200]!r}", key) from exc
+    return attempts
+
+
+def roll_back_attempts(attempts: Sequence[Attempt], after: int = 0) -> tuple[Attempt, ...]:
+    """``attempts`` with every attempt numbered above ``after`` that trained or was
+    training (done, pending, or finished late) marked ``rolled_back``.
+
+    Pure, for the log of any pass: the current one through :meth:`AuditLog.roll_back`,
+    earlier ones as read from the store.
+    """
+    return tuple(
+        attrs.evolve(a, outcome=Outcome.ROLLED_BACK)
+        if a.attempt > after and (a.outcome in (Outcome.DONE, Outcome.PENDING) or a.late_finish) and a.outcome is not Outcome.ROLLED_BACK
+        else a
+        for a in attempts
+    )
+
+
+def kept_by_checkpoint(record: TaskRecord | None, pass_no: int, *, finished: bool = False) -> int:
+    """The last attempt of ``pass_no`` whose training a checkpoint holding ``record``
+    for the task keeps: ``after`` for :func:`roll_back_attempts`.
+
+    A task done, failed or todo in the checkpoint keeps the attempts it had made. A
+    task pending in it loses the pending attempt (its trainer is told to drop it; the
+    task resumes at the records that attempt had trained, under a new attempt), unless
+    ``finished``: that attempt had trained the task's last record by the checkpoint. A
+    record of an earlier pass, or none, keeps nothing of ``pass_no``.
+    """
+    if record is None or record.pass_no != pass_no:
+        return 0
+    if record.state is State.PENDING and not finished:
+        return record.attempt - 1
+    return record.attempt
+
+
+@attrs.define
+class AuditLog:
+    """The attempt logs of the current pass, kept in step with the task queue.
+
+    Build it empty for a new job, or with :meth:`restore` from the persisted
+    entries of the current pass; feed it every transition's changes with
+    :meth:`record`, which returns the entries to persist.
+    """
+
+    pass_no: int = 0
+    _logs: dict[int, list[Attempt]] = attrs.field(factory=dict)
+
+    @classmethod
+    def restore(cls, pass_no: int, entries: Mapping[int, Sequence[Attempt]]) -> AuditLog:
+        """The log of ``pass_no`` as persisted: ``entries`` maps task id → attempts."""
+        return cls(pass_no=pass_no, logs={tid: list(attempts) for tid, attempts in entries.items() if attempts})
+
+    def attempts(self, task_id: int) -> tuple[Attempt, ...]:
+        return tuple(self._logs.get(task_id, ()))
+
+    def entries(self) -> dict[int, tuple[Attempt, ...]]:
+        return {tid: tuple(log) for tid, log in self._logs.items()}
+
+    def record(self, changes: Iterable[Change]) -> list[AuditEntry]:
+        """Follow one transition; return the entries it changed (at most one per task)."""
+        out: dict[tuple[int, int], AuditEntry] = {}
+        for ch in changes:
+            if isinstance(ch, TaskChanged):
+                self._follow(ch.record, ch.event)
+                out[self.pass_no, ch.record.id] = self._entry(ch.record.id)
+            elif isinstance(ch, Ignored):
+                if ch.event is Event.FINISH and self._late_finish(ch.task_id, ch.attempt):
+                    out[self.pass_no, ch.task_id] = self._entry(ch.task_id)
+            elif isinstance(ch, PassStarted):
+                self.pass_no = ch.pass_no
+                self._logs.clear()
+        return list(out.values())
+
+    def roll_back(self, records: Iterable[TaskRecord], *, finished: Iterable[int] = ()) -> list[AuditEntry]:
+        """The queue was rolled back to a checkpoint holding ``records`` (the task
+        records as the checkpoint saved them): every attempt of this pass the
+        checkpoint does not keep (:func:`kept_by_checkpoint`) and that trained or was
+        training becomes ``rolled_back``. ``finished`` names the tasks pending in the
+        checkpoint whose attempt had trained their last record by then (the rollback
+        counts them done): that attempt is kept, and marked ``done`` if it was not.
+        Returns the entries that changed, to persist.
+
+        A checkpoint of an earlier pass keeps nothing of this one. The shell then also
+        rolls back the persisted entries of the passes in between (:func:`roll_back_attempts`
+        with ``after=0``), and continues with ``AuditLog.restore(checkpoint's pass,
+        its entries)`` rolled back the same way by this method.
+        """
+        by_id = {r.id: r for r in records}
+        done = set(finished)
+        changed = []
+        for tid, log in self._logs.items():
+            rec = by_id.get(tid)
+            keep = kept_by_checkpoint(rec, self.pass_no, finished=tid in done)
+            new = list(roll_back_attempts(log, keep))
+            if tid in done and rec is not None and rec.state is State.PENDING and keep:
+                i = _find(new, keep)
+                if i is not None and new[i].outcome is not Outcome.DONE:
+                    new[i] = attrs.evolve(new[i], outcome=Outcome.DONE)
+            if new != log:
+                self._logs[tid] = new
+                changed.append(self._entry(tid))
+        return changed
+
+    # --- internals --------------------------------------------------------------------
+
+    def _follow(self, rec: TaskRecord, event: Event) -> None:
+        log = self._logs.setdefault(rec.id, [])
+        if event is Event.DISPATCH:
+            log.append(Attempt(attempt=rec.attempt, trainer=rec.trainer, outcome=Outcome.PENDING, offset=rec.offset))
+            return
+        outcome = ENDED_BY.get(event)
+        if outcome is None:
+            return  # NEW_PASS is not a TaskChanged event
+        i = _find(log, rec.attempt)
+        if i is None:  # its dispatch was not audited (a log started afresh): keep what is known
+            log.append(Attempt(attempt=rec.attempt, trainer=None, outcome=outcome))
+        else:
+            log[i] = attrs.evolve(log[i], outcome=outcome)
+
+    def _late_finish(self, task_id: int, attempt: int) -> bool:
+        log = self._logs.get(task_id, [])
+        i = _find(log, attempt)
+        if i is None or log[i].late_finish or log[i].outcome not in _LATE_FINISH_AFTER:
+            return False
+        log[i] = attrs.evolve(log[i], late_finish=True)
+        return True
+
+    def _entry(self, task_id: int) -> AuditEntry:
+        return AuditEntry(self.pass_no, task_id, tuple(self._logs.get(task_id, ())))
+
+
+def _find(log: list[Attempt], attempt: int) -> int | None:
+    """The index of the newest entry for ``attempt`` (the end of the list, nearly always)."""
+    for i in range(len(log) - 1, -1, -1):
+        if log[i].attempt == attempt:
+            return i
+    return None
+
+
+# --- record counts ------------------------------------------------------------------
+
+
+def encode_record_counts(specs: Iterable[TaskSpec]) -> list[list[int]]:
+    """Each task's record count, as runs ``[first_id, tasks, records]`` over the task
+    ids in order: one run for a dataset of equal parts with ids 0..n-1."""
+    runs: list[list[int]] = []
+    for s in sorted(specs, key=lambda s: s.id):
+        last = runs[-1] if runs else None
+        if last is not None and last[0] + last[1] == s.id and last[2] == s.records:
+            last[1] += 1
+        else:
+            runs.append([s.id, 1, s.records])
+    return runs
+
+
+def decode_record_counts(runs: Any) -> dict[int, int]:
+    """Task id → records, from :func:`encode_record_counts`'s runs (ValueError/TypeError if they are not)."""
+    out: dict[int, int] = {}
+    if not isinstance(runs, list):
+        raise TypeError(f"expected a list of [first_id, tasks, records] runs, got {type(runs).__name__}")
+    for run in runs:
+        first, n, records = run
+        if not all(type(v) is int for v in run) or n < 1 or records < 0:
+            raise ValueError(f"not a [first_id, tasks, records] run: {run!r}")
+        for tid in range(first, first + n):
+            out[tid] = records
+    return out

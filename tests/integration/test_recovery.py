@@ -1,0 +1,194 @@
+"""Checkpoints and rollbacks inside one process: real roles on a memory store, real
+checkpoint files on local storage. The multi-process fault-injection suite
+(``test_faults.py``) kills real processes; these tests pin each mechanism down."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import pdps
+from pdps.adapters.memory_store import MemoryStore
+from pdps.adapters.parquet import ParquetSource, write_parquet_shards
+from pdps.core.job import Keys, decode_json
+from pdps.registry import open_storage
+from pdps.roles import checkpoint as files
+from pdps.roles import recovery
+from pdps.roles.pserver import Pserver
+from tests.integration.jobkit import start_job
+
+
+@pytest.fixture
+def source(tmp_path) -> ParquetSource:
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(720, 4)).astype(np.float32)
+    y = (x[:, 0] + x[:, 1] > 0).astype(np.int64)
+    write_parquet_shards({"x": x, "y": y}, f"{tmp_path.as_uri()}/d", shards=3, row_group_size=40)
+    return ParquetSource(f"{tmp_path.as_uri()}/d")
+
+
+def classify(ctx: pdps.TrainerContext) -> None:
+    torch.manual_seed(0)
+    model = ctx.attach(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)))
+    for batch in ctx.batches():
+        ctx.step(F.cross_entropy(model(batch["x"]), batch["y"]))
+
+
+def pointer(store, job: str) -> dict | None:
+    kv = store.get(Keys(job).checkpoint)
+    return None if kv is None else decode_json(kv.value, kv.key)
+
+
+def wait_until(cond, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(0.01)
+
+
+def checkpointed_job(source, tmp_path, **settings):
+    """A finished sync job that committed several checkpoints; returns (store, storage, name)."""
+    store = MemoryStore()
+    url = f"{tmp_path.as_uri()}/ckpt"
+    result = pdps.simulate(
+        classify, dataset=source, store=store, trainers=2, pservers=2, mode="sync", batch_size=16, passes=1,
+        checkpoint_url=url, checkpoint_every=4, checkpoint_keep=3, min_block=1, num_slots=8, **settings,
+    )
+    return store, open_storage(url), result.config.name
+
+
+def test_checkpoints_commit_by_pointer_keep_the_last_n_and_each_verifies(source, tmp_path):
+    store, storage, job = checkpointed_job(source, tmp_path)
+    ptr = pointer(store, job)
+    assert ptr is not None and len(ptr["history"]) == 3 and ptr["history"][0] == ptr["id"]
+    assert set(files.list_ids(storage)) >= set(ptr["history"])
+    rounds = []
+    for ckpt in ptr["history"]:
+        manifest = files.read_manifest(storage, ckpt)
+        assert files.verify(storage, manifest) == []
+        assert set(manifest.parts) == {"ps-0", "ps-1", "master"}
+        rounds.append(manifest.round)
+        queue = files.read_json_part(storage, manifest.parts["master"])
+        assert queue["round"] == manifest.round and len(queue["records"]) == len(source.tasks())
+    assert rounds == sorted(rounds, reverse=True) and all(r % 4 == 0 for r in rounds)
+    # older ones were deleted after the commits that superseded them; nothing in flight is left
+    leftovers = set(files.list_ids(storage)) - set(ptr["history"])
+    assert all(i > ptr["id"] for i in leftovers), leftovers
+
+
+@pytest.mark.parametrize("mode,restore", [("sync", "job"), ("async", "job"), ("async", "lost")])
+def test_a_restarted_pserver_restores_and_the_job_finishes(source, tmp_path, mode, restore):
+    """``restore="job"``: the whole job rolls back to the checkpoint (a new epoch).
+    ``restore="lost"`` (async): only the restarted pserver reloads its slots."""
+    job = start_job(
+        source, name="rollback", mode=mode, restore=restore, trainers=2, pservers=2, min_block=1, num_slots=8,
+        lease_ttl=1.0, passes=2, batch_size=8, checkpoint_url=f"{tmp_path.as_uri()}/ckpt", checkpoint_every=5,
+        optimizer_args={"lr": 0.1},
+    )
+    try:
+        ctxs = [job.trainer(f"t{i}") for i in range(2)]
+        for c in ctxs:
+            c.register()
+        errors: list[BaseException] = []
+
+        def run(c) -> None:
+            try:
+                classify(c)
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+            finally:
+                c.leave()
+
+        threads = [threading.Thread(target=run, args=(c,), daemon=True) for c in ctxs]
+        for t in threads:
+            t.start()
+        wait_until(lambda: pointer(job.store, "rollback") is not None, 60, "a committed checkpoint")
+        committed = pointer(job.store, "rollback")
+        progress = (lambda: job.pservers[1].round_no) if mode == "sync" else (lambda: job.pservers[0].version)
+        wait_until(lambda: progress() > committed["round"] + 3, 60, "steps after the checkpoint")
+        job.pservers[1].crash()
+        replacement = Pserver(job.store, job.transport, job.compute, job.config, index=1, claim_wait=10.0)
+        replacement.start()  # finds the job initialized: rolls everyone back
+        job.pservers[1] = replacement
+        for t in threads:
+            t.join(timeout=120)
+        assert not errors, errors
+        assert job.master.done.is_set()
+        epoch, _ = recovery.read_epoch(job.store, Keys("rollback"))
+        if restore == "lost":
+            assert epoch.epoch == 0 and job.master.epoch == 0 and replacement.epoch == 0
+            assert all(c.rollbacks == 0 for c in ctxs) and any(c.stale_pushes for c in ctxs)
+        else:
+            assert epoch.epoch == 1 and epoch.checkpoint is not None
+            assert epoch.round >= committed["round"] and epoch.round % 5 == 0
+            assert job.master.epoch == 1 and job.pservers[0].epoch == 1 and replacement.epoch == 1
+            assert all(c.rollbacks == 1 for c in ctxs)
+        summaries = [decode_json(kv.value, kv.key) for kv in job.store.range(Keys("rollback").passes)]
+        assert [s["pass"] for s in summaries] == [0, 1] and all(s["done"] == len(source.tasks()) for s in summaries)
+    finally:
+        job.close()
+
+
+def test_half_written_checkpoint_is_never_restored_and_its_parts_are_cleaned_up(source, tmp_path):
+    store, storage, job = checkpointed_job(source, tmp_path)
+    keys = Keys(job)
+    latest = pointer(store, job)["id"]
+    # a checkpoint whose writers died between parts: ps-0 and the master wrote theirs, ps-1 never did
+    half = files.checkpoint_id(0, 10_000)
+    store.put(keys.checkpoint_info(half), json.dumps({"id": half, "epoch": 0, "round": 10_000, "mode": "sync", "state": "writing", "started": time.time()}).encode())
+    for name in ("ps-0", "master"):
+        part = files.write_part(storage, f"{half}/{name}.safetensors", {"values": torch.ones(4)}, name=name)
+        assert recovery.record_part(store, keys, half, part)
+    config = pdps.JobConfig.decode(store.get(keys.config).value)
+    assert not recovery.try_commit(store, storage, config, half)  # a part is missing: no commit
+    assert pointer(store, job)["id"] == latest
+    epoch = recovery.rollback(store, storage, keys, "test")
+    assert epoch.checkpoint == latest
+    assert half not in files.list_ids(storage), "the abandoned checkpoint's parts are deleted"
+    assert not store.range(f"{keys.checkpoints}{half}/"), "and so are its records"
+    # a writer of the old epoch that finishes late can neither record nor commit
+    part = files.write_part(storage, f"{half}/ps-1.safetensors", {"values": torch.ones(4)}, name="ps-1")
+    assert not recovery.record_part(store, keys, half, part)
+    assert not recovery.try_commit(store, storage, config, half)
+
+
+def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(source, tmp_path, caplog):
+    store, storage, job = checkpointed_job(source, tmp_path)
+    keys = Keys(job)
+    latest, previous, third = pointer(store, job)["history"]
+    manifest = files.read_manifest(storage, latest)
+    path = manifest.parts["ps-1"].path
+    data = bytearray(storage.get(path))
+    data[-3] ^= 0xFF  # one flipped bit of a parameter value
+    storage.put(path, bytes(data))
+    with caplog.at_level(logging.ERROR, logger="pdps.roles.recovery"):
+        epoch = recovery.rollback(store, storage, keys, "test")
+    assert epoch.checkpoint == previous
+    assert any("falling back to checkpoint " + previous in r.getMessage() for r in caplog.records)
+    assert any(latest in r.getMessage() and "crc32" in r.getMessage() for r in caplog.records)
+    assert pointer(store, job)["history"] == [previous, third]  # the pointer followed the rollback
+    # a missing part is treated the same
+    storage.delete(files.read_manifest(storage, previous).parts["master"].path)
+    assert recovery.choose(store, storage, keys).id == third
+
+
+def test_a_rollback_to_an_older_checkpoint_moves_the_pointer_so_a_later_restart_keeps_it(source, tmp_path):
+    """An operator restores B while A is the newest: a pserver restarting afterwards must
+    roll back to B (or later), never to A, which belongs to the abandoned timeline."""
+    store, storage, job = checkpointed_job(source, tmp_path)
+    keys = Keys(job)
+    newest, older = pointer(store, job)["history"][:2]
+    first = recovery.rollback(store, storage, keys, "operator", checkpoint=older)
+    assert first.checkpoint == older and pointer(store, job)["id"] == older
+    assert newest not in pointer(store, job)["history"]
+    again = recovery.rollback(store, storage, keys, "pserver 1 restarted")
+    assert (again.epoch, again.checkpoint) == (2, older)

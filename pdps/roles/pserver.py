@@ -160,6 +160,7 @@ class Pserver:
         self._seen_checkpoints: set[str] = set()
         self._last_checkpoint = time.monotonic()
         self._stopped = False
+        self._crashed = False
 
     def start(self) -> None:
         from pdps.roles.lease import LeaseKeeper
@@ -194,7 +195,8 @@ class Pserver:
         log.info("pserver %d of job %r serving at %s (epoch %d)", self.index, self.config.name, self._endpoint.address, self.epoch)
 
     def stop(self) -> None:
-        """Stop serving: waiting pulls end first, in-flight calls finish, then the claim goes."""
+        """Stop serving: waiting pulls end first, in-flight calls finish, checkpoint parts
+        being written are finished and recorded, then the claim goes."""
         self._stopped = True
         with self._cond:
             self._cond.notify_all()
@@ -209,8 +211,8 @@ class Pserver:
 
     def crash(self) -> None:
         """Stop as a killed process would (tests, simulations): calls fail at once, the
-        claim lives until its lease runs out, and no checkpoint part is written."""
-        self._stopped = True
+        claim lives until its lease runs out, and no checkpoint part is recorded."""
+        self._stopped = self._crashed = True
         with self._cond:
             self._cond.notify_all()
         for w in self._watches:
@@ -458,7 +460,7 @@ class Pserver:
             return None
         by_count = cfg.checkpoint_every and (round_no + 1) % cfg.checkpoint_every == 0
         by_time = cfg.checkpoint_seconds and time.monotonic() - self._last_checkpoint >= cfg.checkpoint_seconds
-        if not (by_count or by_time):
+        if not (by_count or by_time) or self._writing():
             return None
         from pdps.roles import checkpoint as files
 
@@ -472,7 +474,7 @@ class Pserver:
             return
         by_count = cfg.checkpoint_every and self.version % cfg.checkpoint_every == 0
         by_time = cfg.checkpoint_seconds and time.monotonic() - self._last_checkpoint >= cfg.checkpoint_seconds
-        if not (by_count or by_time):
+        if not (by_count or by_time) or self._writing():
             return
         from pdps.roles import checkpoint as files
 
@@ -482,6 +484,11 @@ class Pserver:
             self._store.commit((Compare.absent(self._keys.checkpoint_info(ckpt)),), (recovery.announce(self._keys, ckpt, self.epoch, self.version, "async"),))
         except StoreError as exc:
             log.warning("pserver 0 could not announce checkpoint %s: %s", ckpt, exc)
+
+    def _writing(self) -> bool:
+        """This pserver is still writing a part: a checkpoint due now is skipped rather
+        than queued, so slow storage never piles copies of the shard up in memory."""
+        return any(w.is_alive() for w in self._writers)
 
     def _on_checkpoint_event(self, event: WatchEvent) -> None:
         if event.type is not EventType.PUT or not event.key.endswith("/info"):
@@ -523,8 +530,8 @@ class Pserver:
             delay = float(os.environ.get(CHECKPOINT_DELAY_ENV, "0") or 0)
             if delay:
                 time.sleep(delay)
-            if self._stopped:
-                return
+            if self._crashed:
+                return  # a dead process records nothing
             if recovery.record_part(self._store, self._keys, ckpt_id, part):
                 recovery.try_commit(self._store, self._storage, self.config, ckpt_id)
         except PdpsError as exc:

@@ -729,16 +729,20 @@ class TrainerContext:
         from pdps.roles import recovery
 
         assert self._replica is not None
-        epoch = recovery.read_epoch(self._store, self._keys)[0]
-        if epoch.epoch > self._epoch:
-            log.warning("trainer %s follows the job into epoch %d (%s)", self.trainer_id, epoch.epoch, epoch.checkpoint or "from scratch")
-            self.rollbacks += 1
-        self._epoch = max(self._epoch, epoch.epoch)
         self._abandon = self._batch is not None
         self._batch_no = 0
         self._replica.zero_grad()
-        self._pull_fresh()
-        self._replica.zero_grad()
+        while True:  # a second rollback while we follow the first: follow that one
+            epoch = recovery.read_epoch(self._store, self._keys)[0]
+            if epoch.epoch > self._epoch:
+                log.warning("trainer %s follows the job into epoch %d (%s)", self.trainer_id, epoch.epoch, epoch.checkpoint or "from scratch")
+                self.rollbacks += 1
+            self._epoch = max(self._epoch, epoch.epoch)
+            try:
+                self._pull_fresh()
+                return
+            except EpochChanged as exc:
+                log.warning("trainer %s: %s", self.trainer_id, exc)
 
     def _master_channel(self) -> Channel | None:
         """The master's channel; ``None`` once the job is done and its master has left."""

@@ -36,24 +36,23 @@ from pdps.core.job import DEFAULT_JOB
 from pdps.examples.digits import JOB_DEFAULTS as DEMO_DEFAULTS
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+def _whole_number(minimum: int, what: str, hint: str = ""):
+    """An argparse type: an int of at least ``minimum``, with messages naming ``what``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}{hint}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{what} must be at least {minimum}{hint}, got {value}")
+        return value
+
+    return parse
 
 
-def _pass_number(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a pass number (0 is the first pass), got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"a pass number is 0 or more (0 is the first pass), got {value}")
-    return value
+_positive_int = _whole_number(1, "a whole number")
+_pass_number = _whole_number(0, "a pass number", " (0 is the first pass)")
 
 
 def _version() -> str:

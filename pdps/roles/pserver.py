@@ -197,30 +197,27 @@ class Pserver:
     def stop(self) -> None:
         """Stop serving: waiting pulls end first, in-flight calls finish, checkpoint parts
         being written are finished and recorded, then the claim goes."""
-        self._stopped = True
-        with self._cond:
-            self._cond.notify_all()
-        for w in self._watches:
-            w.cancel()
-        if self._endpoint is not None:
-            self._endpoint.close()
-        for t in self._writers:
-            t.join(timeout=30)
-        if self._keeper is not None:
-            self._keeper.stop()
+        self._halt(crashed=False)
 
     def crash(self) -> None:
         """Stop as a killed process would (tests, simulations): calls fail at once, the
         claim lives until its lease runs out, and no checkpoint part is recorded."""
-        self._stopped = self._crashed = True
+        self._halt(crashed=True)
+
+    def _halt(self, *, crashed: bool) -> None:
+        self._stopped = True
+        self._crashed = crashed
         with self._cond:
             self._cond.notify_all()
         for w in self._watches:
             w.cancel()
         if self._endpoint is not None:
             self._endpoint.close()
+        if not crashed:
+            for t in self._writers:
+                t.join(timeout=30)
         if self._keeper is not None:
-            self._keeper.stop(revoke=False)
+            self._keeper.stop(revoke=not crashed)
 
     @property
     def lease_lost(self) -> bool:

@@ -9,7 +9,6 @@ import logging
 import threading
 import time
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,22 +16,19 @@ from torch import nn
 
 import pdps
 from pdps.adapters.memory_store import MemoryStore
-from pdps.adapters.parquet import ParquetSource, write_parquet_shards
+from pdps.adapters.parquet import ParquetSource
 from pdps.core.job import Keys, decode_json
 from pdps.registry import open_storage
 from pdps.roles import checkpoint as files
 from pdps.roles import recovery
 from pdps.roles.pserver import Pserver
 from tests.integration.jobkit import start_job
+from tests.integration.test_inprocess_job import digits_like
 
 
 @pytest.fixture
 def source(tmp_path) -> ParquetSource:
-    rng = np.random.default_rng(5)
-    x = rng.normal(size=(720, 4)).astype(np.float32)
-    y = (x[:, 0] + x[:, 1] > 0).astype(np.int64)
-    write_parquet_shards({"x": x, "y": y}, f"{tmp_path.as_uri()}/d", shards=3, row_group_size=40)
-    return ParquetSource(f"{tmp_path.as_uri()}/d")
+    return digits_like(tmp_path.as_uri(), rows=720, parts=18)  # 18 tasks of 40 rows
 
 
 def classify(ctx: pdps.TrainerContext) -> None:

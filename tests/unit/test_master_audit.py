@@ -19,6 +19,7 @@ from pdps.core.errors import ConfigError, NoSuchJob, NoSuchPass
 from pdps.core.job import JobConfig, Keys
 from pdps.core.tasks import TaskSpec
 from pdps.ports.transport import Message
+from tests.unit.test_master_state import Clock
 from pdps.roles.master import Master
 from pdps.status import format_pass_audit, job_status, pass_audit
 
@@ -37,14 +38,6 @@ class Tasks:
 
     def read(self, task):  # pragma: no cover - never called by the master
         raise AssertionError("the master must not read records")
-
-
-class Clock:
-    def __init__(self, now: float) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def start(store, n: int = 4, clock=None, source=None, **settings) -> Master:
@@ -303,7 +296,7 @@ def test_record_counts_are_kept_once_and_added_to_a_job_from_before_them():
         start(store, n=3, source=Tasks(3, records=20))  # the dataset changed under the job
 
 
-@pytest.mark.parametrize("value, message", [("-1", "0 or more"), ("one", "expected a pass number"), ("1.5", "expected a pass number")])
+@pytest.mark.parametrize("value, message", [("-1", "must be at least 0"), ("one", "expected a pass number"), ("1.5", "expected a pass number")])
 def test_status_refuses_a_pass_that_is_not_a_whole_number_from_0(value, message, capsys):
     with pytest.raises(SystemExit) as exc:
         build_parser().parse_args(["status", "memory://", "--pass", value])

@@ -116,7 +116,7 @@ def test_the_audit_of_every_pass_of_a_real_job_accounts_for_every_record(etcd_st
     missing = pdps_status(etcd_server.url, "--job", "audited", "--pass", "2")
     assert missing.returncode == 1 and "has no pass 2: passes 0..1 exist" in missing.stderr
     refused = pdps_status(etcd_server.url, "--pass", "-1")
-    assert refused.returncode == 2 and "0 or more" in refused.stderr
+    assert refused.returncode == 2 and "must be at least 0" in refused.stderr
 
 
 def test_status_shows_who_waits_for_whom_and_since_when(real_store):

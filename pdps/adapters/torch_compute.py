@@ -20,7 +20,7 @@ import importlib
 import inspect
 import json
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -154,9 +154,9 @@ def _with_kernel_choice(cls: type, kwargs: dict[str, Any], device: torch.device)
     return kwargs
 
 
-def _build(cls: type[torch.optim.Optimizer], name: str, param: torch.Tensor, kwargs: dict[str, Any]) -> torch.optim.Optimizer:
+def _build(cls: type[torch.optim.Optimizer], name: str, params: Sequence[torch.Tensor], kwargs: dict[str, Any]) -> torch.optim.Optimizer:
     try:
-        return cls([param], **kwargs)
+        return cls(list(params), **kwargs)
     except (TypeError, ValueError, RuntimeError) as exc:
         raise ConfigError(f"optimizer {name!r} refused its arguments {kwargs}: {exc}") from exc
 
@@ -206,7 +206,7 @@ class TorchCompute:
         args = _with_kernel_choice(cls, optimizer_kwargs(kwargs), torch.device(self.device))
         dummy = torch.zeros(1, device=self.device)
         dummy.grad = torch.zeros_like(dummy)
-        opt = _build(cls, name, dummy, args)
+        opt = _build(cls, name, [dummy], args)
         try:
             opt.step()
         except (TypeError, ValueError, RuntimeError) as exc:
@@ -344,6 +344,54 @@ class TorchReplica:
                     "nothing was pushed"
                 )
 
+    def on_grad_ready(self, fn: Callable[[int], None]) -> Callable[[], None]:
+        """Call ``fn(i)`` as soon as backward has accumulated parameter ``i``'s gradient
+        (in :attr:`specs` order), its flat-buffer view then holding it. Returns a remover."""
+
+        def hook(i: int) -> Callable[[torch.Tensor], None]:
+            p, view = self._params[i], self._grad_views[i]
+
+            def ready(_: torch.Tensor) -> None:
+                g = p.grad
+                if g is not None and (g.data_ptr() != view.data_ptr() or g.shape != view.shape):
+                    view.copy_(g.detach())  # user code replaced the gradient: bind it back
+                    p.grad = view
+                fn(i)
+
+            return ready
+
+        handles = [p.register_post_accumulate_grad_hook(hook(i)) for i, p in enumerate(self._params)]
+        return lambda: [h.remove() for h in handles] and None
+
+    def before_forward(self, fn: Callable[[list[int]], None]) -> Callable[[], None]:
+        """Call ``fn(indices)`` before each submodule that owns trainable parameters runs
+        its forward, with those parameters' indices. Returns a remover."""
+        index = {id(p): i for i, p in enumerate(self._params)}
+        handles = []
+        for module in self.module.modules():
+            own = [index[id(p)] for p in module.parameters(recurse=False) if id(p) in index]
+            if own:
+                handles.append(module.register_forward_pre_hook(lambda _m, _a, own=own: fn(own)))
+        return lambda: [h.remove() for h in handles] and None
+
+    def grads_of(self, i: int, blocks: Sequence[Block], trainer: str) -> list[torch.Tensor]:
+        """Views of the flat gradient buffer for ``blocks`` (of parameter ``i``), and
+        GradientRejected if any is not finite: one reduction over the parameter."""
+        g = self._grad_views[i]
+        if not bool(torch.isfinite(g.sum())) and not bool(torch.isfinite(g).all()):
+            nan, inf = int(torch.isnan(g).sum()), int(torch.isinf(g).sum())
+            raise GradientRejected(f"gradient of {self.specs[i].name} on trainer {trainer!r} holds {nan} NaN and {inf} infinite values")
+        return [self.flat_grads[b.offset : b.offset + b.numel].view(b.shape) for b in blocks]
+
+    def load_blocks(self, blocks: Sequence[Block], tensors: Sequence[torch.Tensor]) -> None:
+        """:meth:`load` without re-binding the model (safe while another thread runs it):
+        the values land in the flat buffer the parameters are views of."""
+        with torch.no_grad():
+            for b, t in zip(blocks, tensors):
+                if tuple(t.shape) != b.shape:
+                    raise ConfigError(f"pulled value for {b.describe()} has shape {tuple(t.shape)}, the block is {b.shape}")
+                self.flat_params[b.offset : b.offset + b.numel].view(b.shape).copy_(t)
+
     def zero_grad(self) -> None:
         self.flat_grads.zero_()
         for p, grad in zip(self._params, self._grad_views):
@@ -354,10 +402,15 @@ class TorchReplica:
 class TorchShard:
     """The blocks one pserver owns, in one flat tensor, with the job's optimizer over it.
 
-    Blocks are laid out in the given order. Gradients go through one reused buffer
-    (``values.grad``). Sync rounds stage each trainer's gradient in a buffer of its own
-    (float32 when the blocks are half precision), reused round after round. Callers
-    run :meth:`check` before :meth:`stage` and :meth:`apply`, which do not re-validate.
+    Blocks are laid out in the given order. The optimizer's parameters are the blocks'
+    views of that tensor, so an async push is applied by handing the optimizer the
+    received tensors as gradients (no copy into a gradient buffer), and a push of some
+    blocks only (a trainer pushing each slot as soon as backward has produced it)
+    steps those blocks only: torch's rules skip a parameter whose ``grad`` is None.
+    Sync rounds stage each trainer's gradient in a buffer of its own (float32 when the
+    blocks are half precision), reused round after round, and apply their weighted sum
+    from one reused buffer (``values.grad``). Callers run :meth:`check` before
+    :meth:`stage` and :meth:`apply`, which do not re-validate.
     """
 
     def __init__(
@@ -390,7 +443,11 @@ class TorchShard:
         self.optimizer_name = optimizer
         cls = resolve_optimizer(optimizer)
         self.optimizer_args = _with_kernel_choice(cls, optimizer_kwargs(optimizer_args), torch.device(self.device))
-        self.optimizer = _build(cls, optimizer, self.values, self.optimizer_args)
+        self._all = tuple(range(len(self.blocks)))
+        self._staged_blocks: dict[str, set[int]] = {}
+        # a pserver holding no blocks still builds its rule (over the empty tensor), so
+        # a bad optimizer is refused the same way everywhere
+        self.optimizer = _build(cls, optimizer, self._value_views or [self.values], self.optimizer_args)
         self.initialized = False
         log.debug("shard of %d blocks (%d elements) on %s with %s(%r)", len(self.blocks), self.numel, self.device, optimizer, self.optimizer_args)
 
@@ -404,13 +461,16 @@ class TorchShard:
     def _on_device(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return [t.to(self.device, non_blocking=True) for t in tensors]
 
-    def check(self, tensors: Sequence[Any], trainer: str, what: str = "gradient") -> None:
-        if len(tensors) != len(self.blocks):
+    def check(self, tensors: Sequence[Any], trainer: str, what: str = "gradient", indices: Sequence[int] | None = None) -> None:
+        """Shapes, dtypes and finiteness of ``tensors``, one per block (the blocks at
+        ``indices`` when given: a push of some slots only)."""
+        blocks = self.blocks if indices is None else [self.blocks[i] for i in indices]
+        if len(tensors) != len(blocks):
             raise GradientRejected(
-                f"{what}s from trainer {trainer!r}: got {len(tensors)} tensors, but this pserver holds "
-                f"{len(self.blocks)} blocks; the trainer's layout is out of date, re-fetch it"
+                f"{what}s from trainer {trainer!r}: got {len(tensors)} tensors for {len(blocks)} blocks "
+                f"(this pserver holds {len(self.blocks)}); the trainer's layout is out of date, re-fetch it"
             )
-        for b, t in zip(self.blocks, tensors):
+        for b, t in zip(blocks, tensors):
             if not isinstance(t, torch.Tensor):
                 raise GradientRejected(f"{what} for {b.describe()} from trainer {trainer!r} is a {type(t).__name__}, not a tensor")
             if tuple(t.shape) != b.shape:
@@ -430,7 +490,7 @@ class TorchShard:
             sums.setdefault(t.device, []).append(t.sum())
         if all(bool(torch.isfinite(torch.stack(ss)).all()) for ss in sums.values()):
             return
-        for b, t in zip(self.blocks, tensors):
+        for b, t in zip(blocks, tensors):
             if not bool(torch.isfinite(t).all()):
                 nan = int(torch.isnan(t).sum())
                 inf = int(torch.isinf(t).sum())
@@ -448,14 +508,17 @@ class TorchShard:
         if self._acc is not None:
             self._acc.zero_()
         self._live.clear()
+        self._staged_blocks.clear()
         self.initialized = True
 
     # --- transactional sync rounds: stage per trainer, apply what the round names --------
 
-    def stage(self, key: str, tensors: Sequence[torch.Tensor]) -> None:
+    def stage(self, key: str, tensors: Sequence[torch.Tensor], indices: Sequence[int] | None = None) -> None:
         """Keep a copy of ``key``'s gradient for the open round (replacing an earlier one).
 
-        One buffer per key, reused round after round: no allocation per step.
+        ``indices`` names the blocks ``tensors`` are for (default: all, in order); a key
+        is staged once every block has been (:meth:`staged`). One buffer per key,
+        reused round after round: no allocation per step.
         """
         self._ready()
         buf = self._staged.get(key)
@@ -463,9 +526,13 @@ class TorchShard:
             acc_dtype = torch.float32 if self.dtype in (torch.float16, torch.bfloat16) else self.dtype
             flat = torch.empty(self.numel, dtype=acc_dtype, device=self.device)
             buf = self._staged[key] = (flat, self._views_of(flat))
-        if buf[1]:
-            torch._foreach_copy_(buf[1], self._on_device(tensors))
-        self._live.add(key)
+        views = buf[1] if indices is None else [buf[1][i] for i in indices]
+        if views:
+            torch._foreach_copy_(views, self._on_device(tensors))
+        have = self._staged_blocks.setdefault(key, set())
+        have.update(self._all if indices is None else indices)
+        if len(have) == len(self.blocks):
+            self._live.add(key)
 
     def staged(self) -> set[str]:
         """Keys whose gradient is staged for the open round."""
@@ -476,6 +543,7 @@ class TorchShard:
         keys = list(self._staged) if key is None else [key]
         for k in keys:
             self._live.discard(k)
+            self._staged_blocks.pop(k, None)
             if forget:
                 self._staged.pop(k, None)
 
@@ -493,8 +561,9 @@ class TorchShard:
             acc.add_(self._staged[key][0], alpha=float(w))
         if acc is not self._grad:
             self._grad.copy_(acc)
-        self._step()
+        self._step(self._all, self._grad_views)
         self._live.clear()
+        self._staged_blocks.clear()
 
     def _acc_buffer(self) -> torch.Tensor:
         if self._acc is None:
@@ -502,15 +571,21 @@ class TorchShard:
             self._acc = torch.zeros(self.numel, dtype=acc_dtype, device=self.device)
         return self._acc
 
-    def apply(self, tensors: Sequence[torch.Tensor]) -> None:
+    def apply(self, tensors: Sequence[torch.Tensor], indices: Sequence[int] | None = None) -> None:
+        """One optimizer step of the blocks at ``indices`` (default: all) with ``tensors``
+        as their gradients, used in place: the caller must not change them meanwhile."""
         self._ready()
-        for view, t in zip(self._grad_views, tensors):
-            view.copy_(t, non_blocking=True)
-        self._step()
+        self._step(self._all if indices is None else indices, self._on_device(tensors))
 
-    def _step(self) -> None:
-        self.values.grad = self._grad  # in case a rule cleared it
-        self.optimizer.step()
+    def _step(self, indices: Sequence[int], grads: Sequence[torch.Tensor]) -> None:
+        params = self._value_views
+        for i, g in zip(indices, grads):
+            params[i].grad = g
+        try:
+            self.optimizer.step()
+        finally:
+            for i in indices:
+                params[i].grad = None
 
     def views(self) -> list[torch.Tensor]:
         self._ready()
@@ -520,18 +595,30 @@ class TorchShard:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Flat tensors only (safetensors-friendly): ``values``, ``state.<key>`` for each
-        optimizer state tensor, ``scalar.<key>`` (0-d) for plain-number state.
+        optimizer state tensor (the blocks' state laid end to end, as ``values``),
+        ``scalar.<key>`` (0-d) for plain-number state.
 
-        The tensors alias the live shard: serialize them before the next step.
+        ``values`` aliases the live shard (serialize it before the next step); the state
+        tensors are assembled from the blocks' own.
         """
         out = {"values": self.values.detach()}
-        for key, value in self.optimizer.state.get(self.values, {}).items():
-            if isinstance(value, torch.Tensor):
-                out[f"state.{key}"] = value.detach()
-            elif isinstance(value, (bool, int, float)):
-                out[f"scalar.{key}"] = torch.tensor(value)
-            elif value is not None:
-                raise ConfigError(f"optimizer state {key!r} is a {type(value).__name__}; pdps checkpoints tensors and numbers only")
+        per_block = [self.optimizer.state.get(p, {}) for p in self._value_views]
+        keys = list(dict.fromkeys(k for st in per_block for k in st))
+        for key in keys:
+            have = [st.get(key) for st in per_block]
+            first = next(v for v in have if v is not None)
+            if isinstance(first, torch.Tensor) and first.dim() > 0:
+                # a block never stepped (a push cut short by a crash) has no state yet: zeros,
+                # which is what the rule starts from
+                parts = [(v if v is not None else torch.zeros(b.shape, dtype=first.dtype, device=first.device)).detach().reshape(-1) for v, b in zip(have, self.blocks)]
+                out[f"state.{key}"] = torch.cat(parts)
+            elif isinstance(first, torch.Tensor):
+                # per-block counters (Adam's step) agree unless a push was cut short; keep the largest
+                out[f"state.{key}"] = max((v.detach() for v in have if v is not None), key=float).clone()
+            elif isinstance(first, (bool, int, float)):
+                out[f"scalar.{key}"] = torch.tensor(first)
+            elif first is not None:
+                raise ConfigError(f"optimizer state {key!r} is a {type(first).__name__}; pdps checkpoints tensors and numbers only")
         return out
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
@@ -548,24 +635,33 @@ class TorchShard:
             if not isinstance(value, torch.Tensor) or not name or prefix not in ("state", "scalar"):
                 raise ConfigError(f"unexpected entry {key!r} in a shard checkpoint")
             if prefix == "state" and (value.dim() == 0 or tuple(value.shape) == (self.numel,)):
-                opt_state[name] = value.detach().clone()
+                opt_state[name] = value.detach()
             elif prefix == "scalar" and value.dim() == 0:
                 opt_state[name] = value.item()
             else:
                 raise ConfigError(f"checkpoint entry {key!r} has shape {tuple(value.shape)}, this shard has {self.numel} elements")
+        per_block: dict[int, dict[str, Any]] = {}
+        if opt_state:
+            for i, (b, (a, n)) in enumerate(zip(self.blocks, self._ranges)):
+                per_block[i] = {
+                    k: (v[a : a + n].view(b.shape).clone() if v.dim() else v.clone()) if isinstance(v, torch.Tensor) else v
+                    for k, v in opt_state.items()
+                }
         saved_dtypes = {k: v.dtype for k, v in opt_state.items() if isinstance(v, torch.Tensor)}
         groups = self.optimizer.state_dict()["param_groups"]
         try:
-            self.optimizer.load_state_dict({"state": {0: opt_state} if opt_state else {}, "param_groups": groups})
+            self.optimizer.load_state_dict({"state": per_block, "param_groups": groups})
         except (KeyError, ValueError, RuntimeError) as exc:
             raise ConfigError(f"cannot load optimizer state into {self.optimizer_name!r}: {exc}") from exc
-        live = self.optimizer.state[self.values]
-        for key, dtype in saved_dtypes.items():
-            if live[key].dtype != dtype:  # torch casts scalar state to the parameter dtype; keep it exact
-                live[key] = live[key].to(dtype)
+        for p in self._value_views if opt_state else ():
+            live = self.optimizer.state[p]
+            for key, dtype in saved_dtypes.items():
+                if live[key].dtype != dtype:  # torch casts scalar state to the parameter dtype; keep it exact
+                    live[key] = live[key].to(dtype)
         with torch.no_grad():
             self.values.copy_(values)
         if self._acc is not None:
             self._acc.zero_()
         self._live.clear()
+        self._staged_blocks.clear()
         self.initialized = True

@@ -72,6 +72,7 @@ class JobConfig:
     checkpoint_keep: int = attrs.field(default=3, validator=_positive("checkpoint_keep"))
     restore: str = "job"  # on a pserver restart: "job" rolls everyone back; "lost" (async) restores only its slots
     keep_rounds: int = attrs.field(default=10000, validator=_positive("keep_rounds"))  # sync round records kept
+    overlap: bool = True  # push each slot during backward; async: pull during the next forward
 
     def __attrs_post_init__(self) -> None:
         if not self.name or "/" in self.name:

@@ -24,7 +24,7 @@ sync mode pulls happen between rounds and see one version.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from pdps.core.slots import Block, ParamSpec
@@ -54,6 +54,24 @@ class ModelReplica(Protocol):
 
     def zero_grad(self) -> None: ...
 
+    # Overlap of communication with computation (``JobConfig.overlap``):
+
+    def on_grad_ready(self, fn: Callable[[int], None]) -> Callable[[], None]:
+        """Call ``fn(i)`` once backward has accumulated parameter ``i``'s gradient."""
+        ...
+
+    def before_forward(self, fn: Callable[[list[int]], None]) -> Callable[[], None]:
+        """Call ``fn(indices)`` before the forward of each part of the model owning them."""
+        ...
+
+    def grads_of(self, i: int, blocks: Sequence[Block], trainer: str) -> list[Any]:
+        """Parameter ``i``'s gradient blocks (views), GradientRejected unless finite."""
+        ...
+
+    def load_blocks(self, blocks: Sequence[Block], tensors: Sequence[Any]) -> None:
+        """Copy pulled values in, safe while the model runs on another thread."""
+        ...
+
 
 @runtime_checkable
 class ParameterShard(Protocol):
@@ -64,14 +82,17 @@ class ParameterShard(Protocol):
         """Take the initial values (copied). Raises GradientRejected on a mismatch."""
         ...
 
-    def check(self, tensors: Sequence[Any], trainer: str) -> None:
+    def check(self, tensors: Sequence[Any], trainer: str, what: str = "gradient", indices: Sequence[int] | None = None) -> None:
         """Raise GradientRejected naming the parameter and trainer unless ``tensors``
-        match the blocks in count, shape and dtype and hold only finite values."""
+        match the blocks (those at ``indices`` when given) in count, shape and dtype and
+        hold only finite values."""
         ...
 
-    def stage(self, key: str, tensors: Sequence[Any]) -> None:
+    def stage(self, key: str, tensors: Sequence[Any], indices: Sequence[int] | None = None) -> None:
         """Sync rounds: keep a copy of ``key``'s (a trainer's) gradient for the open round,
-        replacing one staged before. Nothing is applied until :meth:`apply_staged`."""
+        replacing one staged before; ``indices`` names the blocks of a push of some slots
+        (default all). ``key`` counts as staged once every block is. Nothing is applied
+        until :meth:`apply_staged`."""
         ...
 
     def staged(self) -> set[str]:
@@ -88,8 +109,9 @@ class ParameterShard(Protocol):
         Not for an empty round: momentum rules would still move the parameters."""
         ...
 
-    def apply(self, tensors: Sequence[Any]) -> None:
-        """Async: one optimizer step with these gradients."""
+    def apply(self, tensors: Sequence[Any], indices: Sequence[int] | None = None) -> None:
+        """Async: one optimizer step with these gradients, of the blocks at ``indices``
+        (default all; the others do not move). The tensors may be used in place."""
         ...
 
     def views(self) -> list[Any]:

@@ -98,7 +98,7 @@ def _field(req: Message, name: str, kind: type, default: object = _MISSING):
     value = req.meta[name]
     if value is None and default is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else kind):
+    if (isinstance(value, bool) and kind is not bool) or not isinstance(value, (int, float) if kind is float else kind):
         raise GradientRejected(f"request field {name!r} must be {kind.__name__}, got {value!r}")
     return kind(value)
 
@@ -140,6 +140,8 @@ class Pserver:
         self._keys = Keys(config.name)
         self._cond = threading.Condition(threading.RLock())
         self._shard: ParameterShard | None = None
+        self._block_keys: list[str] = []  # the shard's blocks, in order (what a push names)
+        self._block_index: dict[str, int] = {}
         self.version = 0  # updates applied
         self.epoch = 0
         self.round_no = 0  # the open sync round
@@ -265,6 +267,8 @@ class Pserver:
         if samples < 0:
             raise GradientRejected(f"push from trainer {trainer!r} claims {samples} samples")
         with self._cond:
+            began = time.perf_counter()  # the pserver's own time: what "update" means in a step breakdown
+            part = _field(req, "part", bool, False)
             self._check_epoch(req)
             shard = self._ready_shard()
             incarnation = _field(req, "incarnation", str, None)
@@ -280,20 +284,23 @@ class Pserver:
                     raise InvalidTransition(f"trainer {trainer}", f"round {self.round_no}", f"push for round {round_no}", "pull first")
                 if not samples:
                     raise GradientRejected(f"trainer {trainer!r} pushed for round {round_no} with zero samples; commit it instead")
-                self._check_blocks(req.meta.get("blocks"), trainer)  # before any state changes
-                shard.check(req.tensors, trainer)
-                shard.stage(trainer, req.tensors)  # applied only if the round's record names it
-                return Message(self._reply())
-            self._check_blocks(req.meta.get("blocks"), trainer)
-            shard.check(req.tensors, trainer)
+                indices = self._check_blocks(req.meta.get("blocks"), trainer, part)  # before any state changes
+                shard.check(req.tensors, trainer, indices=indices)
+                shard.stage(trainer, req.tensors, indices)  # applied only if the round's record names it
+                return Message(self._reply(update_s=time.perf_counter() - began))
+            indices = self._check_blocks(req.meta.get("blocks"), trainer, part)
+            shard.check(req.tensors, trainer, indices=indices)
             seen = _field(req, "version", int)
             if not 0 <= seen <= self.version:
                 raise GradientRejected(f"push from trainer {trainer!r} was computed on version {seen}, which pserver {self.index} never served (now {self.version})")
             check_staleness(seen, self.version, self.config.staleness)
-            shard.apply(req.tensors)
-            self.version += 1
-            self._maybe_announce_async()
-            return Message(self._reply())
+            shard.apply(req.tensors, indices)
+            # a gradient pushed slot by slot (overlapping the trainer's backward) counts as
+            # one update, at its last piece
+            if not part or _field(req, "final", bool, False):
+                self.version += 1
+                self._maybe_announce_async()
+            return Message(self._reply(update_s=time.perf_counter() - began))
 
     def _pull(self, req: Message) -> Message:
         after = _field(req, "after_round", int, None)
@@ -305,31 +312,46 @@ class Pserver:
             extra: dict[str, object] = {}
             if after is not None and self.config.mode is Mode.SYNC:
                 epoch = self.epoch
-                if not self._wait_round_closed(after, epoch, timeout if slice_s is None else min(slice_s, timeout)):
+                began = time.perf_counter()
+                closed = self._wait_round_closed(after, epoch, timeout if slice_s is None else min(slice_s, timeout))
+                extra["wait_s"] = time.perf_counter() - began  # the barrier, in a step breakdown
+                if not closed:
                     if slice_s is None:
                         raise Timeout(f"pserver {self.index}: round {after} did not close in {timeout:.0f}s; waiting for {sorted(self._waiting)}")
-                    return Message(self._reply(waiting=sorted(self._waiting)))
+                    return Message(self._reply(waiting=sorted(self._waiting), **extra))
                 if self._round_checkpoint is not None and self._round_checkpoint[0] == after:
                     extra["checkpoint"] = self._round_checkpoint[1]
             elif self.config.mode is Mode.SYNC:
                 self._advance(self.round_no)  # serve every round the store has closed
-            return Message(self._reply(**extra), shard.views())
+            views = shard.views()
+            keys = req.meta.get("blocks")
+            if keys is not None:  # some slots only: a trainer pulling while its forward runs
+                if not isinstance(keys, list) or any(k not in self._block_index for k in keys):
+                    raise GradientRejected(f"pull from {req.meta.get('trainer')!r} names blocks pserver {self.index} does not hold")
+                views = [views[self._block_index[k]] for k in keys]
+            return Message(self._reply(**extra), views)
 
-    def _check_blocks(self, keys: object, trainer: str) -> None:
-        """The push must name exactly this pserver's blocks, in order (``param@row``)."""
+    def _check_blocks(self, keys: object, trainer: str, part: bool) -> list[int] | None:
+        """The push must name this pserver's blocks in order (``param@row``): all of them
+        (None is returned), or, for a push of some slots while the trainer's backward
+        still runs (``"part": true``), some of them, whose indices are returned."""
         assert self._shard is not None
-        mine = [b.key for b in self._shard.blocks]
-        if keys == mine:
-            return
+        mine = self._block_index
+        if keys == self._block_keys and not part:
+            return None
         if not isinstance(keys, list):
             raise GradientRejected(f"push from trainer {trainer!r} does not name its blocks")
-        known = set(mine)
-        unknown = [k for k in keys if k not in known]
+        unknown = [k for k in keys if k not in mine]
         if unknown:
             raise GradientRejected(
                 f"trainer {trainer!r} pushed a gradient for parameter {str(unknown[0]).split('@')[0]!r} "
                 f"(block {unknown[0]!r}), which pserver {self.index} does not hold"
             )
+        indices = [mine[k] for k in keys]
+        if part:
+            if any(a >= b for a, b in zip(indices, indices[1:])):
+                raise GradientRejected(f"push of some slots from trainer {trainer!r} names pserver {self.index}'s blocks out of order or more than once")
+            return indices
         missing = [b.describe() for b in self._shard.blocks if b.key not in set(keys)]
         if missing:
             raise GradientRejected(f"push from trainer {trainer!r} lacks gradients for {missing[:5]}")
@@ -621,6 +643,8 @@ class Pserver:
             layout = Layout.build(specs, decode_as(slots.value, slots.key, SlotMap.from_json), self.config.min_block)
             assert self.index is not None
             self._shard = self._compute.shard(layout.blocks_of(self.index), self.config.optimizer, self.config.optimizer_args)
+            self._block_keys = [b.key for b in self._shard.blocks]
+            self._block_index = {k: i for i, k in enumerate(self._block_keys)}
         return self._shard
 
     def _ready_shard(self) -> ParameterShard:

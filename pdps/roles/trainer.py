@@ -15,6 +15,12 @@ records cannot be read is reported failed. ``step`` runs ``loss.backward()`` and
 then follows the job's mode: sync pushes every batch into a barrier round and
 pulls the round's result; async sums gradients for ``push_every`` batches, pushes,
 and pulls every ``pull_every`` batches.
+
+With ``overlap`` (the default) communication runs beside computation: each
+parameter's slots go to their pservers as soon as backward has produced its gradient,
+while backward goes on with the layers before it (one thread per pserver keeps each
+pserver's messages in order), and in async mode the pull that follows runs while the
+next forward does, each module waiting only for its own parameters.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ import logging
 import threading
 import time
 import uuid
+from collections import defaultdict
+from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -290,6 +298,178 @@ class PserverGroup:
             p.channel.close()
 
 
+class _Pipeline:
+    """Communication beside computation for one trainer (``JobConfig.overlap``).
+
+    A push-step arms it: as backward accumulates each parameter's gradient, a hook
+    hands that parameter's blocks of each pserver to the pserver's worker thread, which
+    pushes them (``"part": true``; the last piece of a step carries ``"final"``, so an
+    async pserver counts the step once). Async, once the pushes are in, the pull goes
+    out parameter by parameter in forward order and :meth:`need` (a forward pre-hook)
+    waits for a module's own parameters only.
+    """
+
+    def __init__(self, ctx: TrainerContext) -> None:
+        assert ctx._replica is not None and ctx._group is not None
+        self._ctx = ctx
+        self._replica = ctx._replica
+        self._group = ctx._group
+        #: parameter index -> [(part position, that part's block positions)]
+        self._pieces: dict[int, list[tuple[int, list[int]]]] = defaultdict(list)
+        for pi, part in enumerate(self._group.parts):
+            by_param: dict[int, list[int]] = defaultdict(list)
+            for bi, b in enumerate(part.blocks):
+                by_param[b.index].append(bi)
+            for i, positions in by_param.items():
+                self._pieces[i].append((pi, positions))
+        self._workers = [ThreadPoolExecutor(1, thread_name_prefix=f"{ctx.trainer_id}-ps{part.index}") for part in self._group.parts]
+        self._meta: list[dict] | None = None  # per part, while a push-step's backward runs
+        self._sent: set[int] = set()
+        self._held: list[tuple[int, list[int]] | None] = []  # per part: the piece not yet sent
+        self._pushes: list[tuple[int, Future]] = []  # (part position, its reply)
+        self._pulls: dict[int, list[Future]] = {}  # parameter -> its pulls in flight
+        self._lock = threading.Lock()
+        self._removers = [self._replica.on_grad_ready(self._ready)]
+        if ctx.config.mode is Mode.ASYNC:
+            self._removers.append(self._replica.before_forward(self.need))
+
+    def close(self) -> None:
+        for remove in self._removers:
+            remove()
+        self._removers = []
+        for w in self._workers:
+            w.shutdown(wait=True, cancel_futures=True)
+
+    # --- pushes, during backward ----------------------------------------------------
+
+    def push(self, loss: Any, metas: list[dict]) -> list[Message | StalePush]:
+        """``loss.backward()`` with each slot pushed as soon as it is ready; one reply
+        (the last piece's) or StalePush per part, once every piece has been answered."""
+        self._meta, self._sent, self._pushes = metas, set(), []
+        self._held = [None] * len(self._workers)
+        error: BaseException | None = None
+        try:
+            t0 = time.perf_counter()
+            loss.backward()
+            self._ctx._time("compute", time.perf_counter() - t0)
+            for i in sorted(set(self._pieces) - self._sent):  # parameters this loss does not reach
+                self._ready(i)
+            for pi, held in enumerate(self._held):
+                self._send(pi, held, final=True)
+        except BaseException as exc:  # a non-finite slot: nothing more goes out
+            error = exc
+        finally:
+            self._meta = None
+        t0 = time.perf_counter()
+        results: list[Message | StalePush] = [Message({})] * len(self._workers)
+        failures: list[BaseException] = []
+        for pi, fut in self._pushes:
+            exc = fut.exception()
+            if exc is None:
+                reply = fut.result()
+                if isinstance(reply, StalePush) or not isinstance(results[pi], StalePush):
+                    results[pi] = reply
+            else:
+                failures.append(exc)
+        self._ctx._time("wait", time.perf_counter() - t0)
+        if error is not None:
+            raise error
+        if failures:
+            raise next((e for e in failures if isinstance(e, EpochChanged)), failures[0])
+        return results
+
+    def _ready(self, i: int) -> None:
+        """Hook: parameter ``i``'s gradient is complete; queue its slots."""
+        if self._meta is None or i in self._sent:
+            return
+        self._sent.add(i)
+        for pi, positions in self._pieces.get(i, ()):
+            held, self._held[pi] = self._held[pi], (i, positions)
+            if held is not None:
+                self._send(pi, held, final=False)
+
+    def _send(self, pi: int, piece: tuple[int, list[int]] | None, *, final: bool) -> None:
+        assert self._meta is not None
+        part = self._group.parts[pi]
+        if piece is None:
+            if not final or self._ctx.config.mode is Mode.SYNC:
+                return
+            keys: list[str] = []
+            tensors: list[Any] = []
+        else:
+            i, positions = piece
+            blocks = [part.blocks[j] for j in positions]
+            keys = [b.key for b in blocks]
+            tensors = self._replica.grads_of(i, blocks, self._ctx.trainer_id)
+        meta = {**self._meta[pi], "blocks": keys, "part": True, "final": final}
+        self._pushes.append((pi, self._workers[pi].submit(self._call, part, "push", Message(meta, tensors))))
+
+    def _call(self, part: _Part, method: str, request: Message) -> Message | StalePush:
+        t0 = time.perf_counter()
+        try:
+            reply = self._group.call(part, method, request)
+        except StalePush as exc:
+            return exc
+        finally:
+            self._ctx._time("comm", time.perf_counter() - t0)
+        self._ctx._time("update", float(reply.meta.get("update_s", 0.0)))
+        return reply
+
+    # --- pulls, during the next forward (async) ----------------------------------------
+
+    def pull_ahead(self) -> None:
+        """Send the pull of every slot, in forward order; :meth:`need` waits for them."""
+        meta = {"trainer": self._ctx.trainer_id, "epoch": self._ctx.epoch}
+        fresh = [True] * len(self._workers)
+        with self._lock:
+            for i in sorted(self._pieces):
+                for pi, positions in self._pieces[i]:
+                    part = self._group.parts[pi]
+                    blocks = [part.blocks[j] for j in positions]
+                    first, fresh[pi] = fresh[pi], False
+                    fut = self._workers[pi].submit(self._pull, part, blocks, Message({**meta, "blocks": [b.key for b in blocks]}), first)
+                    self._pulls.setdefault(i, []).append(fut)
+
+    def _pull(self, part: _Part, blocks: list[Block], request: Message, first: bool) -> None:
+        reply = self._call(part, "pull", request)
+        assert isinstance(reply, Message)
+        version = int(reply.meta["version"])
+        # the step's pushes are checked against the oldest version this pull saw
+        part.version = version if first else min(part.version, version)
+        part.round_no = int(reply.meta["round"])
+        part.incarnation = reply.meta.get("incarnation")
+        self._replica.load_blocks(blocks, reply.tensors)
+
+    def need(self, indices: Sequence[int]) -> None:
+        """Forward pre-hook: wait until these parameters' pulls have landed."""
+        with self._lock:
+            futures = [f for i in indices for f in self._pulls.pop(i, ())]
+        if futures:
+            self._wait(futures)
+
+    def drain(self) -> None:
+        """Wait for every pull in flight (before anything else reads the parameters)."""
+        with self._lock:
+            futures = [f for fs in self._pulls.values() for f in fs]
+            self._pulls.clear()
+        if futures:
+            self._wait(futures)
+
+    def _wait(self, futures: list[Future]) -> None:
+        t0 = time.perf_counter()
+        errors = [e for e in (f.exception() for f in futures) if e is not None]
+        self._ctx._time("wait", time.perf_counter() - t0)
+        if errors:
+            # a failed pull (a rollback, a pserver that restarted): the other pulls are
+            # void too; fetch everything again the way a plain step would
+            self.drain()
+            self._ctx._pull_failed(errors[0])
+
+
+#: Per-step time categories of :attr:`TrainerContext.timings`.
+TIMINGS = ("compute", "data", "serialize", "network", "update", "barrier", "wait")
+
+
 class TrainerContext:
     """What a training function receives. See the module docstring for the loop."""
 
@@ -331,6 +511,50 @@ class TrainerContext:
         self.tasks_done = 0
         self.rollbacks = 0  # epochs this trainer followed
         self.metrics: dict[str, float] = {}  # free for the training function; shown as progress
+        self._pipeline: _Pipeline | None = None
+        self._times: dict[str, float] = defaultdict(float)
+        self._times_lock = threading.Lock()
+        self._mark: float | None = None  # when control last went back to the training function
+        self._mark_wait = 0.0
+
+    # --- where the time goes ------------------------------------------------------------
+
+    @property
+    def timings(self) -> dict[str, float]:
+        """Seconds this trainer spent since attach, by kind (:data:`TIMINGS`):
+
+        ``compute``: the training function's own time (forward, metrics) and backward;
+        ``data``: leasing tasks and reading their records; ``serialize``: encoding and
+        decoding messages (transports that report it: gRPC); ``update``: the pservers
+        taking pushes (async: applying them); ``barrier``: sync rounds (committing a
+        contribution, waiting for the round to close); ``network``: the rest of the
+        time calls to pservers took; ``wait``: the trainer thread blocked on those
+        calls. With ``overlap``, calls run beside computation, so ``serialize`` +
+        ``update`` + ``barrier`` + ``network`` may exceed ``wait``: only ``wait`` is
+        added to a step.
+        """
+        with self._times_lock:
+            t = dict(self._times)
+        out = {k: t.get(k, 0.0) for k in TIMINGS}
+        channels = [] if self._group is None else [p.channel for p in self._group.parts]
+        out["serialize"] = sum(float((getattr(c, "stats", None) or {}).get("serialize", 0.0)) for c in channels)
+        out["network"] = max(0.0, t.get("comm", 0.0) - out["serialize"] - out["update"] - out["barrier"])
+        return out
+
+    def _time(self, kind: str, seconds: float) -> None:
+        with self._times_lock:
+            self._times[kind] += seconds
+
+    def _back_to_user(self) -> None:
+        self._mark = time.perf_counter()
+        self._mark_wait = self._times["wait"]
+
+    def _user_time(self) -> None:
+        """Count the time since control went to the training function as compute (less
+        any wait for pulls its forward did)."""
+        if self._mark is not None:
+            self._time("compute", max(0.0, time.perf_counter() - self._mark - (self._times["wait"] - self._mark_wait)))
+            self._mark = None
 
     # --- lifecycle --------------------------------------------------------------------
 
@@ -373,6 +597,9 @@ class TrainerContext:
         keeper, self._keeper = self._keeper, None
         if keeper is not None:
             keeper.stop(revoke=not crashed)
+        pipeline, self._pipeline = self._pipeline, None
+        if pipeline is not None:
+            pipeline.close()
         group, self._group = self._group, None
         if group is not None:
             group.close()
@@ -417,6 +644,9 @@ class TrainerContext:
         if self.config.mode is Mode.SYNC:
             self._join()
         replica.zero_grad()
+        if self.config.overlap and self._pipeline is None:
+            self._pipeline = _Pipeline(self)
+        self._back_to_user()
         return model
 
     def _init_part(self, part: _Part) -> None:
@@ -437,6 +667,8 @@ class TrainerContext:
 
         held: tuple[int, int] | None = None  # (task, attempt) leased and not yet reported
         bs = self.config.batch_size
+        self._user_time()
+        fetching = time.perf_counter()
         try:
             rejoins = 0
             while not self._stop.is_set():
@@ -481,7 +713,11 @@ class TrainerContext:
                     if self._replica is not None and self._replica.device != "cpu":
                         cols = {k: v.to(self._replica.device) for k, v in cols.items()}
                     self._batch = Batch(cols, min(bs, n - start), task, pass_no, last=start + bs >= n, attempt=attempt, start=start)
+                    self._time("data", time.perf_counter() - fetching)
+                    self._back_to_user()
                     yield self._batch
+                    self._user_time()
+                    fetching = time.perf_counter()
                     if self._abandon:
                         break
                     if self._stop.is_set() and not self._batch.last:
@@ -496,6 +732,8 @@ class TrainerContext:
                     held = None
                     self._abandon = False
             self._flush()
+            if self._pipeline is not None:
+                self._pipeline.drain()  # the model holds the job's values when the loop ends
         except GeneratorExit:  # the user left the loop: push what the last batches summed
             if not self.killed:
                 self._flush()
@@ -540,18 +778,40 @@ class TrainerContext:
             if self._batch is None:
                 raise ConfigError("ctx.step() outside ctx.batches() needs samples=")
             samples = self._batch.size
-        loss.backward()
-        self.steps += 1
-        self._stepped = self._batch
+        self._user_time()
         try:
-            if self.config.mode is Mode.SYNC:
-                self._sync_round(samples)
-            else:
-                self._async_step()
-        except (EpochChanged, NotInitialized) as exc:
-            # a rollback, or a pserver that restarted empty: drop the step, re-fetch
-            log.warning("trainer %s: %s", self.trainer_id, exc)
-            self._resync()
+            if self._abandon:
+                # a pull during this batch's forward found the job rolled back: its
+                # gradient belongs to the old epoch, and batches() moves on
+                self._replica.zero_grad()
+                return
+            sync = self.config.mode is Mode.SYNC
+            # with overlap, backward runs inside the push: each slot leaves when it is ready
+            overlap = self._pipeline is not None and (samples > 0 if sync else self.config.cadence.push_due(self._batch_no + 1))
+            if not overlap:
+                began = time.perf_counter()
+                loss.backward()
+                self._time("compute", time.perf_counter() - began)
+            self.steps += 1
+            self._stepped = self._batch
+            try:
+                if sync:
+                    self._sync_round(samples, loss if overlap else None)
+                else:
+                    self._async_step(loss if overlap else None)
+            except (EpochChanged, NotInitialized) as exc:
+                # a rollback, or a pserver that restarted empty: drop the step, re-fetch
+                log.warning("trainer %s: %s", self.trainer_id, exc)
+                self._resync()
+        finally:
+            self._back_to_user()
+
+    def _pull_failed(self, exc: BaseException) -> None:
+        """A pull sent ahead failed: follow a rollback as a step would, or raise."""
+        if not isinstance(exc, (EpochChanged, NotInitialized)):
+            raise exc
+        log.warning("trainer %s: %s", self.trainer_id, exc)
+        self._resync()
 
     def _contribution(self, samples: int) -> Contribution:
         b = self._batch
@@ -559,22 +819,33 @@ class TrainerContext:
             return Contribution(samples)
         return Contribution(samples, b.task.id, b.attempt, b.start + b.size, b.last)
 
-    def _sync_round(self, samples: int) -> None:
+    def _sync_round(self, samples: int, loss: Any = None) -> None:
         """Push to every pserver (staged there), commit the contribution to the round's
-        record, then pull the round's result: the step applies everywhere or nowhere."""
+        record, then pull the round's result: the step applies everywhere or nowhere.
+        With ``loss`` (overlap), its backward runs here, each slot pushed when ready."""
         assert self._replica is not None and self._group is not None
+        if self._pipeline is not None:
+            self._pipeline.drain()
         round_no = max(p.round_no for p in self._group.parts)
         stale = False
         if samples:
-            self._replica.check_finite(self.trainer_id)  # all pservers or none: fail before the first push
             meta = {"trainer": self.trainer_id, "round": round_no, "samples": samples, "epoch": self._epoch}
-            requests = [(part, Message({**meta, "blocks": part.keys}, self._replica.grads(part.blocks))) for part in self._group.parts]
-            for part, reply in zip(self._group.parts, self._group.call_each("push", requests)):
+            if loss is not None and self._pipeline is not None:
+                # a non-finite slot stops the pushes and raises before the commit below:
+                # what was staged is never applied
+                replies = self._pipeline.push(loss, [meta] * len(self._group.parts))
+            else:
+                self._replica.check_finite(self.trainer_id)  # all pservers or none: fail before the first push
+                requests = [(part, Message({**meta, "blocks": part.keys}, self._replica.grads(part.blocks))) for part in self._group.parts]
+                replies = self._call_each("push", requests)
+            for part, reply in zip(self._group.parts, replies):
                 if isinstance(reply, StalePush):
                     stale = True
                     log.warning("trainer %s: push to pserver %d was stale (%s); pulling", self.trainer_id, part.index, reply)
         if not stale:
+            began = time.perf_counter()
             stale = not self._commit(round_no, self._contribution(samples))
+            self._time("barrier", time.perf_counter() - began)
         if stale:
             self.stale_pushes += 1
         elif samples:
@@ -627,26 +898,40 @@ class TrainerContext:
                 return
             self._pull_fresh()
 
-    def _async_step(self) -> None:
+    def _async_step(self, loss: Any = None) -> None:
         assert self._replica is not None
         self._batch_no += 1
         cadence = self.config.cadence
         must_pull = False
         if cadence.push_due(self._batch_no):
-            must_pull = self._async_push()
-        if must_pull or cadence.pull_due(self._batch_no):
+            must_pull = self._async_push(loss)
+        if must_pull or not cadence.pull_due(self._batch_no):
+            if must_pull:
+                self._pull_fresh()
+        elif self._pipeline is not None:
+            self._pipeline.pull_ahead()  # lands while the next forward runs
+        else:
             self._pull_fresh()
 
-    def _async_push(self) -> bool:
-        """Push the summed gradients to every pserver; True if one of them said pull."""
+    def _async_push(self, loss: Any = None) -> bool:
+        """Push the summed gradients to every pserver; True if one of them said pull.
+        With ``loss`` (overlap), its backward runs here, each slot pushed when ready: a
+        non-finite slot is refused there, after the slots before it went out."""
         assert self._replica is not None and self._group is not None
-        self._replica.check_finite(self.trainer_id)
-        requests = []
-        for part in self._group.parts:
-            meta = {"trainer": self.trainer_id, "version": part.version, "blocks": part.keys, "epoch": self._epoch, "incarnation": part.incarnation}
-            requests.append((part, Message(meta, self._replica.grads(part.blocks))))
+        if self._pipeline is not None:
+            self._pipeline.drain()
+        metas = [
+            {"trainer": self.trainer_id, "version": part.version, "blocks": part.keys, "epoch": self._epoch, "incarnation": part.incarnation}
+            for part in self._group.parts
+        ]
+        if loss is not None and self._pipeline is not None:
+            replies = self._pipeline.push(loss, metas)
+        else:
+            self._replica.check_finite(self.trainer_id)
+            requests = [(part, Message(meta, self._replica.grads(part.blocks))) for part, meta in zip(self._group.parts, metas)]
+            replies = self._call_each("push", requests)
         stale = False
-        for part, reply in zip(self._group.parts, self._group.call_each("push", requests)):
+        for part, reply in zip(self._group.parts, replies):
             if isinstance(reply, StalePush):
                 stale = True
                 self.stale_pushes += 1
@@ -676,7 +961,8 @@ class TrainerContext:
         pending = list(self._group.parts)
         checkpoint = None
         while pending:
-            replies = self._group.call_each("pull", [(part, Message(meta)) for part in pending])
+            replies = self._call_each("pull", [(part, Message(meta)) for part in pending])
+            self._time("barrier", max(float(r.meta.get("wait_s", 0.0)) for r in replies if isinstance(r, Message)))
             still = []
             for part, reply in zip(pending, replies):
                 assert isinstance(reply, Message)  # pulls are never stale
@@ -695,15 +981,36 @@ class TrainerContext:
         if checkpoint is not None:
             self._call_master("checkpoint", Message({"trainer": self.trainer_id, "checkpoint": checkpoint, "epoch": self._epoch}))
 
+    def _call_each(self, method: str, requests: Sequence[tuple[_Part, Message]]) -> list[Message | StalePush]:
+        """:meth:`PserverGroup.call_each`, timed (the trainer thread waits for it all)."""
+        assert self._group is not None
+        began = time.perf_counter()
+        try:
+            replies = self._group.call_each(method, requests)
+        finally:
+            spent = time.perf_counter() - began
+            self._time("comm", spent)
+            self._time("wait", spent)
+        self._time("update", sum(float(r.meta.get("update_s", 0.0)) for r in replies if isinstance(r, Message)))
+        return replies
+
     def _pull_fresh(self) -> None:
         """Load every pserver's current values (initializing any that has none)."""
         assert self._group is not None
+        if self._pipeline is not None:
+            self._pipeline.drain()
         meta = {"trainer": self.trainer_id, "epoch": self._epoch}
         for part in self._group.parts:
             waited = time.monotonic()
             while True:
                 try:
-                    reply = self._group.call(part, "pull", Message(meta))
+                    began = time.perf_counter()
+                    try:
+                        reply = self._group.call(part, "pull", Message(meta))
+                    finally:
+                        spent = time.perf_counter() - began
+                        self._time("comm", spent)
+                        self._time("wait", spent)
                     break
                 except NotInitialized:
                     # Before the job's first initialization, wait for the trainer that

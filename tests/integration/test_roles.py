@@ -19,6 +19,7 @@ from pdps.adapters.parquet import ParquetSource, write_parquet_shards
 from pdps.adapters.torch_compute import TorchCompute
 from pdps.core.errors import LeaseExpired, TransportError
 from pdps.core.job import Keys
+from pdps.core.sgd import Contribution, RoundRecord
 from pdps.ports.transport import Message
 from pdps.roles.master import Master
 from pdps.roles.pserver import Pserver
@@ -205,13 +206,16 @@ def test_a_failed_simulate_leaves_no_threads(tmp_path):
     assert threading.active_count() <= before, [t.name for t in threading.enumerate()]
 
 
-def test_a_nan_loss_reaches_no_pserver(tmp_path):
-    """Sync, 2 pservers: the trainer refuses to push a non-finite gradient anywhere."""
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_nan_loss_reaches_no_pserver(tmp_path, overlap):
+    """Sync, 2 pservers: the trainer refuses to push a non-finite gradient anywhere.
+    With overlap, slots go out during backward, so the pserver holding only finite
+    slots may have staged them; but the trainer never commits, so nothing is applied."""
     rng = np.random.default_rng(1)
     x = rng.normal(size=(40, 4)).astype(np.float32)
     write_parquet_shards({"x": x, "y": (x[:, 0] > 0).astype(np.int64)}, f"{tmp_path.as_uri()}/d", shards=1, row_group_size=20)
     source = ParquetSource(f"{tmp_path.as_uri()}/d")
-    job = start_job(source, name="nan", mode="sync", pservers=2, min_block=1, num_slots=8)
+    job = start_job(source, name="nan", mode="sync", pservers=2, min_block=1, num_slots=8, overlap=overlap)
     servers, ctx = job.pservers, job.trainer("t0")
     try:
         model = ctx.attach(nn.Sequential(nn.Linear(4, 2)))
@@ -224,7 +228,14 @@ def test_a_nan_loss_reaches_no_pserver(tmp_path):
         loss = out.sum() + dict(model.named_parameters())[name].sum() * float("nan")
         with pytest.raises(pdps.GradientRejected, match=rf"{name}.*t0"):
             ctx.step(loss, samples=3)
-        assert all(ps.version == 0 and "t0" not in ps._shard.staged() for ps in servers)
+        assert all(ps.version == 0 for ps in servers)
+        by_index = {ps.index: ps for ps in servers}
+        assert "t0" not in by_index[second.index]._shard.staged()  # the non-finite slot went nowhere
+        if not overlap:
+            assert "t0" not in by_index[first.index]._shard.staged()
+        round_key = Keys(job.config.name).round(0, second.round_no)
+        kv = job.store.get(round_key)  # the round the bad step was for: t0 never committed to it
+        assert kv is None or RoundRecord.from_json(json.loads(kv.value)).contributions.get("t0", Contribution(0)).samples == 0
     finally:
         job.close()
 

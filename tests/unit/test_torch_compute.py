@@ -590,3 +590,60 @@ def test_replica_check_finite_names_the_parameter():
     model[1].weight.grad[0, 0] = float("inf")
     with pytest.raises(GradientRejected, match=r"1\.weight on trainer 't1' holds 0 NaN and 1 infinite"):
         replica.check_finite("t1")
+
+
+class TestShardPieces:
+    """Pushes of some blocks only: a trainer pushing each slot while backward runs."""
+
+    def test_apply_of_some_blocks_moves_only_those_and_equals_one_whole_step(self):
+        shard, blocks, grads = shard_and_grads("Adam", {"lr": 0.1})
+        whole = TorchShard(blocks, "Adam", {"lr": 0.1})
+        whole.initialize(shard.views(), "t0")
+        before = [v.clone() for v in shard.views()]
+        first = list(range(0, len(blocks), 2))
+        rest = [i for i in range(len(blocks)) if i not in first]
+        shard.apply([grads[i] for i in first], first)
+        for i, (v, b) in enumerate(zip(shard.views(), before)):
+            assert torch.equal(v, b) != (i in first), i  # only the pushed blocks moved
+        shard.apply([grads[i] for i in rest], rest)
+        whole.apply(grads)
+        assert torch.equal(shard.values, whole.values)  # two pieces make one step, Adam state included
+        state, twin = shard.state_dict(), whole.state_dict()
+        assert state.keys() == twin.keys()
+        for key in state:
+            assert torch.equal(state[key], twin[key]), key
+
+    def test_state_dict_round_trips_through_per_block_state(self):
+        shard, blocks, grads = shard_and_grads("Adam", {"lr": 0.1})
+        shard.apply(grads)
+        copy = TorchShard(blocks, "Adam", {"lr": 0.1})
+        copy.load_state_dict({k: v.clone() for k, v in shard.state_dict().items()})
+        shard.apply(grads)
+        copy.apply(grads)
+        assert torch.equal(shard.values, copy.values)
+        assert torch.equal(shard.state_dict()["state.exp_avg_sq"], copy.state_dict()["state.exp_avg_sq"])
+
+    def test_applied_gradients_are_used_in_place_and_not_kept(self):
+        shard, blocks, grads = shard_and_grads("SGD", {"lr": 1.0})
+        before = shard.values.clone()
+        shard.apply(grads)
+        torch.testing.assert_close(shard.values, before - torch.cat([g.reshape(-1) for g in grads]), rtol=0, atol=0)
+        assert all(v.grad is None for v in shard.views())  # no reference to the sender's tensors stays
+
+    def test_a_key_is_staged_once_every_block_is(self):
+        shard, blocks, grads = shard_and_grads("SGD", {"lr": 1.0})
+        half = list(range(len(blocks) // 2))
+        rest = list(range(len(blocks) // 2, len(blocks)))
+        shard.stage("t", [grads[i] for i in half], half)
+        assert shard.staged() == set()
+        with pytest.raises(KeyError):
+            shard.apply_staged([("t", 1.0)])
+        shard.stage("t", [grads[i] for i in rest], rest)
+        assert shard.staged() == {"t"}
+        twin = TorchShard(blocks, "SGD", {"lr": 1.0})
+        twin.initialize(shard.views(), "t0")
+        shard.apply_staged([("t", 1.0)])
+        twin.apply(grads)
+        assert torch.equal(shard.values, twin.values)
+        shard.stage("t", [grads[i] for i in half], half)  # a new round starts from nothing staged
+        assert shard.staged() == set()

@@ -85,7 +85,7 @@ class TaskSpec:
     records: int  # number of records, for progress and sample accounting
 
     def to_json(self) -> dict:
-        return attrs.asdict(self)
+        return {"id": self.id, "location": self.location, "part": self.part, "records": self.records}  # attrs.asdict, spelled out: it is on every dispatch
 
     @classmethod
     def from_json(cls, d: Mapping) -> TaskSpec:
@@ -106,10 +106,18 @@ class TaskRecord:
     offset: int = 0  # records already trained into the parameters (a checkpoint restore resumes here)
 
     def to_json(self) -> dict:
-        d = attrs.asdict(self)
-        d["state"] = self.state.value
-        if not self.offset:
-            del d["offset"]  # records written before offsets existed read the same
+        # attrs.asdict's dict, spelled out (it is on every transition), with the state's value
+        d = {
+            "id": self.id,
+            "pass_no": self.pass_no,
+            "state": self.state.value,
+            "attempt": self.attempt,
+            "failures": self.failures,
+            "trainer": self.trainer,
+            "deadline": self.deadline,
+        }
+        if self.offset:
+            d["offset"] = self.offset  # records written before offsets existed read the same
         return d
 
     @classmethod

@@ -17,6 +17,21 @@ Every transition also writes the audit of the touched task, ``audit/<pass>/<id>`
 queue never disagree; a master that takes over restores the current pass's audit so
 later attempts append to it.
 
+Group commit: a transition changes the in-memory queue under the master's lock and
+*stages* its writes; the lock is then released and the caller waits for a fenced
+transaction holding them. One transaction is in flight at a time; the transitions
+staged meanwhile (by other trainers' calls) go together in the next one, in the order
+they were made, up to ``max_txn_ops`` operations (etcd's ``--max-txn-ops``, less the
+fence's compares). So the store's round trip is shared by every transition waiting
+for it, and the queue's order is the store's order. A reply (task handed out, report
+accepted, even "wait") is sent only once the transaction holding its transition (or,
+for a reply that changed nothing, every transition before it) succeeded. If a
+transaction fails, every transition staged with it or after it fails too, none is
+acknowledged: a lost lock or lease (``FencingError``, ``LeaseExpired``) or an outage
+past the deadline steps the master down; any other error makes it rebuild its queue
+and audit from the store before the next transition, so memory never stays ahead of
+the store.
+
 A task record that cannot be decoded is moved to ``quarantine/<id>`` (its task is
 trained again from todo), an audit entry to ``quarantine/audit/<pass>/<id>`` (that
 task's log of the pass starts afresh; ``pdps status --pass`` lists it); undecodable
@@ -27,6 +42,8 @@ job state (``config``, ``pass``, ``state``, ``queue``) stops the master with
 from __future__ import annotations
 
 import base64
+import contextlib
+import copy
 import json
 import logging
 import threading
@@ -72,6 +89,51 @@ log = logging.getLogger(__name__)
 #: How long a trainer told to wait should sleep before asking again.
 RETRY_IN = 0.05
 
+#: The most operations one transaction may hold: etcd's ``--max-txn-ops`` default. A
+#: group commit stays within it, the fence's compares included (etcd counts those
+#: against the same limit: a fenced transaction carries at most 126 writes).
+MAX_TXN_OPS = 128
+
+
+class _Read:
+    """One read of trainer registrations, shared by the get_task calls that arrived before it started."""
+
+    __slots__ = ("keys", "live", "error", "done")
+
+    def __init__(self) -> None:
+        self.keys: set[str] = set()
+        self.live: set[str] = set()
+        self.error: BaseException | None = None
+        self.done = False
+
+
+class _Staged:
+    """The writes of one transition, waiting for the group commit that makes them durable.
+
+    ``after``: what to do once they are (e.g. mark the job done); ``error``: why they
+    were not written, once ``settled``. The thread that staged it parks on ``wake``
+    (held from the start; released once per park, by whoever sets ``parked`` back);
+    any other thread waiting for it waits on the master's ``_commits`` condition.
+    """
+
+    __slots__ = ("ops", "after", "settled", "error", "parked", "wake", "owner")
+
+    def __init__(self, ops: list[TxnOp], after: Sequence[Callable[[], None]] = ()) -> None:
+        self.ops = ops
+        self.after = after
+        self.settled = False
+        self.error: BaseException | None = None
+        self.parked = False
+        self.wake = threading.Lock()
+        self.wake.acquire()
+        self.owner = threading.get_ident()
+
+    def unpark(self) -> None:
+        """Wake the thread parked on this entry, if one is (``_commits`` held)."""
+        if self.parked:
+            self.parked = False
+            self.wake.release()
+
 
 def publish_job(store: CoordinationStore, config: JobConfig) -> JobConfig:
     """Write the job's config, desired pserver count and slot map unless they exist.
@@ -107,8 +169,12 @@ class Master:
         address: str = "inproc://",
         clock: Callable[[], float] = time.monotonic,
         storage: Storage | None = None,
+        max_txn_ops: int = MAX_TXN_OPS,
     ) -> None:
+        if max_txn_ops < 8:
+            raise ConfigError(f"max_txn_ops must be >= 8 (a transaction holds a transition and the fence), got {max_txn_ops}")
         self.config = config
+        self.max_txn_ops = max_txn_ops
         self._storage = storage
         self._epoch = 0  # the job's epoch whose queue this master serves (see recovery)
         self._snapshots: set[str] = set()
@@ -136,6 +202,22 @@ class Master:
         #: The records as restored from the store when this master took over (before it
         #: re-queued the tasks of departed trainers); ``None`` for a new job.
         self.restored: list[TaskRecord] | None = None
+        # group commit (see the module docstring): the transitions staged and not yet
+        # sent, in the order the queue made them; guarded by _commits, never held with
+        # a store call in flight. Lock order: _lock, then _commits.
+        self._commits = threading.Condition(threading.Lock())
+        self._staged: list[_Staged] = []
+        self._last: _Staged | None = None  # the latest staged (a reply that changed nothing waits for it)
+        self._committing = False  # a transaction is in flight
+        self._watchers = 0  # threads waiting on _commits for an entry they did not stage
+        self._broken: BaseException | None = None  # a transaction failed: stage nothing until rebuilt
+        self._rebuild_due = False
+        self._departures = 0  # trainers found gone, so a registration read outside the lock can be trusted
+        self._reads = threading.Condition(threading.Lock())  # group read of registrations (see _registered)
+        self._next_read: _Read | None = None  # joined by arriving calls until it starts
+        self._reading = False
+        #: transactions and transitions committed by group commit (for tests and benchmarks)
+        self.commit_stats = {"transactions": 0, "transitions": 0, "ops": 0}
 
     # --- lifecycle --------------------------------------------------------------------
 
@@ -306,22 +388,39 @@ class Master:
             if not self.done.is_set():
                 self._apply(self._queue.check_completion())
 
+    @contextlib.contextmanager
+    def _locked(self):
+        """The master's lock, for work on the queue: first rebuilds the queue from the
+        store if a transaction failed since (memory must not stay ahead of the store)."""
+        with self._lock:
+            if self._rebuild_due and not self._stopped.is_set():
+                self._rebuild()
+            yield
+
     def _write(self, ops: Sequence[TxnOp]) -> None:
+        """Write ``ops`` in a fenced transaction, after every transition staged before
+        them (lock held); returns once they are durable."""
         if ops:
-            try:
-                self._store.commit((), ops, fence=self._fence)
-            except FencingError:
-                self._step_down("its lock is held by another master")
-                raise
-            except StoreUnavailable as exc:  # the outage outlasted store_outage_deadline
-                self._fail(exc)
-                raise
+            self._await(self._enqueue(list(ops)))
 
     def _apply(self, changes: list[Change]) -> None:
-        """Persist a transition, then act on its notices. Called with the lock held."""
+        """Persist a transition and act on its notices (lock held); returns once durable."""
+        self._await(self._stage(changes))
+
+    def _stage(self, changes: list[Change]) -> _Staged | None:
+        """Stage the writes of a transition for the next group commit, and act on its
+        notices in memory (lock held). The caller must :meth:`_await` the result before
+        it tells anyone about the transition. One that writes nothing returns the latest
+        staged entry (or ``None``): what it answers may rest on the transitions before it."""
         assert self._queue is not None
         ops: list[TxnOp] = []
-        follow: list[Change] = []
+        after: list[Callable[[], None]] = []
+        self._transition_ops(changes, ops, after)
+        return self._enqueue(ops, after) if ops else self._last
+
+    def _transition_ops(self, changes: list[Change], ops: list[TxnOp], after: list[Callable[[], None]]) -> None:
+        assert self._queue is not None
+        follow: list[PassCompleted] = []
         for ch in changes:
             if isinstance(ch, TaskChanged):
                 ops.append(Put(self._keys.task(ch.record.id), json.dumps(ch.record.to_json()).encode()))
@@ -337,18 +436,175 @@ class Master:
         if any(isinstance(ch, PassStarted) for ch in changes):
             # a pass run again after a rollback has entries already: its new attempts append to them
             self._audit = self._restore_audit(self._audit.pass_no, {s.id for s in self._queue.specs()})
-        self._write(ops)
-        for ch in follow:
-            assert isinstance(ch, PassCompleted)
-            self.passes_completed = max(self.passes_completed, ch.pass_no + 1)
-            if ch.failed:
-                log.warning("pass %d: %d tasks failed for this pass: %s", ch.pass_no, len(ch.failed), list(ch.failed)[:20])
-            log.info("pass %d complete: %d done, %d failed", ch.pass_no, ch.done, len(ch.failed))
+        for pc in follow:  # the next pass (or the job's end) goes in the same transaction
+            self.passes_completed = max(self.passes_completed, pc.pass_no + 1)
+            if pc.failed:
+                log.warning("pass %d: %d tasks failed for this pass: %s", pc.pass_no, len(pc.failed), list(pc.failed)[:20])
+            log.info("pass %d complete: %d done, %d failed", pc.pass_no, pc.done, len(pc.failed))
             if self.passes_completed < self.config.passes:
-                self._apply(self._queue.start_next_pass())
+                self._transition_ops(self._queue.start_next_pass(), ops, after)
             else:
-                self._write([Put(self._keys.state, json.dumps({"state": "done", "passes": self.passes_completed}).encode())])
-                self.done.set()
+                ops.append(Put(self._keys.state, json.dumps({"state": "done", "passes": self.passes_completed}).encode()))
+                after.append(self.done.set)  # "done" is said only once it is durable
+
+    # --- group commit -----------------------------------------------------------------
+
+    def _enqueue(self, ops: list[TxnOp], after: Sequence[Callable[[], None]] = ()) -> _Staged:
+        """Stage ``ops`` behind every transition staged before (lock held, so the staged
+        order is the order the queue changed in). After a failed transaction nothing
+        is staged until the queue is rebuilt: the entry comes back failed."""
+        entry = _Staged(ops, after)
+        with self._commits:
+            if self._broken is not None:
+                entry.settled, entry.error = True, self._broken
+            else:
+                self._staged.append(entry)
+            self._last = entry
+        return entry
+
+    def _await(self, entry: _Staged | None) -> None:
+        """Return once ``entry`` is durable; raise why, if it is not.
+
+        Leader/follower: a caller finding no transaction in flight leads: it commits
+        what is staged (its own entry and everything before it, up to
+        ``max_txn_ops``), batch after batch until its entry is settled, then wakes the
+        owner of the oldest staged entry to lead the next. The others park until their
+        entry is settled or they are woken to lead (a thread waiting for an entry it did
+        not stage waits on ``_commits``, notified after every batch). Must not be called
+        while holding ``_commits``; the master's lock may be held (the leader never takes it).
+        """
+        if entry is None:
+            return
+        cv = self._commits
+        own = entry.owner == threading.get_ident()
+        while True:
+            with cv:
+                if entry.settled:
+                    break
+                lead = not self._committing
+                if lead:
+                    self._committing = True
+                elif own:
+                    entry.parked = True
+                else:
+                    self._watchers += 1
+                    cv.wait()
+                    self._watchers -= 1
+                    continue
+            if lead:
+                self._lead(entry)
+            else:
+                entry.wake.acquire()  # until settled, or woken to lead
+        if entry.error is not None:
+            raise _copy_error(entry.error)
+
+    def _lead(self, entry: _Staged) -> None:
+        cv = self._commits
+        while True:
+            with cv:
+                batch = self._take_batch()  # entry is staged and nothing is in flight: never empty
+            error: BaseException | None = None
+            try:
+                self._commit_batch(batch)
+            except BaseException as exc:  # every transition of the batch, and all staged after it, fail
+                error = exc
+            with cv:
+                react = self._settle(batch, error)
+                if entry.settled:
+                    self._committing = False
+                    for e in self._staged:  # the next leader
+                        if e.parked:
+                            e.unpark()
+                            break
+                if self._watchers:
+                    cv.notify_all()
+            if react is not None:  # step down or stop: not while holding _commits
+                react()
+            if entry.settled:
+                return
+
+    def _take_batch(self) -> list[_Staged]:
+        """The oldest staged transitions that fit one transaction (at least one)."""
+        room = self.max_txn_ops - (len(self._fence.compares()) if self._fence is not None else 0)
+        n, ops = 1, len(self._staged[0].ops)  # one larger than the limit goes alone (and may be refused, as it would alone)
+        while n < len(self._staged) and ops + len(self._staged[n].ops) <= room:
+            ops += len(self._staged[n].ops)
+            n += 1
+        batch = self._staged[:n]
+        del self._staged[:n]
+        return batch
+
+    def _commit_batch(self, batch: list[_Staged]) -> None:
+        """One fenced transaction holding the batch's writes (no ``_commits`` held).
+
+        A key written by several of its transitions is written once, with its last
+        value (etcd refuses a key twice in one transaction; the outcome is the same)."""
+        if len(batch) == 1:
+            ops = batch[0].ops
+        else:
+            last: dict[str, TxnOp] = {}
+            for e in batch:
+                for op in e.ops:
+                    last.pop(op.key, None)  # keep the position of the last write
+                    last[op.key] = op
+            ops = list(last.values())
+        self._store.commit((), ops, fence=self._fence)
+        stats = self.commit_stats
+        stats["transactions"] += 1
+        stats["transitions"] += len(batch)
+        stats["ops"] += len(ops)
+
+    def _settle(self, batch: list[_Staged], error: BaseException | None) -> Callable[[], None] | None:
+        """Mark the batch written, or failed with every transition staged after it
+        (``_commits`` held); returns what the master must do about a failure."""
+        if error is None:
+            for e in batch:
+                for act in e.after:
+                    act()
+                e.settled = True
+                e.unpark()
+            return None
+        failed = batch + self._staged
+        self._staged.clear()
+        self._broken = error
+        for e in failed:
+            e.settled, e.error = True, error
+            e.unpark()
+        log.error("a transaction of %d transitions failed (%d staged after it fail with it): %s", len(batch), len(failed) - len(batch), error)
+        if isinstance(error, FencingError):
+            return lambda: self._step_down("its lock is held by another master")
+        if isinstance(error, LeaseExpired):
+            return lambda: self._step_down(f"its lease is gone: {error}")
+        if isinstance(error, StoreUnavailable):  # the outage outlasted store_outage_deadline
+            return lambda: self._fail(error)
+        self._rebuild_due = True  # the next transition first reloads the queue from the store
+        return None
+
+    def _settle_all(self) -> None:
+        """Wait until every transition staged so far is durable (lock held); raise if one failed."""
+        self._await(self._last)
+
+    def _rebuild(self) -> None:
+        """Reload the queue and the audit from the store after a failed transaction (lock
+        held), as a master taking over would: the store is the truth, and nothing that
+        failed was acknowledged."""
+        assert self._queue is not None
+        log.warning("master of job %r reloads its queue from the store after a failed transaction", self.config.name)
+        with self._commits:
+            self._broken, self._last, self._rebuild_due = None, None, False
+        restored = self.restored
+        try:
+            self._queue = self._load_queue(self._queue.specs())
+            self._catch_up_epoch()
+            if not self.done.is_set():
+                self._apply(self._queue.check_completion())
+        except FencingError:
+            raise
+        except BaseException:
+            self._rebuild_due = True  # try again before the next transition
+            raise
+        finally:
+            self.restored = restored
 
     def _audit_put(self, entry: AuditEntry) -> Put:
         """The write of one audit entry, for the transaction of the change that made it."""
@@ -386,9 +642,49 @@ class Master:
         if self._stopped.is_set():
             raise FencingError(f"this master of job {self.config.name!r} has stepped down; ask the one at {self._keys.master_addr}")
 
+    def _registered(self, trainer: str) -> bool:
+        """Whether the trainer's key exists, read after this call began.
+
+        Group read: the calls arriving while a read is in flight join the next one, a
+        single ``get`` for one trainer or one ``range`` of ``trainers/`` for several,
+        so that concurrent get_task calls share a round trip as their transitions share
+        a transaction. A read that started before a call arrived never answers it."""
+        key = self._keys.trainer(trainer)
+        cv = self._reads
+        with cv:
+            read = self._next_read
+            if read is None:
+                read = self._next_read = _Read()
+            read.keys.add(key)
+            while not read.done:
+                if self._reading or self._next_read is not read:
+                    cv.wait()
+                    continue
+                self._reading, self._next_read = True, None  # from now on, arrivals join another read
+                cv.release()
+                try:
+                    if len(read.keys) == 1:
+                        read.live = {key} if self._store.get(key) is not None else set()
+                    else:
+                        read.live = {kv.key for kv in self._store.range(self._keys.trainers)}
+                except BaseException as exc:  # every call waiting for this read fails
+                    read.error = exc
+                finally:
+                    cv.acquire()
+                    self._reading, read.done = False, True
+                    cv.notify_all()
+        if read.error is not None:
+            raise _copy_error(read.error)
+        return key in read.live
+
     def _get_task(self, req: Message) -> Message:
         trainer = str(req.meta["trainer"])
-        with self._lock:
+        # The registration read is made before taking the lock, so that the trainers'
+        # reads overlap instead of queueing. Read again under the lock if a trainer was
+        # found gone meanwhile: its tasks were re-queued and it must not take new ones.
+        departures = self._departures
+        registered = self._registered(trainer)
+        with self._locked():
             assert self._queue is not None
             self._check_leading()
             if self.done.is_set():
@@ -396,7 +692,9 @@ class Master:
             epoch = req.meta.get("epoch")
             if isinstance(epoch, int) and epoch > self._epoch:
                 return Message({"wait": "rolling back", "retry_in": RETRY_IN, "epoch": self._epoch})
-            if self._store.get(self._keys.trainer(trainer)) is None:
+            if departures != self._departures:
+                registered = self._registered(trainer)
+            if not registered:
                 # Its tasks were re-queued when its key went; it must not take new ones.
                 raise LeaseExpired(f"trainer {trainer!r} is not registered in job {self.config.name!r} (its lease expired?); re-register first")
             holding = req.meta.get("holding")
@@ -406,21 +704,24 @@ class Master:
                 result, changes = again, []
             else:
                 result, changes = self._queue.dispatch(trainer, self._clock())
-            self._apply(changes)
-            if isinstance(result, Assignment):
-                task = {"task": result.task.to_json(), "attempt": result.attempt, "pass": result.pass_no, "offset": result.offset}
-                return Message({**task, "epoch": self._epoch})
-            if result is WaitReason.PASS_COMPLETE and self.done.is_set():
-                return Message({"done": True})
-            return Message({"wait": str(result), "retry_in": RETRY_IN, "epoch": self._epoch})
+            durable = self._stage(changes)
+            epoch_now = self._epoch
+        self._await(durable)  # the lock is free for the transitions that join this one's transaction
+        if isinstance(result, Assignment):
+            task = {"task": result.task.to_json(), "attempt": result.attempt, "pass": result.pass_no, "offset": result.offset}
+            return Message({**task, "epoch": epoch_now})
+        if result is WaitReason.PASS_COMPLETE and self.done.is_set():
+            return Message({"done": True})
+        return Message({"wait": str(result), "retry_in": RETRY_IN, "epoch": epoch_now})
 
     def _report(self, req: Message, event: Callable[[int, int], list[Change]]) -> Message:
-        with self._lock:
+        with self._locked():
             self._check_leading()
             changes = event(int(req.meta["task"]), int(req.meta["attempt"]))
-            self._apply(changes)
-            ignored = next((c for c in changes if isinstance(c, Ignored)), None)
-            return Message({"accepted": ignored is None, "reason": ignored.reason if ignored else None})
+            durable = self._stage(changes)
+        self._await(durable)
+        ignored = next((c for c in changes if isinstance(c, Ignored)), None)
+        return Message({"accepted": ignored is None, "reason": ignored.reason if ignored else None})
 
     def _finish_task(self, req: Message) -> Message:
         assert self._queue is not None
@@ -448,7 +749,7 @@ class Master:
         ckpt = req.meta.get("checkpoint")
         if not isinstance(ckpt, str) or not ckpt:
             raise ConfigError(f"checkpoint report from {req.meta.get('trainer')!r} names no checkpoint")
-        with self._lock:
+        with self._locked():
             self._check_leading()
             self._snapshot(ckpt)
         return Message({"accepted": True, "epoch": self._epoch})
@@ -462,7 +763,7 @@ class Master:
         except CorruptRecord:
             return
         if isinstance(info, dict) and info.get("state") == "writing" and isinstance(info.get("id"), str):
-            with self._lock:
+            with self._locked():
                 self._snapshot(info["id"])
 
     def _snapshot(self, ckpt_id: str) -> None:
@@ -476,6 +777,7 @@ class Master:
         info = decode_json(info_kv.value, info_kv.key)
         if int(info.get("epoch", -1)) != self._epoch:
             return
+        self._settle_all()  # the snapshot holds only what is durable
         self._snapshots.add(ckpt_id)
         progress: dict[str, list] = {}
         if info.get("mode") == "sync" and int(info["round"]) > 0:
@@ -527,6 +829,8 @@ class Master:
             return
         with self._lock:
             try:
+                if self._rebuild_due and not self._stopped.is_set():
+                    self._rebuild()  # (which may restore the epoch itself)
                 self._restore_epoch(epoch)
             except FencingError:
                 pass  # stepped down
@@ -547,6 +851,7 @@ class Master:
         assert self._queue is not None
         if epoch.epoch <= self._epoch:
             return
+        self._settle_all()  # the transitions before the rollback are durable (or it waits for a rebuild)
         specs = self._queue.specs()
         pass_no, completed, progress = 0, 0, {}
         snapshot = [TaskRecord(id=s.id, pass_no=0, state=TaskState.TODO) for s in specs]
@@ -590,8 +895,9 @@ class Master:
         self._trainer_gone(self._keys.trainer_id(event.key))
 
     def _trainer_gone(self, trainer: str) -> None:
-        with self._lock:
+        with self._locked():
             assert self._queue is not None
+            self._departures += 1  # a get_task that read the trainer's key before this reads it again
             changes = self._queue.trainer_lost(trainer)
             if changes:
                 log.warning("trainer %s is gone; re-queued its tasks %s", trainer, [c.record.id for c in changes if isinstance(c, TaskChanged)])
@@ -614,7 +920,7 @@ class Master:
         next_reconcile = self._clock() + every
         while not self._stopped.wait(0.05):
             try:
-                with self._lock:
+                with self._locked():
                     assert self._queue is not None
                     deadline = self._queue.next_deadline()
                     if deadline is not None and deadline <= self._clock():
@@ -658,6 +964,16 @@ class Master:
 
     def _lease_lost(self) -> None:
         self._step_down("its lease expired")
+
+
+def _copy_error(exc: BaseException) -> BaseException:
+    """The error of a failed group commit, for one of the threads it failed (each raises its own copy)."""
+    try:
+        dup = copy.copy(exc)
+    except Exception:  # noqa: BLE001 - an exception that cannot be copied is raised as it is
+        return exc
+    dup.__cause__ = exc.__cause__
+    return dup
 
 
 def decode_record(kv: KeyValue, keys: Keys, pass_no: int, ids: set[int] | range | None = None) -> TaskRecord:

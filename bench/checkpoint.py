@@ -16,16 +16,17 @@ disk; ``--root /dev/shm`` measures RAM), through ``file://`` storage.
 * ``write_part``: :func:`pdps.roles.checkpoint.write_part` (safetensors header, crc32
   of every byte, ``put_chunks`` to a temporary file, fsync, rename, fsync of the
   folder), with the crc32 in a helper thread and, in a second row, inline in the
-  writing thread. The row of the library's own choice (a thread for zlib's crc32,
-  inline for ISA-L's) is marked ``*``; the ratios use it.
+  writing thread. The row of the library's own choice (a helper thread for parts over
+  ``HASH_IN_THREAD_ABOVE``, whichever crc32) is marked ``*``; the ratios use it.
 * ``raw read``: a new buffer allocated as ``read_part`` allocates its own (anonymous
   mmap with transparent huge pages), filled with ``readinto`` from an unbuffered file.
   An extra row reads into a buffer reused across rounds (no page faults at all): the
   floor, printed, not used by a target.
-* ``read_part``: :func:`pdps.roles.checkpoint.read_part`: size check, one buffer, reads
-  in 64 MiB pieces (``PIECE``) with the crc32 of each piece computed while the next is
-  read, the checksum check, header checks, and tensors as views of the buffer. Again
-  hashed in a helper thread and, in a second row, inline.
+* ``read_part``: :func:`pdps.roles.checkpoint.read_part`: size check, one buffer, the
+  file opened once and read in 4 MiB pieces (``READ_PIECE``), each hashed right after
+  it is read, the checksum check, header checks, and tensors as views of the buffer.
+  With a helper thread (two threads read and hash pieces, their crc32s combined) and,
+  in a second row, inline (one thread).
 * Reads run twice per round: **warm** (right after the write, the file is in the page
   cache) and **cold** (after ``posix_fadvise(POSIX_FADV_DONTNEED)`` on the file, which
   drops its clean pages from the cache without root; on tmpfs nothing is dropped).
@@ -328,7 +329,7 @@ def print_report(report: dict[str, Any], command: str) -> None:
             f"{x['name']:<26} {x['value']:>6.3f}   target >= {x['target']:g}  {'MET' if x['met'] else 'MISSED':<7} "
             f"best rounds {x['best']:.3f}  ({x['row']} vs {x['baseline']})"
         )
-    print("* the library's own choice with this crc32 (a helper thread for zlib's, inline for ISA-L's); the ratios use it")
+    print("* the library's own choice (a helper thread for big parts, whichever crc32); the ratios use it")
     print("(ratio = baseline seconds / pdps seconds, medians: 1.0 means as fast as raw I/O of the same bytes;")
     print(" best rounds = the same with each row's fastest round, less sensitive to other processes' bursts)")
     print(f"\ntotal run time {report['total_s']:.1f} s")

@@ -20,7 +20,9 @@ How ``put`` / ``put_chunks`` stay atomic:
 
 Reads: ``read_into`` fills the caller's buffer with ``readinto`` on local files (no
 intermediate ``bytes``); object stores answer a ranged GET whose body is copied once
-into the buffer.
+into the buffer. ``open_reader`` (beyond the port) opens an object once for many
+reads at offsets: ``pread`` on one descriptor of a local file, from several threads
+at once, so that a big part read in pieces keeps the kernel's read-ahead going.
 
 Other filesystems (sftp, hdfs, ...) are refused: their writes are visible while in
 progress and their rename semantics vary, so the port's contract would not hold.
@@ -32,6 +34,7 @@ import os
 import uuid
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from typing import Protocol
 
 import attrs
 import fsspec
@@ -116,6 +119,40 @@ class FsspecStorage:
 
     def read_into(self, path: str, buffer: object, offset: int = 0) -> int:
         full = self._full(_check_path(path))
+        view = self._view_of(path, buffer, offset)
+        with self._translate("read", path):
+            if self._local:
+                self._read_local(full, path, view, offset)
+            else:
+                self._read_remote(full, path, view, offset)
+        return view.nbytes
+
+    @contextmanager
+    def open_reader(self, path: str) -> Iterator[Reader]:
+        """The object at ``path`` opened once for many ``read_into(buffer, offset)`` calls.
+
+        Beyond the port (callers find it with ``getattr``): a checkpoint part is read in
+        pieces, and on local files each :meth:`read_into` opens the file again, which
+        restarts the kernel's read-ahead on a cold page cache. The reader of a local file
+        holds one descriptor and reads with ``pread``, so it may be called from several
+        threads at once (``reader.parallel``); an object store's reader makes one ranged
+        GET per call, as :meth:`read_into` does. ``reader.size`` is the object's size when
+        it was opened; the same errors as :meth:`read_into` are raised.
+        """
+        full = self._full(_check_path(path))
+        if not self._local:
+            yield _StoreReader(self, path)
+            return
+        with self._translate("read", path):
+            fd = os.open(full, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            with self._translate("read", path):
+                size = os.fstat(fd).st_size
+            yield _LocalReader(self, path, fd, size)
+        finally:
+            os.close(fd)
+
+    def _view_of(self, path: str, buffer: object, offset: object) -> memoryview:
         try:
             view = memoryview(buffer)  # type: ignore[arg-type]
         except TypeError:
@@ -125,12 +162,7 @@ class FsspecStorage:
         view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
         if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
             raise StorageError(f"read_into {self._url_of(path)}: offset must be an int >= 0, got {offset!r}")
-        with self._translate("read", path):
-            if self._local:
-                self._read_local(full, path, view, offset)
-            else:
-                self._read_remote(full, path, view, offset)
-        return view.nbytes
+        return view
 
     def _size(self, full: str, rel: str) -> int:
         info = self._info(full)
@@ -322,6 +354,78 @@ def filesystem_for(url: str, **storage_options: object) -> tuple[fsspec.Abstract
         raise MissingExtraError(f"URL {url!r} needs an optional package ({exc}): {hint}") from exc
     except ValueError as exc:  # fsspec's "Protocol not known: ..."
         raise ConfigError(f"URL {url!r} cannot be opened: {exc}") from exc
+
+
+class Reader(Protocol):
+    """What :meth:`FsspecStorage.open_reader` yields."""
+
+    size: int
+    parallel: bool  # read_into may be called from several threads at once
+
+    def read_into(self, buffer: object, offset: int = 0) -> int: ...
+
+
+class _LocalReader:
+    """One open local file: ``pread`` into the caller's buffer, from any thread."""
+
+    parallel = True
+
+    def __init__(self, storage: FsspecStorage, rel: str, fd: int, size: int) -> None:
+        self._storage, self._rel, self._fd, self.size = storage, rel, fd, size
+
+    def read_into(self, buffer: object, offset: int = 0) -> int:
+        st, rel = self._storage, self._rel
+        view = st._view_of(rel, buffer, offset)
+        n = view.nbytes
+        if self.size < offset + n:
+            raise st._short(rel, self.size, offset, n)
+        with st._translate("read", rel):
+            got = 0
+            while got < n:
+                # preadv fills the caller's memory straight from the page cache, without
+                # the GIL and without moving a shared file position.
+                k = os.preadv(self._fd, [view[got:]], offset + got)
+                if not k:
+                    raise StorageError(f"{st._url_of(rel)} ended at byte {offset + got} while being read; was it truncated?")
+                got += k
+        return n
+
+
+    def read_cached(self, buffer: object, offset: int = 0) -> bool:
+        """Fill ``buffer`` from ``offset`` if the kernel can without waiting for the disk
+        (the bytes are in the page cache): True when it did, False when it would have
+        had to wait (``buffer`` then holds an unknown part; read it again)."""
+        st, rel = self._storage, self._rel
+        view = st._view_of(rel, buffer, offset)
+        n = view.nbytes
+        if self.size < offset + n or not hasattr(os, "RWF_NOWAIT"):
+            return False
+        got = 0
+        try:
+            while got < n:
+                k = os.preadv(self._fd, [view[got:]], offset + got, os.RWF_NOWAIT)
+                if k <= 0:
+                    return False
+                got += k
+        except OSError:  # EAGAIN: not cached; EOPNOTSUPP: a filesystem without it
+            return False
+        return True
+
+
+class _StoreReader:
+    """An object store's object: each read is :meth:`FsspecStorage.read_into` (a ranged GET)."""
+
+    parallel = False
+
+    def __init__(self, storage: FsspecStorage, rel: str) -> None:
+        self._storage, self._rel = storage, rel
+
+    @property
+    def size(self) -> int:  # type: ignore[override]
+        return self._storage.size(self._rel)
+
+    def read_into(self, buffer: object, offset: int = 0) -> int:
+        return self._storage.read_into(self._rel, buffer, offset)
 
 
 class _Chunks:

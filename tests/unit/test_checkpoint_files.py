@@ -149,6 +149,7 @@ class CheckpointFilesTests:
 
     def test_big_parts_in_pieces_hashed_in_a_thread_or_not(self, storage, cid, monkeypatch):
         monkeypatch.setattr(ckpt, "PIECE", 4096)
+        monkeypatch.setattr(ckpt, "READ_PIECE", 4096)  # 10 pieces, hashed in turn
         tensors = {"values": random_tensor(torch.float32, (10_000,), 6), "small": torch.arange(3)}
         monkeypatch.setattr(ckpt, "_hash_in_thread", lambda nbytes: True)
         threaded = self.write(storage, cid, tensors, "threaded")
@@ -497,12 +498,118 @@ def test_the_crc32_is_zlibs_whichever_implementation_computes_it():
     assert ckpt._crc32(memoryview(data)[7:], 12345) == zlib.crc32(data[7:], 12345)
 
 
-def test_only_zlibs_crc32_gets_a_thread_and_only_for_big_parts(monkeypatch):
-    monkeypatch.setattr(ckpt, "_crc32", zlib.crc32)
-    assert ckpt._hash_in_thread(ckpt.HASH_IN_THREAD_ABOVE + 1)
-    assert not ckpt._hash_in_thread(ckpt.HASH_IN_THREAD_ABOVE)
-    monkeypatch.setattr(ckpt, "_crc32", lambda data, value=0: zlib.crc32(data, value))  # a fast one
-    assert not ckpt._hash_in_thread(2**40)
+def test_only_big_parts_get_a_thread_whichever_crc32(monkeypatch):
+    for crc32 in (zlib.crc32, lambda data, value=0: zlib.crc32(data, value)):  # zlib's, "a fast one"
+        monkeypatch.setattr(ckpt, "_crc32", crc32)
+        assert ckpt._hash_in_thread(ckpt.HASH_IN_THREAD_ABOVE + 1)
+        assert not ckpt._hash_in_thread(ckpt.HASH_IN_THREAD_ABOVE)
+
+
+@pytest.mark.parametrize("piece", [1, 7, 64, 4096])
+@pytest.mark.parametrize("size", [1, 63, 64, 65, 10_000])
+def test_the_crc32s_of_pieces_combine_into_the_whole_ones(piece, size):
+    data = random_tensor(torch.uint8, (size,), size + piece).numpy().tobytes()
+    crcs = [zlib.crc32(data[i : i + piece]) for i in range(0, size, piece)]
+    last = size - (len(crcs) - 1) * piece
+    assert ckpt._crc32_of_pieces(crcs, piece, last) == zlib.crc32(data)
+    third = size // 3
+    assert ckpt._crc32_combine(zlib.crc32(data[:third]), zlib.crc32(data[third:]), size - third) == zlib.crc32(data)
+
+
+def test_pieces_the_helper_cannot_take_are_hashed_by_the_reader(monkeypatch):
+    # A helper that never gets to run: the reader hashes all but the pieces it handed over.
+    monkeypatch.setattr(ckpt, "READ_PIECE", 100)
+    data = random_tensor(torch.uint8, (10_000,), 4).numpy().tobytes()
+    gate = __import__("threading").Event()
+    real = ckpt._crc32
+
+    def slow_crc32(chunk, value=0):
+        if __import__("threading").current_thread().name == "pdps-crc32":
+            gate.wait(10)
+        return real(chunk, value)
+
+    def read_into(view, offset):
+        view[:] = data[offset : offset + view.nbytes]
+        if offset == len(data) - 100:
+            gate.set()
+
+    monkeypatch.setattr(ckpt, "_crc32", slow_crc32)
+    assert ckpt._read_pieces_hashed(read_into, memoryview(bytearray(len(data))), 2) == zlib.crc32(data)
+
+
+@pytest.mark.parametrize("in_cache", [True, False], ids=["side-by-side", "one-reader"])
+def test_both_ways_of_reading_with_a_helper_hash_every_byte(in_cache, monkeypatch):
+    monkeypatch.setattr(ckpt, "READ_PIECE", 1000)
+    data = random_tensor(torch.uint8, (10_500,), 10).numpy().tobytes()
+
+    def read_into(view, offset):
+        view[:] = data[offset : offset + view.nbytes]
+
+    def cached(view, offset):
+        read_into(view, offset)
+        return in_cache
+
+    out = bytearray(len(data))
+    assert ckpt._read_pieces_hashed(read_into, memoryview(out), 2, cached) == zlib.crc32(data)
+    assert bytes(out) == data
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_parallel_piece_reads_hash_every_byte_in_order(threads, monkeypatch):
+    monkeypatch.setattr(ckpt, "READ_PIECE", 1000)
+    data = random_tensor(torch.uint8, (10_500,), 9).numpy().tobytes()
+    seen = []
+
+    def read_into(view, offset):
+        seen.append((offset, view.nbytes))
+        view[:] = data[offset : offset + view.nbytes]
+
+    out = bytearray(len(data))
+    assert ckpt._read_pieces_hashed(read_into, memoryview(out), threads) == zlib.crc32(data)
+    assert bytes(out) == data
+    assert seen == [(i, min(1000, len(data) - i)) for i in range(0, len(data), 1000)]  # in order: one reader
+
+
+def test_a_failing_piece_read_stops_every_thread_and_is_raised(monkeypatch):
+    monkeypatch.setattr(ckpt, "READ_PIECE", 10)
+    calls = []
+
+    def read_into(view, offset):
+        calls.append(offset)
+        if offset == 30:
+            raise StorageError("gone")
+
+    with pytest.raises(StorageError, match="gone"):
+        ckpt._read_pieces_hashed(read_into, memoryview(bytearray(10_000)), 2)
+    assert calls == [0, 10, 20, 30]  # stopped, not read to the end
+
+
+def test_a_failing_crc32_in_the_helper_thread_is_raised(monkeypatch):
+    monkeypatch.setattr(ckpt, "READ_PIECE", 10)
+
+    def crc32(data, value=0):
+        raise MemoryError("no")
+
+    monkeypatch.setattr(ckpt, "_crc32", crc32)
+    with pytest.raises(MemoryError, match="no"):
+        ckpt._read_pieces_hashed(lambda view, offset: None, memoryview(bytearray(100)), 2)
+
+
+def test_a_part_truncated_between_size_and_read_is_a_storage_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(ckpt, "READ_PIECE", 4096)
+    storage = FsspecStorage(f"file://{tmp_path}")
+    cid = ckpt.checkpoint_id(0, 1)
+    info = ckpt.write_part(storage, f"{cid}/ps-0.safetensors", {"v": random_tensor(torch.float32, (10_000,), 3)})
+    real_open_reader = FsspecStorage.open_reader
+
+    def open_reader(self, path):  # the file shrinks after its size was checked
+        with open(tmp_path / path, "r+b") as f:
+            f.truncate(info.bytes - 100)
+        return real_open_reader(self, path)
+
+    monkeypatch.setattr(FsspecStorage, "open_reader", open_reader)
+    with pytest.raises(StorageError, match="holds"):
+        ckpt.read_part(storage, info)
 
 
 def test_parts_checksummed_by_one_crc32_read_with_the_other(tmp_path, monkeypatch):

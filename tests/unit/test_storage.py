@@ -104,10 +104,54 @@ class _FsspecContract(StorageContract):
             storage.put(path, b"x")
 
 
-class TestFileStorage(_FsspecContract):
+class _FsspecReaderContract(_FsspecContract):
+    # open_reader: beyond the port, one object opened for many reads at offsets.
+    def test_open_reader_reads_pieces_at_offsets(self, storage):
+        data = bytes(range(256)) * 40
+        storage.put("dir/blob", data)
+        with storage.open_reader("dir/blob") as reader:
+            assert reader.size == len(data)
+            buf = bytearray(len(data))
+            for start in range(0, len(data), 1000):
+                piece = memoryview(buf)[start : start + 1000]
+                assert reader.read_into(piece, start) == piece.nbytes
+            assert bytes(buf) == data
+            with pytest.raises(StorageError, match="holds 10240 bytes"):
+                reader.read_into(bytearray(10), len(data) - 5)
+            with pytest.raises(StorageError, match="writable"):
+                reader.read_into(b"0123", 0)
+
+    def test_open_reader_of_a_missing_object_names_it(self, storage):
+        with pytest.raises(StorageError, match="nothing-here"):
+            with storage.open_reader("nothing-here") as reader:
+                reader.read_into(bytearray(1), 0)
+
+
+class TestFileStorage(_FsspecReaderContract):
     @pytest.fixture
     def storage(self, tmp_path):
         return FsspecStorage(f"file://{tmp_path}/root")
+
+    def test_read_cached_reads_what_the_page_cache_holds(self, storage):
+        data = os.urandom(1 << 16)
+        storage.put("blob", data)
+        buf = bytearray(1000)
+        with storage.open_reader("blob") as reader:
+            if reader.read_cached(buf, 5):  # just written: in the page cache (if the kernel can say)
+                assert bytes(buf) == data[5:1005]
+            assert not reader.read_cached(bytearray(10), len(data) - 5)  # past the end: never
+
+    def test_open_reader_of_a_local_file_reads_from_threads_at_once(self, storage):
+        from concurrent.futures import ThreadPoolExecutor
+
+        data = os.urandom(1 << 20)
+        storage.put("blob", data)
+        buf = bytearray(len(data))
+        with storage.open_reader("blob") as reader:
+            assert reader.parallel
+            with ThreadPoolExecutor(4) as pool:
+                list(pool.map(lambda s: reader.read_into(memoryview(buf)[s : s + 4096], s), range(0, len(data), 4096)))
+        assert bytes(buf) == data
 
     def test_plain_path_and_file_url_name_the_same_root(self, tmp_path):
         FsspecStorage(str(tmp_path)).put("k", b"v")
@@ -191,7 +235,7 @@ class TestFileStorage(_FsspecContract):
         assert storage.get("ckpt/part-0") == b"next"
 
 
-class TestMemoryStorage(_FsspecContract):
+class TestMemoryStorage(_FsspecReaderContract):
     @pytest.fixture
     def storage(self):
         name = f"pdps-test-{uuid.uuid4().hex}"

@@ -216,9 +216,13 @@ class Launcher:
         self._env["PYTHONUNBUFFERED"] = "1"
         self._env[LAUNCHER_PID] = str(os.getpid())  # the roles stop if the launcher dies
         # Torch's intra-op threads spin while they wait: N+M processes each starting one
-        # per core starve each other (measured: 2.4x slower on 2 cores). Share the cores.
+        # per core starve each other (measured: 2.4x slower on 2 cores). Share the cores
+        # among the trainers, which compute forward and backward; a pserver's update is
+        # one memory-bound pass and the master computes nothing: one thread each.
+        self._threads: dict[str, str] = {}
         if "OMP_NUM_THREADS" not in self._env:
-            self._env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // (config.trainers + config.pservers)))
+            cores = os.cpu_count() or 1
+            self._threads = {"trainer": str(max(1, cores // config.trainers)), "pserver": "1", "master": "1"}
         self._roles: list[Role] = []
         self._keys = Keys(config.name)
         self.restarts = 0
@@ -229,9 +233,12 @@ class Launcher:
         return [sys.executable, "-m", "pdps", kind, *extra]
 
     def _start(self, role: Role) -> None:
+        env = self._env
+        if role.kind in self._threads:
+            env = {**env, "OMP_NUM_THREADS": self._threads[role.kind]}
         role.proc = subprocess.Popen(
             role.argv,
-            env=self._env,
+            env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

@@ -136,7 +136,7 @@ SETTINGS: tuple[Setting, ...] = (
     _job("checkpoint_keep", int, "committed checkpoints kept (older ones are deleted after each commit)"),
     _job("restore", str, "when a pserver restarts: roll the whole job back (job), or async only, reload just its slots (lost)", choices=("job", "lost")),
     _job("keep_rounds", int, "sync: round records kept in the store (the audit of which gradients each step applied)"),
-    _job("overlap", _bool, "trainers push each parameter's slots while backward still runs, and in async mode pull while the next forward runs"),
+    _job("overlap", str, "trainers push each parameter's slots while backward still runs, and in async mode pull while the next forward runs: on, off, or auto (on where it pays: CUDA, in-process pservers, or CPU cores to spare)", choices=("auto", "on", "off")),
 )
 
 BY_NAME = {s.name: s for s in SETTINGS}
@@ -155,8 +155,7 @@ def add_flags(parser: argparse.ArgumentParser, command: str, *, skip: Sequence[s
         default = "" if s.default is None else f" (default: {s.default})"
         kw: dict[str, Any] = {"dest": s.name, "default": argparse.SUPPRESS, "help": f"{s.help}{default}; env {s.env}"}
         if s.parse is _bool:
-            # a setting that is on by default needs a way off: --x / --no-x
-            kw["action"] = argparse.BooleanOptionalAction if s.default is True else "store_true"
+            kw["action"] = "store_true"
         else:
             kw["type"] = s.parse
             kw["metavar"] = s.name.upper()

@@ -329,11 +329,15 @@ def _outgoing(method: str, meta: Mapping[str, Any], tensors: Sequence[Any]) -> t
     return encode_header(Header(method, meta_json, tuple(specs))), views
 
 
-def _frames(header: bytes, views: Sequence[memoryview], chunk_bytes: int) -> Iterator[bytes]:
-    """The header frame, then the tensors' bytes in chunks (small tensors share one)."""
+def _frames(header: bytes, views: Sequence[memoryview], chunk_bytes: int, tally: _Tally | None = None) -> Iterator[bytes]:
+    """The header frame, then the tensors' bytes in chunks (small tensors share one).
+
+    With ``tally``, the seconds spent joining chunk frames (the copy) go to its ``encode``.
+    """
     yield header
     pending: list[Any] = []
     size = 0
+    clock = time.perf_counter
     for view in views:
         pos = 0
         while pos < len(view):
@@ -342,16 +346,37 @@ def _frames(header: bytes, views: Sequence[memoryview], chunk_bytes: int) -> Ite
             size += take
             pos += take
             if size == chunk_bytes:
-                yield b"".join([chunk_prefix(size), *pending])
+                t0 = clock()
+                frame = b"".join([chunk_prefix(size), *pending])
+                if tally is not None:
+                    tally.encode += clock() - t0
+                yield frame
                 pending, size = [], 0
     if size:
-        yield b"".join([chunk_prefix(size), *pending])
+        t0 = clock()
+        frame = b"".join([chunk_prefix(size), *pending])
+        if tally is not None:
+            tally.encode += clock() - t0
+        yield frame
+
+
+class _Tally:
+    """One client call's share of its channel's ``stats``: seconds of encoding work (on
+    gRPC's request thread: ``encode``) and of decoding work (the caller's thread:
+    ``decode``), and the reply bytes received (header frame + tensor bytes)."""
+
+    __slots__ = ("encode", "decode", "received")
+
+    def __init__(self, encode: float = 0.0) -> None:
+        self.encode = encode
+        self.decode = 0.0
+        self.received = 0
 
 
 class _Inbound:
     """One direction's tensors being received: checked specs, one buffer, chunks placed as they come."""
 
-    def __init__(self, specs: Sequence[TensorSpec], limit: int | None) -> None:
+    def __init__(self, specs: Sequence[TensorSpec], limit: int | None, into: Sequence[torch.Tensor] | None = None) -> None:
         self._layout: list[tuple[torch.dtype, tuple[int, ...], int, int]] = []  # dtype, shape, offset, nbytes
         offset = declared = 0
         for i, spec in enumerate(specs):
@@ -379,14 +404,23 @@ class _Inbound:
         self.declared = declared
         self.received = 0
         self.size = offset
+        self.work = 0.0  # seconds spent placing bytes and building tensors, not waiting on the wire
         self._buffer: torch.Tensor | None = None
         self._segments = [(start, n) for _, _, start, n in self._layout if n]
         self._segment = 0
         self._filled = 0  # bytes of the current segment already written
+        # The caller's tensors, when they match the reply: its bytes land there, not in a
+        # receive buffer the caller would copy from (a trainer pulling into its model).
+        self._into = list(into) if into is not None and _matches(into, self._layout) else None
+        self._targets: list[np.ndarray] = []  # where each non-empty segment's bytes go
 
     def allocate(self) -> None:
+        if self._into is not None:
+            self._targets = [t.detach().reshape(-1).view(torch.uint8).numpy() for t in self._into if t.numel()]
+            return
         self._buffer = _RECEIVE_BUFFERS.take(self.size)
-        self._array = self._buffer.numpy()
+        array = self._buffer.numpy()
+        self._targets = [array[start : start + n] for start, n in self._segments]
 
     def add(self, chunk: memoryview) -> None:
         n = len(chunk)
@@ -395,15 +429,15 @@ class _Inbound:
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"chunks carry more than the {self.declared} bytes the header declares",
             )
-        if self._buffer is None:
+        if not self._targets:
             self.allocate()
         source = np.frombuffer(chunk, dtype=np.uint8)
         pos = 0
         while pos < n:
-            start, size = self._segments[self._segment]
+            _, size = self._segments[self._segment]
             take = min(size - self._filled, n - pos)
-            at = start + self._filled
-            np.copyto(self._array[at : at + take], source[pos : pos + take])  # releases the GIL
+            at = self._filled
+            np.copyto(self._targets[self._segment][at : at + take], source[pos : pos + take])  # releases the GIL
             pos += take
             self._filled += take
             if self._filled == size:
@@ -413,13 +447,18 @@ class _Inbound:
 
     def read_from(self, read_into: Callable[[memoryview], object]) -> list[torch.Tensor]:
         """Every tensor byte, put in place by ``read_into(view)`` (the bulk channel's recv_into), then ``finish``."""
+        clock = time.perf_counter
         if self._segments:
+            t0 = clock()
             self.allocate()
-            whole = memoryview(self._array)
-            for start, size in self._segments:
-                read_into(whole[start : start + size])
+            self.work += clock() - t0
+            for target, (_, size) in zip(self._targets, self._segments):
+                read_into(memoryview(target))
                 self.received += size
-        return self.finish()
+        t0 = clock()
+        out = self.finish()
+        self.work += clock() - t0
+        return out
 
     def finish(self) -> list[torch.Tensor]:
         if self.received < self.declared:
@@ -427,6 +466,11 @@ class _Inbound:
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"stream ended after {self.received} of the {self.declared} tensor bytes the header declares",
             )
+        if self._into is not None:
+            for i, ((dtype, _, _, nbytes), t) in enumerate(zip(self._layout, self._into)):
+                if dtype == torch.bool and nbytes and int(t.view(torch.uint8).max()) > 1:
+                    raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"bool tensor {i} holds bytes other than 0 and 1")
+            return list(self._into)
         out = []
         for i, (dtype, shape, start, nbytes) in enumerate(self._layout):
             if dtype == torch.bool and nbytes and int(self._buffer[start : start + nbytes].max()) > 1:  # type: ignore[index]
@@ -437,6 +481,20 @@ class _Inbound:
                 assert self._buffer is not None
                 out.append(self._buffer[start : start + nbytes].view(dtype).reshape(shape))
         return out
+
+
+def _matches(into: Sequence[torch.Tensor], layout: Sequence[tuple[torch.dtype, tuple[int, ...], int, int]]) -> bool:
+    """Whether ``into`` can take a reply of this layout in place: as many tensors, each
+    on the CPU, contiguous, of the same dtype and shape, outside autograd."""
+    return len(into) == len(layout) and all(
+        isinstance(t, torch.Tensor)
+        and t.device.type == "cpu"
+        and t.is_contiguous()
+        and not t.requires_grad
+        and t.dtype == dtype
+        and tuple(t.shape) == tuple(shape)
+        for t, (dtype, shape, _, _) in zip(into, layout)
+    )
 
 
 class _BufferPool:
@@ -488,7 +546,7 @@ class _BufferPool:
 _RECEIVE_BUFFERS = _BufferPool(keep=POOLED_BUFFERS, max_bytes=POOLED_MAX_BYTES, min_bytes=POOLED_MIN_BYTES)
 
 
-def _receive(first: bytes | None, limit: int | None, want_method: bool) -> tuple[Header, dict, _Inbound]:
+def _receive(first: bytes | None, limit: int | None, want_method: bool, into: Sequence[torch.Tensor] | None = None) -> tuple[Header, dict, _Inbound]:
     """Check the header frame of one direction of a call; ``_fill`` or ``_Inbound.read_from``
     then reads its tensors. Raises _Rejected."""
     if first is None:
@@ -499,7 +557,7 @@ def _receive(first: bytes | None, limit: int | None, want_method: bool) -> tuple
     if want_method and not header.method:
         raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, "header names no method")
     meta = _meta(header.meta_json)
-    inbound = _Inbound(header.tensors, limit)
+    inbound = _Inbound(header.tensors, limit, into)
     return header, meta, inbound
 
 
@@ -521,12 +579,20 @@ def _meta(text: str) -> dict:
 
 
 def _fill(inbound: _Inbound, frames: Iterator[bytes]) -> list[torch.Tensor]:
+    """Place every chunk frame's bytes, then ``finish``; the time not spent waiting for
+    frames goes to ``inbound.work``."""
+    clock = time.perf_counter
     for data in frames:
+        t0 = clock()
         chunk = _decode(data)
         if not isinstance(chunk, memoryview):
             raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, "a second header frame in one stream")
         inbound.add(chunk)
-    return inbound.finish()
+        inbound.work += clock() - t0
+    t0 = clock()
+    out = inbound.finish()
+    inbound.work += clock() - t0
+    return out
 
 
 # ----------------------------------------------------------------------------------
@@ -865,7 +931,15 @@ class _NotRun(Exception):
 class GrpcChannel:
     """Calls to one ``grpc://`` address: over one cached gRPC channel, or over pooled
     connections to the server's bulk channel for calls that move many tensor bytes
-    (docs/transport.md says which); thread-safe."""
+    (docs/transport.md says which); thread-safe.
+
+    ``stats`` holds cumulative client-side figures of this channel's calls (floats):
+    ``serialize``, seconds spent encoding requests (header, chunk frames) and decoding
+    replies into tensors, not waiting on the wire; ``calls``, calls made (those that
+    raised too); ``bytes_sent`` / ``bytes_received``, header frame + tensor bytes of
+    each request / of each reply received (not gRPC's, HTTP/2's or TCP's framing).
+    Updated under a lock once per call; read it, or copy it with ``dict(channel.stats)``.
+    """
 
     def __init__(self, transport: GrpcTransport, address: str) -> None:
         host, port = _split(address)
@@ -877,26 +951,47 @@ class GrpcChannel:
             self._channel = grpc.secure_channel(target, transport.tls.channel_credentials(), options=_CLIENT_OPTIONS)
         else:
             self._channel = grpc.insecure_channel(target, options=_CLIENT_OPTIONS)
-        self._call = self._channel.stream_stream(CALL_PATH)  # raw bytes both ways
+        self._stream = self._channel.stream_stream(CALL_PATH)  # raw bytes both ways
         self._metadata = (("authorization", f"Bearer {transport.token}"),) if transport.token is not None else None
         self._peer = transport._bulk_peer(address) if transport.bulk_threshold is not None else None
         self._bulk_tls = transport._bulk_client_context() if self._peer is not None else None
         self._pool = bulk.Pool()
         self._closed = False
+        self.stats: dict[str, float] = {"serialize": 0.0, "calls": 0.0, "bytes_sent": 0.0, "bytes_received": 0.0}
+        self._stats_lock = threading.Lock()
 
-    def call(self, method: str, request: Message, *, timeout: float | None = None) -> Message:
+    def call(self, method: str, request: Message, *, timeout: float | None = None, into: Sequence[torch.Tensor] | None = None) -> Message:
+        """One call. ``into``: tensors the reply's tensors are received into when they
+        match (count, dtype, shape; CPU, contiguous), saving the caller a copy; the reply
+        then holds these very tensors. On a failed call they may hold part of a reply."""
         if self._closed:
             raise TransportError(f"channel to {self.address} is closed")
+        t0 = time.perf_counter()
         meta = dict(request.meta)
         if timeout is not None and "timeout" not in meta:
             meta["timeout"] = timeout  # handlers that wait (a sync pull) honour it
         header, views = _outgoing(method, meta, request.tensors)
+        nbytes = sum(len(v) for v in views)
+        tally = _Tally(encode=time.perf_counter() - t0)
+        try:
+            return self._call(method, header, views, nbytes, timeout, tally, into)
+        finally:
+            with self._stats_lock:
+                stats = self.stats
+                stats["calls"] += 1
+                stats["serialize"] += tally.encode + tally.decode
+                stats["bytes_sent"] += len(header) + nbytes
+                stats["bytes_received"] += tally.received
+
+    def _call(
+        self, method: str, header: bytes, views: list[memoryview], nbytes: int, timeout: float | None, tally: _Tally, into: Sequence[torch.Tensor] | None = None
+    ) -> Message:
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
-        bulk_port = self._bulk_route(method, sum(len(v) for v in views))
+        bulk_port = self._bulk_route(method, nbytes)
         if bulk_port is not None:
             try:
-                return self._seen(method, self._call_bulk(bulk_port, method, header, views, timeout, deadline))
+                return self._seen(method, self._call_bulk(bulk_port, method, header, views, timeout, deadline, tally, into))
             except _NotRun as exc:
                 log.debug("%r to %s goes over gRPC: %s", method, self.address, exc)
         retry_until = start + self._transport.connect_timeout
@@ -910,11 +1005,11 @@ class GrpcChannel:
             if remaining is not None and remaining <= 0:
                 raise Timeout(f"call {method!r} to {self.address} ran past its {timeout} s deadline")
             try:
-                call = self._call(_frames(header, views, self._transport.chunk_bytes), timeout=remaining, metadata=self._metadata)
+                call = self._stream(_frames(header, views, self._transport.chunk_bytes, tally), timeout=remaining, metadata=self._metadata)
             except ValueError as exc:  # grpc refuses calls on a closed channel
                 raise TransportError(f"cannot call {method!r} on {self.address}: {exc}") from exc
             try:
-                return self._seen(method, self._reply(call, method))
+                return self._seen(method, self._reply(call, method, tally, into))
             except grpc.RpcError as exc:
                 accepted = _metadata_value(call.initial_metadata(), ACCEPTED_KEY) is not None
                 if call.code() == grpc.StatusCode.UNAVAILABLE and not accepted and time.monotonic() + backoff < retry_until:
@@ -926,11 +1021,16 @@ class GrpcChannel:
                 spent = time.monotonic() - start
                 raise self._error(call.code(), call.details() or "", remote, method, timeout, accepted, attempts, spent) from exc
 
-    def _reply(self, call: Any, method: str) -> Message:
+    def _reply(self, call: Any, method: str, tally: _Tally, into: Sequence[torch.Tensor] | None = None) -> Message:
         frames = iter(call)
         try:
-            _, meta, inbound = _receive(next(frames, None), None, want_method=False)
+            first = next(frames, None)
+            t0 = time.perf_counter()
+            _, meta, inbound = _receive(first, None, want_method=False, into=into)
+            tally.decode += time.perf_counter() - t0
             tensors = _fill(inbound, frames)
+            tally.decode += inbound.work
+            tally.received = len(first) + inbound.declared  # type: ignore[arg-type]
         except _Rejected as exc:
             call.cancel()
             raise TransportError(f"bad reply to {method!r} from {self.address}: {exc.message}") from exc
@@ -1003,15 +1103,25 @@ class GrpcChannel:
         say = log.warning if first else log.debug
         say("cannot reach the bulk channel of %s at port %d (%s); its calls go over gRPC for %.0f s", self.address, port, exc, BULK_RETRY_AFTER)
 
-    def _call_bulk(self, port: int, method: str, header: bytes, views: Sequence[memoryview], timeout: float | None, deadline: float | None) -> Message:
+    def _call_bulk(
+        self,
+        port: int,
+        method: str,
+        header: bytes,
+        views: Sequence[memoryview],
+        timeout: float | None,
+        deadline: float | None,
+        tally: _Tally,
+        into: Sequence[torch.Tensor] | None = None,
+    ) -> Message:
         """The call over the bulk channel. A connection that fails before the server
         accepted the request is replaced once; then _NotRun sends the call over gRPC."""
         conn = self._pool.take(port) or self._bulk_connect(port, deadline)
         try:
-            return self._bulk_exchange(conn, method, header, views, timeout, deadline)
+            return self._bulk_exchange(conn, method, header, views, timeout, deadline, tally, into)
         except _NotRun as exc:
             log.debug("bulk connection to %s failed before %r was accepted (%s); trying a fresh one", self.address, method, exc)
-        return self._bulk_exchange(self._bulk_connect(port, deadline), method, header, views, timeout, deadline)
+        return self._bulk_exchange(self._bulk_connect(port, deadline), method, header, views, timeout, deadline, tally, into)
 
     def _bulk_connect(self, port: int, deadline: float | None) -> bulk.Connection:
         t = self._transport
@@ -1031,7 +1141,15 @@ class GrpcChannel:
             raise _NotRun(f"bulk hello with {self._host}:{port} failed: {exc}") from exc
 
     def _bulk_exchange(
-        self, conn: bulk.Connection, method: str, header: bytes, views: Sequence[memoryview], timeout: float | None, deadline: float | None
+        self,
+        conn: bulk.Connection,
+        method: str,
+        header: bytes,
+        views: Sequence[memoryview],
+        timeout: float | None,
+        deadline: float | None,
+        tally: _Tally,
+        into: Sequence[torch.Tensor] | None = None,
     ) -> Message:
         accepted = in_step = False
         error: PdpsError | None = None  # raised after the socket errors are sorted out (Timeout is an OSError)
@@ -1056,8 +1174,13 @@ class GrpcChannel:
                     error = TransportError(f"bad reply to {method!r} from {self.address}: bulk message of kind {kind} out of turn")
                 else:
                     try:
-                        _, meta, inbound = _receive(bytes(conn.read_bytes(length, deadline=deadline)), None, want_method=False)
+                        first = conn.read_bytes(length, deadline=deadline)
+                        t0 = time.perf_counter()
+                        _, meta, inbound = _receive(bytes(first), None, want_method=False, into=into)
+                        tally.decode += time.perf_counter() - t0
                         reply = Message(meta, inbound.read_from(lambda view: conn.read_into(view, deadline=deadline)))
+                        tally.decode += inbound.work
+                        tally.received = length + inbound.declared
                     except _Rejected as exc:
                         error = TransportError(f"bad reply to {method!r} from {self.address}: {exc.message}")
         except TimeoutError as exc:

@@ -196,6 +196,11 @@ class TorchCompute:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = str(_device(device))
 
+    @property
+    def threads(self) -> int:
+        """Torch's intra-op threads in this process (what a trainer computes with)."""
+        return torch.get_num_threads()
+
     def check_optimizer(self, name: str, kwargs: Mapping[str, Any]) -> None:
         """ConfigError unless ``name`` is an element-wise rule that accepts ``kwargs``.
 
@@ -326,7 +331,9 @@ class TorchReplica:
                 if tuple(t.shape) != b.shape:
                     raise ConfigError(f"pulled value for {b.describe()} has shape {tuple(t.shape)}, the block is {b.shape}")
             for b, t in zip(blocks, tensors):
-                self.flat_params[b.offset : b.offset + b.numel].view(b.shape).copy_(t)
+                dest = self.flat_params[b.offset : b.offset + b.numel]
+                if t.data_ptr() != dest.data_ptr():  # not received in place already
+                    dest.view(b.shape).copy_(t)
 
     def check_finite(self, trainer: str) -> None:
         """Raise GradientRejected naming the parameter if any gradient holds NaN or Inf.
@@ -374,14 +381,21 @@ class TorchReplica:
                 handles.append(module.register_forward_pre_hook(lambda _m, _a, own=own: fn(own)))
         return lambda: [h.remove() for h in handles] and None
 
-    def grads_of(self, i: int, blocks: Sequence[Block], trainer: str) -> list[torch.Tensor]:
-        """Views of the flat gradient buffer for ``blocks`` (of parameter ``i``), and
-        GradientRejected if any is not finite: one reduction over the parameter."""
-        g = self._grad_views[i]
-        if not bool(torch.isfinite(g.sum())) and not bool(torch.isfinite(g).all()):
-            nan, inf = int(torch.isnan(g).sum()), int(torch.isinf(g).sum())
-            raise GradientRejected(f"gradient of {self.specs[i].name} on trainer {trainer!r} holds {nan} NaN and {inf} infinite values")
+    def value_blocks(self, blocks: Sequence[Block]) -> list[torch.Tensor]:
+        """Views of the flat parameter buffer for ``blocks``, no re-binding: where a pull
+        may be received in place (see ``Channel.call``'s ``into``)."""
+        return [self.flat_params[b.offset : b.offset + b.numel].view(b.shape) for b in blocks]
+
+    def grad_blocks(self, blocks: Sequence[Block]) -> list[torch.Tensor]:
+        """Views of the flat gradient buffer for ``blocks``, as they are: no re-binding
+        and no check (the pserver checks what it is pushed), safe while backward runs."""
         return [self.flat_grads[b.offset : b.offset + b.numel].view(b.shape) for b in blocks]
+
+    def zero_blocks(self, blocks: Sequence[Block]) -> None:
+        """Zero these blocks of the gradient buffer (once they have been pushed)."""
+        views = self.grad_blocks(blocks)
+        if views:
+            torch._foreach_zero_(views)
 
     def load_blocks(self, blocks: Sequence[Block], tensors: Sequence[torch.Tensor]) -> None:
         """:meth:`load` without re-binding the model (safe while another thread runs it):
@@ -390,7 +404,9 @@ class TorchReplica:
             for b, t in zip(blocks, tensors):
                 if tuple(t.shape) != b.shape:
                     raise ConfigError(f"pulled value for {b.describe()} has shape {tuple(t.shape)}, the block is {b.shape}")
-                self.flat_params[b.offset : b.offset + b.numel].view(b.shape).copy_(t)
+                dest = self.flat_params[b.offset : b.offset + b.numel]
+                if t.data_ptr() != dest.data_ptr():  # not received in place already
+                    dest.view(b.shape).copy_(t)
 
     def zero_grad(self) -> None:
         self.flat_grads.zero_()

@@ -72,7 +72,7 @@ class JobConfig:
     checkpoint_keep: int = attrs.field(default=3, validator=_positive("checkpoint_keep"))
     restore: str = "job"  # on a pserver restart: "job" rolls everyone back; "lost" (async) restores only its slots
     keep_rounds: int = attrs.field(default=10000, validator=_positive("keep_rounds"))  # sync round records kept
-    overlap: bool = True  # push each slot during backward; async: pull during the next forward
+    overlap: str = "auto"  # on: push each slot during backward, async: pull during the next forward; auto: see trainer
 
     def __attrs_post_init__(self) -> None:
         if not self.name or "/" in self.name:
@@ -83,6 +83,8 @@ class JobConfig:
             raise ConfigError("staleness is a bound >= 0 for async mode only")
         if self.failure_max < 0:
             raise ConfigError(f"failure_max must be >= 0, got {self.failure_max}")
+        if self.overlap not in ("auto", "on", "off"):
+            raise ConfigError(f"overlap must be 'auto', 'on' or 'off', got {self.overlap!r}")
         if self.restore not in ("job", "lost"):
             raise ConfigError(f"restore must be 'job' or 'lost', got {self.restore!r}")
         if self.restore == "lost" and self.mode is Mode.SYNC:

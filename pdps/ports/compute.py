@@ -64,8 +64,16 @@ class ModelReplica(Protocol):
         """Call ``fn(indices)`` before the forward of each part of the model owning them."""
         ...
 
-    def grads_of(self, i: int, blocks: Sequence[Block], trainer: str) -> list[Any]:
-        """Parameter ``i``'s gradient blocks (views), GradientRejected unless finite."""
+    def value_blocks(self, blocks: Sequence[Block]) -> list[Any]:
+        """Views of the parameter buffer for ``blocks``: where a pull may be received."""
+        ...
+
+    def grad_blocks(self, blocks: Sequence[Block]) -> list[Any]:
+        """Views of the gradient buffer for ``blocks``, unchecked, safe while backward runs."""
+        ...
+
+    def zero_blocks(self, blocks: Sequence[Block]) -> None:
+        """Zero these blocks of the gradient buffer (once pushed)."""
         ...
 
     def load_blocks(self, blocks: Sequence[Block], tensors: Sequence[Any]) -> None:

@@ -18,6 +18,13 @@ Contract (every adapter passes ``tests/unit/contract_transport.py``):
   interrupt it: it hands the deadline to the handler as meta ``"timeout"``, and
   handlers that wait (a sync pull at the barrier) honour it.
 * Nothing is pickled: meta is JSON-safe, tensors travel as raw bytes.
+
+Optional: a channel may carry ``stats``, a dict of cumulative client-side floats for
+a per-step breakdown (both adapters here have it; read it with
+``getattr(channel, "stats", None)``, since other adapters need not): ``"serialize"``
+(seconds spent encoding requests and decoding replies into tensors, not waiting on
+the wire; 0.0 in process), ``"calls"``, ``"bytes_sent"`` and ``"bytes_received"``.
+docs/transport.md says what each adapter counts.
 """
 
 from __future__ import annotations
@@ -46,7 +53,13 @@ class Endpoint(Protocol):
 
 
 class Channel(Protocol):
-    def call(self, method: str, request: Message, *, timeout: float | None = None) -> Message: ...
+    # Optional, not part of the protocol: stats: dict[str, float] (see the module docstring).
+
+    def call(self, method: str, request: Message, *, timeout: float | None = None, into: Sequence[Any] | None = None) -> Message:
+        """Call ``method``. ``into`` is a hint: tensors the reply's tensors may be received
+        into, sparing the caller a copy (the gRPC adapter does when they match; the reply
+        then holds these very tensors). An adapter may ignore it."""
+        ...
 
     def close(self) -> None: ...
 

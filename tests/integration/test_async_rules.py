@@ -23,7 +23,7 @@ def source(tmp_path):
     return ParquetSource(f"{tmp_path.as_uri()}/d")
 
 
-@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("overlap", ["off", "on"])
 def test_downpour_cadence_push_every_n_pull_every_m(source, overlap):
     """One trainer, n=2, m=3: the local model changes only at pulls, pushes carry sums.
     The model is read where it is used, at each forward (with overlap a pull lands

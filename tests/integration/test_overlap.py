@@ -52,15 +52,15 @@ def test_overlap_changes_nothing_in_the_result(source, mode):
     (One trainer, so both runs see the same batches in the same order; sync-SGD with
     several trainers against single-process torch is test_inprocess_job's.)"""
     runs = {}
-    for overlap in (False, True):
+    for overlap in ("off", "on"):
         result = pdps.simulate(train, dataset=source, trainers=1, pservers=2, mode=mode, batch_size=8,
                                passes=2, optimizer="Adam", optimizer_args={"lr": 0.01}, min_block=16, num_slots=16,
                                overlap=overlap)
         runs[overlap] = result
-    assert runs[True].steps == runs[False].steps > 0
-    for name, value in runs[False].params.items():
-        assert torch.equal(runs[True].params[name], value), name
-    assert any(not torch.equal(runs[True].params[n], p.detach()) for n, p in make_model().named_parameters())
+    assert runs["on"].steps == runs["off"].steps > 0
+    for name, value in runs["off"].params.items():
+        assert torch.equal(runs["on"].params[name], value), name
+    assert any(not torch.equal(runs["on"].params[n], p.detach()) for n, p in make_model().named_parameters())
 
 
 class _Probe(torch.autograd.Function):
@@ -77,7 +77,7 @@ class _Probe(torch.autograd.Function):
         return grad, None
 
 
-@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("overlap", ["on", "off"])
 def test_the_last_layers_slots_reach_the_pserver_while_backward_still_runs(source, overlap):
     """Async, one pserver: when backward reaches the first layer, the last layer's
     update has (overlap) or has not (no overlap) been applied on the pserver already."""
@@ -91,7 +91,7 @@ def test_the_last_layers_slots_reach_the_pserver_while_backward_still_runs(sourc
         seen = []
 
         def check():
-            deadline = time.monotonic() + (5.0 if overlap else 0.5)  # bounded: no overlap never gets there
+            deadline = time.monotonic() + (5.0 if overlap == "on" else 0.5)  # bounded: no overlap never gets there
             while time.monotonic() < deadline:
                 if any(not torch.equal(shard.views()[i], b) for i, b in zip(last, before)):
                     seen.append(True)
@@ -104,7 +104,8 @@ def test_the_last_layers_slots_reach_the_pserver_while_backward_still_runs(sourc
         hidden = model[1](model[0](batch["x"]))
         out = model[4](model[3](model[2](_Probe.apply(hidden, check))))
         ctx.step(F.mse_loss(out, batch["y"]))
-        assert seen == [overlap]
+        assert ctx.overlapping == (overlap == "on")
+        assert seen == [overlap == "on"]
         assert job.ps.version == 1  # one update, however many pieces it came in
         batches.close()
     finally:
@@ -150,3 +151,38 @@ def test_a_trainer_says_where_its_time_went(source, mode):
         assert t["compute"] > 0 and t["data"] > 0 and t["wait"] > 0 and t["update"] > 0
         assert t["serialize"] == 0  # inproc passes tensors by reference
         assert (t["barrier"] > 0) == (mode == "sync")
+
+
+class _Transport:
+    """A stand-in transport for the "auto" rule: only whether it runs calls concurrently."""
+
+    def __init__(self, concurrent: bool) -> None:
+        self.concurrent = concurrent
+
+
+class _Compute:
+    def __init__(self, device: str, threads: int) -> None:
+        self.device, self.threads = device, threads
+
+
+@pytest.mark.parametrize(
+    "setting,device,concurrent,threads,cores,expected",
+    [
+        ("on", "cpu", True, 2, 2, True),
+        ("off", "cuda", False, 1, 16, False),
+        ("auto", "cuda", True, 2, 2, True),  # a GPU computes: the CPU is free to communicate
+        ("auto", "cpu", False, 2, 2, True),  # in-process pservers (inproc)
+        ("auto", "cpu", True, 2, 2, False),  # gRPC with every core busy computing
+        ("auto", "cpu", True, 2, 8, True),  # gRPC with cores to spare
+    ],
+)
+def test_overlap_auto_is_on_where_something_idle_can_communicate(monkeypatch, setting, device, concurrent, threads, cores, expected):
+    monkeypatch.setattr("os.cpu_count", lambda: cores)
+    config = pdps.JobConfig(overlap=setting)
+    ctx = pdps.TrainerContext(None, _Transport(concurrent), _Compute(device, threads), None, config, trainer_id="t")
+    assert ctx._overlaps() is expected
+
+
+def test_overlap_setting_is_checked():
+    with pytest.raises(pdps.ConfigError, match="overlap must be 'auto', 'on' or 'off'"):
+        pdps.JobConfig(overlap="yes")

@@ -147,6 +147,27 @@ def test_reply_tensors_held_by_the_caller_are_never_overwritten(serve):
     assert torch.count_nonzero(first).item() == 0
 
 
+@pytest.mark.parametrize("bulk_threshold", [0, None], ids=["bulk", "grpc-only"])
+def test_a_reply_is_received_into_the_callers_tensors_when_they_match(serve, bulk_threshold):
+    """``into``: the reply lands in the caller's memory (a trainer's model), no copy
+    after; tensors that do not match are ignored and the reply arrives as usual."""
+    transport = GrpcTransport(bulk_threshold=bulk_threshold)
+    values = [torch.randn(1 << 18), torch.arange(6, dtype=torch.float64).view(2, 3)]
+    ch = transport.connect(serve({"pull": lambda req: Message({}, values)}).address)
+    ch.call("pull", Message({}))  # with the bulk channel on, the next calls take it
+    flat = torch.zeros((1 << 18) + 6, dtype=torch.float32)
+    into = [flat[: 1 << 18], torch.zeros(2, 3, dtype=torch.float64)]
+    reply = ch.call("pull", Message({}), into=into)
+    assert all(got is want for got, want in zip(reply.tensors, into, strict=True))
+    assert torch.equal(flat[: 1 << 18], values[0]) and torch.equal(into[1], values[1])
+    assert not flat[1 << 18 :].any()  # nothing written past the view
+    for wrong in ([into[0]], [into[0], torch.zeros(3, 2, dtype=torch.float64)], [into[0], torch.zeros(2, 3)],
+                  [torch.zeros(1 << 19)[::2], into[1]]):
+        reply = ch.call("pull", Message({}), into=wrong)  # count, shape, dtype, layout: no match
+        assert all(got is not w for got, w in zip(reply.tensors, wrong))
+        assert torch.equal(reply.tensors[0], values[0]) and torch.equal(reply.tensors[1], values[1])
+
+
 def echo_from_8_threads(ch) -> None:
     """80 echo calls, 10 from each of 8 threads sharing ``ch``; each gets its own reply."""
     errors: list[BaseException] = []
@@ -829,3 +850,44 @@ def test_bulk_connections_beyond_the_limit_are_refused_and_their_calls_take_grpc
     finally:
         for sock in held:
             sock.close()
+
+
+# --- client-side stats ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bulk_threshold", [0, None], ids=["bulk", "grpc-only"])
+def test_channel_stats_move_on_a_loopback_call(serve, bulk_threshold):
+    transport = GrpcTransport(bulk_threshold=bulk_threshold, chunk_bytes=64 << 10)
+    ep = serve({"same": same}, transport)
+    channel = transport.connect(ep.address)
+    assert channel.stats == {"serialize": 0.0, "calls": 0.0, "bytes_sent": 0.0, "bytes_received": 0.0}
+    sent = torch.arange(1 << 18, dtype=torch.float32)  # 1 MiB: 16 chunk frames over gRPC
+    for i in range(3):  # the first learns the bulk port; the others take the bulk channel
+        reply = channel.call("same", Message({"i": i}, [sent]))
+        assert torch.equal(reply.tensors[0], sent)
+    stats = dict(channel.stats)
+    assert stats["calls"] == 3
+    assert 3 * sent.nbytes < stats["bytes_sent"] < 3 * (sent.nbytes + 1024)  # + each header frame
+    assert 3 * sent.nbytes < stats["bytes_received"] < 3 * (sent.nbytes + 1024)
+    assert 0.0 < stats["serialize"] < 10.0
+    with pytest.raises(TransportError):
+        channel.call("nope", Message({}))
+    assert channel.stats["calls"] == 4 and channel.stats["bytes_received"] == stats["bytes_received"]
+    channel.close()
+
+
+def test_channel_stats_add_up_over_concurrent_calls(serve):
+    transport = GrpcTransport()
+    ep = serve({"same": same}, transport)
+    channel = transport.connect(ep.address)
+    sent = torch.ones(1000)
+    threads = [threading.Thread(target=lambda: [channel.call("same", Message({}, [sent])) for _ in range(10)]) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert channel.stats["calls"] == 40
+    for key in ("bytes_sent", "bytes_received"):  # none lost to a race: 40 x (header frame + 4000)
+        assert 40 * 4000 < channel.stats[key] < 40 * 5000
+        assert (channel.stats[key] - 40 * 4000) % 40 == 0
+    channel.close()

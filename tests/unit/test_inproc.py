@@ -57,3 +57,19 @@ def test_auto_names_are_unique_and_duplicates_refused():
 def test_bad_address():
     with pytest.raises(TransportError, match="inproc://name"):
         InprocTransport().connect("grpc://x:1").call("m", Message({}))
+
+
+def test_channel_stats_count_calls_and_bytes_but_no_serialize_time():
+    def handler(req: Message) -> Message:
+        return Message({}, [torch.zeros(3, dtype=torch.float64)])
+
+    t = InprocTransport()
+    ep = t.serve("inproc://", {"h": handler})
+    channel = t.connect(ep.address)
+    assert channel.stats == {"serialize": 0.0, "calls": 0.0, "bytes_sent": 0.0, "bytes_received": 0.0}
+    for _ in range(2):
+        channel.call("h", Message({}, [torch.ones(1024), torch.ones(2, dtype=torch.int16)]))
+    with pytest.raises(TransportError):
+        channel.call("nope", Message({}))
+    assert channel.stats == {"serialize": 0.0, "calls": 3.0, "bytes_sent": 2 * 4100.0, "bytes_received": 2 * 24.0}
+    ep.close()

@@ -9,6 +9,9 @@ Progress goes to stderr; with ``--json`` the last line of stdout is one JSON obj
 ``pdps checkpoint list|inspect|restore`` lists a job's checkpoints, verifies one
 part by part, or rolls the running job back to one (:mod:`pdps.checkpoint_cli`).
 
+``pdps bench`` runs the benchmark programs of the source checkout's ``bench/``, checks
+the performance targets and regenerates ``docs/performance.md`` (:mod:`pdps.benchmark`).
+
 ``pdps master``, ``pdps pserver`` and ``pdps trainer TARGET`` run one role as this
 process; ``pdps launch TARGET`` runs a whole job on this machine. Their settings
 come from a TOML file, ``PDPS_*`` variables and flags (:mod:`pdps.settings`).
@@ -149,6 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "or one whose commit never landed) if its files verify")
         p.set_defaults(func=cmd_checkpoint, parser=p)
 
+    _add_bench_parser(sub)
+
     from pdps import settings
 
     roles = {
@@ -169,6 +174,33 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("target", metavar="TARGET", nargs="?", default=argparse.SUPPRESS, help="module:function or path/to/file.py:function")
         p.set_defaults(func=globals()[f"cmd_{name}"], role=True)
     return parser
+
+
+def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    from pdps.benchmark.targets import SUITES
+
+    bench = sub.add_parser(
+        "bench",
+        help="run the benchmarks of the checkout's bench/, check the targets, regenerate docs/performance.md",
+        description="Run the benchmark suites (programs in the source checkout's bench/), each --runs times in a row, "
+        "judge the performance targets, write every figure as JSON and regenerate docs/performance.md with its plots. "
+        "Exit status: 0 when the suites ran (with --check: and every target is met), 1 when a suite failed to run or, "
+        "with --check, a target is missed, 2 for any other error (no bench/ directory).",
+    )
+    bench.add_argument("--suite", dest="suites", action="append", choices=SUITES, metavar="NAME",
+                       help=f"a suite to run, may be given several times ({', '.join(SUITES)}; default: all, in this order)")
+    bench.add_argument("--check", action="store_true", help="exit 1 when a target is missed (one line per target either way)")
+    bench.add_argument("--runs", type=_positive_int, default=2, help="consecutive runs of each suite (default: %(default)s; "
+                       "stability needs 2)")
+    bench.add_argument("--quick", action="store_true", help="small configurations, for development: figures not comparable "
+                       "with the targets")
+    bench.add_argument("--out", type=Path, metavar="DIR", default=None,
+                       help="where to write results.json (default: bench-results/ in the checkout)")
+    bench.add_argument("--no-docs", dest="docs", action="store_false",
+                       help="do not regenerate docs/performance.md and docs/performance/*.png")
+    bench.add_argument("--timeout", type=float, default=1800.0, metavar="SECONDS",
+                       help="stop a suite's run after this long and count it failed (default: %(default)s)")
+    bench.set_defaults(func=cmd_bench)
 
 
 def _add_store_arguments(p: argparse.ArgumentParser) -> None:
@@ -296,6 +328,22 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
     return 1 if args.action == "inspect" and not result["sound"] else 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from pdps.benchmark.runner import run_bench
+    from pdps.benchmark.targets import SUITES
+
+    return run_bench(
+        suites=args.suites or SUITES,
+        runs=args.runs,
+        quick=args.quick,
+        check=args.check,
+        out_dir=args.out.resolve() if args.out else None,
+        docs=args.docs,
+        argv=args.argv,
+        timeout=args.timeout,
+    )
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     import pdps
     from pdps.examples import digits
@@ -354,6 +402,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # as typed, for reports (pdps bench)
     fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
     try:
         if getattr(args, "role", False):

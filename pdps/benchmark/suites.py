@@ -1,0 +1,232 @@
+"""The suites: which program of the checkout's ``bench/`` each one is, with which
+arguments, and running one as a subprocess.
+
+A suite's program is run with ``sys.executable`` from the checkout's root, its stderr
+and its stdout table streamed through as they come (prefixed with the suite's name),
+and its JSON taken from the last line of its stdout (or, for a program whose
+``--json`` names a file, from that file).
+
+The full arguments are chosen so that two runs of every suite fit in about 15-20
+minutes on 2 cores: only the rows the targets need plus a few.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+import attrs
+
+from pdps.benchmark.targets import SUITES, BenchError, SuiteOutputError
+
+STDERR_TAIL_LINES = 40
+SUITE_TIMEOUT_S = 1800.0  # one run of one suite
+
+
+@attrs.frozen
+class Suite:
+    """One suite: ``bench/<program>`` run with ``full`` (or ``quick``) arguments.
+
+    ``json_to_file``: the program takes ``--json PATH`` and writes its JSON there;
+    otherwise ``--json`` is a flag and the JSON is the last line of its stdout.
+    """
+
+    name: str
+    program: str
+    about: str
+    full: tuple[str, ...]
+    quick: tuple[str, ...]
+    json_to_file: bool = False
+
+    def args(self, quick: bool) -> list[str]:
+        return list(self.quick if quick else self.full)
+
+
+SUITE_SPECS: dict[str, Suite] = {
+    s.name: s
+    for s in (
+        Suite(
+            "transport",
+            "transport.py",
+            "Push + pull of a parameter set held by 2 pservers (half each) from one trainer, over the gRPC transport "
+            "(2 server processes) and inproc, against raw loopback TCP (one server process) and "
+            "torch.distributed.rpc (TensorPipe, 2 processes). GB/s = (bytes pushed + pulled) / round time, median of "
+            "the timed rounds; the rounds of the in-process routes are interleaved.",
+            ("--transports", "grpc", "tcp", "torch-rpc", "inproc", "--mib", "64", "--blocks", "1", "4", "--repeats", "7", "--warmup", "2"),
+            ("--transports", "grpc", "tcp", "torch-rpc", "inproc", "--mib", "8", "--blocks", "1", "--repeats", "3", "--warmup", "1"),
+        ),
+        Suite(
+            "master",
+            "master_transitions.py",
+            "A real master over a queue of N tasks on each coordination store (throwaway etcd and Redis servers, "
+            "data on /dev/shm; memory://), driven by client threads (one trainer each; `clients` in the configuration) "
+            "looping get_task / finish_task; against the "
+            "original design's persistence, one key holding gzip(JSON of every task record) rewritten per transition.",
+            ("--backends", "etcd", "redis", "memory", "--tasks", "100000", "--seconds", "5", "--baseline-transitions", "100"),
+            ("--backends", "etcd", "redis", "memory", "--tasks", "2000", "--seconds", "1", "--baseline-transitions", "20"),
+            json_to_file=True,
+        ),
+        Suite(
+            "checkpoint",
+            "checkpoint.py",
+            "A pserver's Adam shard state written with write_part (safetensors, crc32, temporary file, fsync, rename) "
+            "and read back with read_part (warm: in the page cache; cold: dropped with posix_fadvise first), against "
+            "raw sequential write + fsync and raw sequential read of the same bytes, under /tmp.",
+            ("--mib", "1024", "--repeats", "3"),
+            ("--mib", "64", "--repeats", "2"),
+        ),
+        Suite(
+            "end-to-end",
+            "end_to_end.py",
+            "Training throughput of pdps jobs (trainers x pservers, sync and async, over inproc and gRPC) against a "
+            "single-process torch loop of the same model, batch and optimizer measured in the same run, with a "
+            "per-step breakdown of where a step's time goes.",
+            ("--trainers", "1", "2", "3"),
+            ("--quick",),
+        ),
+    )
+}
+assert tuple(SUITE_SPECS) == SUITES
+
+
+def bench_dir(package_file: str | None = None) -> Path:
+    """The checkout's ``bench/``, next to the ``pdps`` package; a BenchError when it is not there."""
+    if package_file is None:
+        import pdps
+
+        package_file = pdps.__file__
+    path = Path(package_file).resolve().parents[1] / "bench"
+    if not path.is_dir():
+        raise BenchError(
+            f"pdps bench runs the benchmark programs of a source checkout, and there is no bench/ directory at {path} "
+            "(pdps is installed from a wheel?): run it from a clone of the repository, with pdps installed from it "
+            "(pip install -e '.[dev]')"
+        )
+    return path
+
+
+def command_of(suite: Suite, bench: Path, quick: bool, json_path: Path | None = None) -> list[str]:
+    """The argv a suite runs with (``json_path``: where a ``json_to_file`` program writes)."""
+    argv = [sys.executable, str(bench / suite.program), *suite.args(quick)]
+    if suite.json_to_file:
+        return [*argv, "--json", str(json_path) if json_path is not None else "PATH"]
+    return [*argv, "--json"]
+
+
+def display_command(argv: Sequence[str], root: Path) -> str:
+    """The argv as a reader would type it from the checkout: ``python bench/x.py ...``."""
+    shown = ["python" if a == sys.executable else os.path.relpath(a, root) if a.startswith(str(root) + os.sep) else a for a in argv]
+    return shlex.join(shown)
+
+
+def parse_json_line(text: str, where: str) -> dict[str, Any]:
+    """The JSON object on the last non-empty line of ``text``; a SuiteOutputError saying what came instead."""
+    lines = [line for line in text.splitlines() if line.strip()]
+    if not lines:
+        raise SuiteOutputError(f"{where} printed nothing on stdout: expected a JSON object on its last line")
+    last = lines[-1].strip()
+    try:
+        value = json.loads(last)
+    except json.JSONDecodeError as exc:
+        raise SuiteOutputError(f"{where}: the last line of its stdout is not JSON ({exc}): {last[:200]!r}") from None
+    if not isinstance(value, dict):
+        raise SuiteOutputError(f"{where}: the last line of its stdout is JSON but not an object: {last[:200]!r}")
+    return value
+
+
+def _pump(stream: TextIO, echo: Callable[[str], None], keep: collections.deque, *, hide_json: bool) -> None:
+    for line in stream:
+        keep.append(line)
+        if not (hide_json and line.lstrip().startswith("{")):
+            echo(line.rstrip("\n"))
+
+
+def run_suite(
+    suite: Suite, bench: Path, *, quick: bool, label: str, echo: Callable[[str], None], timeout: float = SUITE_TIMEOUT_S
+) -> dict[str, Any]:
+    """Run one suite once. Returns ``{"ok", "seconds", "returncode", "report" | "error", "stderr_tail"}``.
+
+    A program that exits non-zero, runs past ``timeout`` or prints no JSON object is a
+    failed run (``ok`` False, ``error`` says why; the JSON of one that exited non-zero is
+    kept as ``report`` when it printed one); it raises nothing.
+    """
+    root = bench.parent
+    program = bench / suite.program
+    if not program.is_file():
+        return {"ok": False, "seconds": 0.0, "returncode": None, "error": f"{program} does not exist", "stderr_tail": ""}
+    with tempfile.TemporaryDirectory(prefix="pdps-bench-") as tmp:
+        json_path = Path(tmp) / f"{suite.name}.json"
+        argv = command_of(suite, bench, quick, json_path)
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        t0 = time.monotonic()
+        proc = subprocess.Popen(argv, cwd=root, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        out: collections.deque = collections.deque()
+        err: collections.deque = collections.deque(maxlen=STDERR_TAIL_LINES)
+        prefix = f"[{label}] "
+        pumps = [
+            threading.Thread(target=_pump, args=(proc.stdout, lambda s: echo(prefix + s), out), kwargs={"hide_json": True}, daemon=True),
+            threading.Thread(target=_pump, args=(proc.stderr, lambda s: echo(prefix + s), err), kwargs={"hide_json": False}, daemon=True),
+        ]
+        for p in pumps:
+            p.start()
+        try:
+            returncode = proc.wait(timeout)
+            error = None if returncode == 0 else f"{suite.program} exited with status {returncode}"
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            returncode = proc.wait()
+            error = f"{suite.program} ran past {timeout:g} s and was killed"
+        for p in pumps:
+            p.join(10)
+        seconds = time.monotonic() - t0
+        result: dict[str, Any] = {"ok": False, "seconds": seconds, "returncode": returncode, "stderr_tail": "".join(err)}
+        if returncode is not None and returncode >= 0:  # a program that exits 1 may still report what it measured
+            try:
+                if suite.json_to_file and json_path.is_file():
+                    result["report"] = _load_json_file(json_path, suite.program)
+                else:
+                    result["report"] = parse_json_line("".join(out), suite.program)
+            except BenchError as exc:
+                error = error or str(exc)
+        if error is None:
+            result["ok"] = True
+        else:
+            result["error"] = error
+        return result
+
+
+def _load_json_file(path: Path, where: str) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SuiteOutputError(f"{where}: its JSON file {path} cannot be read: {exc}") from None
+    if not isinstance(value, dict):
+        raise SuiteOutputError(f"{where}: its JSON file holds {type(value).__name__}, not an object")
+    return value
+
+
+def suite_config(suite: Suite, report: dict[str, Any]) -> dict[str, Any]:
+    """The configuration a suite reports: its ``config`` block, else its top-level settings
+    (numbers, strings, booleans and short lists; not figures, machine or timings)."""
+    if isinstance(report.get("config"), dict):
+        return dict(report["config"])
+    skip = {"machine", "results", "ratios", "runs", "torch", "command", "total_s", "loadavg_start", "loadavg_end", "root", "bench"}
+    out = {}
+    for key, value in report.items():
+        if key in skip:
+            continue
+        if isinstance(value, (str, int, float, bool)) or value is None:
+            out[key] = value
+        elif isinstance(value, list) and len(value) <= 16 and all(isinstance(v, (str, int, float, bool)) or v is None for v in value):
+            out[key] = value
+    return out

@@ -1,0 +1,414 @@
+"""The performance targets, the figures each suite reports, and the verdicts. No I/O.
+
+Everything ``pdps bench`` says about a suite's output is read here, from the JSON
+object the suite's program prints: the figures of the report's tables
+(:func:`suite_figures`), the figure behind each target (:data:`TARGETS`), and the
+verdicts (:func:`evaluate`). The results JSON, ``docs/performance.md`` and
+``--check`` all take the verdicts from :func:`evaluate`, so they cannot disagree.
+
+A target is MET when every run meets its threshold. Each ratio target also gets a
+stability verdict: consecutive runs must agree within :data:`STABILITY`
+(``|a - b| / max(a, b)``, the worst consecutive pair). A figure that cannot be read
+from a suite's JSON (a renamed key) is an ERROR naming the key, never a silent pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from pdps.core.errors import PdpsError
+
+MET, MISSED, ERROR, NOT_RUN, NOT_CHECKED = "MET", "MISSED", "ERROR", "NOT RUN", "NOT CHECKED"
+STABILITY = 0.15  # two consecutive runs agree on each ratio within 15%
+SUITES = ("transport", "master", "checkpoint", "end-to-end")
+
+
+class BenchError(PdpsError):
+    """``pdps bench`` cannot do what it was asked (no bench/ directory, a bad option)."""
+
+    code = "bench"
+
+
+class SuiteOutputError(BenchError):
+    """A suite's JSON lacks a key pdps bench reads, or holds something else than expected."""
+
+    code = "bench_output"
+
+
+Report = Mapping[str, Any]
+
+
+@attrs.frozen
+class Target:
+    """One target: ``figure(report)`` of ``suite``'s JSON must be at least ``threshold``.
+
+    ``unit`` is ``"x"`` for a ratio (the stability rule applies to it) or the unit of an
+    absolute figure. ``detail(report)`` names the figures behind the value (the
+    measured ceiling and baseline), shown under a missed target.
+    """
+
+    id: str
+    suite: str
+    description: str
+    threshold: float
+    figure: Callable[[Report], float]
+    detail: Callable[[Report], str]
+    unit: str = "x"
+
+    @property
+    def is_ratio(self) -> bool:
+        return self.unit == "x"
+
+
+# --- reading a suite's JSON -------------------------------------------------------------
+
+
+def get(report: Any, *path: str | int, suite: str) -> Any:
+    """``report[path[0]][path[1]]...``, or a SuiteOutputError naming the missing key."""
+    node = report
+    for i, key in enumerate(path):
+        try:
+            node = node[key]
+        except (KeyError, IndexError, TypeError):
+            where = "".join(f"[{k!r}]" for k in path[:i]) or "the top level"
+            have = sorted(node)[:20] if isinstance(node, Mapping) else type(node).__name__
+            raise SuiteOutputError(f"{suite} suite JSON: no {key!r} under {where} (it has: {have})") from None
+    return node
+
+
+def number(value: Any, what: str, *, suite: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise SuiteOutputError(f"{suite} suite JSON: {what} is {value!r}, not a number")
+    return float(value)
+
+
+def _first(report: Report, paths: Sequence[tuple[str | int, ...]], *, suite: str) -> Any:
+    """The first of ``paths`` present in ``report``; the error names the first (the expected one)."""
+    for path in paths:
+        try:
+            return get(report, *path, suite=suite)
+        except SuiteOutputError:
+            continue
+    return get(report, *paths[0], suite=suite)
+
+
+def _one(rows: Any, what: str, suite: str, **match: Any) -> Mapping[str, Any]:
+    if not isinstance(rows, list):
+        raise SuiteOutputError(f"{suite} suite JSON: expected a list of {what}, got {type(rows).__name__}")
+    for row in rows:
+        if isinstance(row, Mapping) and all(row.get(k) == v for k, v in match.items()):
+            return row
+    have = [{k: r.get(k) for k in match} for r in rows if isinstance(r, Mapping)]
+    raise SuiteOutputError(f"{suite} suite JSON: no {what} with {match} (rows: {have})")
+
+
+# end-to-end: {"torch": {"samples_per_s"}, "runs": [{"transport", "mode", "trainers", "pservers", ...}]}
+
+
+def e2e_row(report: Report, transport: str, mode: str = "async", trainers: int = 1, pservers: int = 2) -> Mapping[str, Any]:
+    rows = get(report, "runs", suite="end-to-end")
+    return _one(rows, "run", "end-to-end", transport=transport, mode=mode, trainers=trainers, pservers=pservers)
+
+
+def e2e_torch(report: Report) -> float:
+    return number(get(report, "torch", "samples_per_s", suite="end-to-end"), "torch.samples_per_s", suite="end-to-end")
+
+
+def e2e_ratio(transport: str) -> Callable[[Report], float]:
+    def figure(report: Report) -> float:
+        row = e2e_row(report, transport)
+        if "ratio_vs_torch" in row:
+            return number(row["ratio_vs_torch"], f"{transport} ratio_vs_torch", suite="end-to-end")
+        return number(get(row, "samples_per_s", suite="end-to-end"), "samples_per_s", suite="end-to-end") / e2e_torch(report)
+
+    return figure
+
+
+def e2e_detail(transport: str) -> Callable[[Report], str]:
+    def detail(report: Report) -> str:
+        row = e2e_row(report, transport)
+        return f"pdps {transport} async 1x2: {float(row['samples_per_s']):,.0f} samples/s; torch: {e2e_torch(report):,.0f} samples/s"
+
+    return detail
+
+
+def e2e_label(row: Mapping[str, Any]) -> str:
+    return f"{row.get('transport')} {row.get('mode')} {row.get('trainers')}x{row.get('pservers')}"
+
+
+# transport: {"ratios": {"grpc_vs_tcp": {"value", "row", "baseline"}}, "results": [{"label", "kind", "gbps"}]}
+
+
+def transport_ratio(name: str) -> Callable[[Report], float]:
+    def figure(report: Report) -> float:
+        return number(get(report, "ratios", name, "value", suite="transport"), f"ratios.{name}.value", suite="transport")
+
+    return figure
+
+
+def transport_detail(name: str) -> Callable[[Report], str]:
+    def detail(report: Report) -> str:
+        r = get(report, "ratios", name, suite="transport")
+        rows = {x.get("label"): x for x in get(report, "results", suite="transport") if isinstance(x, Mapping)}
+        mine, base = rows.get(r.get("row"), {}), rows.get(r.get("baseline"), {})
+        return f"{r.get('row')}: {float(mine.get('gbps', float('nan'))):.2f} GB/s; {r.get('baseline')}: {float(base.get('gbps', float('nan'))):.2f} GB/s"
+
+    return detail
+
+
+# master: {"tasks", "results": [{"backend", "pdps": {"per_s"}, "baseline": {"per_s"}, "ratio_transitions_per_s"}]}
+
+MASTER_RATE = (("pdps", "per_s"), ("pdps", "transitions_per_s"), ("transitions_per_s",))
+MASTER_BASELINE_RATE = (("baseline", "per_s"), ("baseline", "transitions_per_s"), ("baseline_transitions_per_s",))
+
+
+def master_row(report: Report, backend: str) -> Mapping[str, Any]:
+    return _one(get(report, "results", suite="master"), "backend", "master", backend=backend)
+
+
+def master_rate(backend: str) -> Callable[[Report], float]:
+    def figure(report: Report) -> float:
+        return number(_first(master_row(report, backend), MASTER_RATE, suite="master"), f"{backend} transitions/s", suite="master")
+
+    return figure
+
+
+def master_baseline_rate(backend: str) -> Callable[[Report], float]:
+    def figure(report: Report) -> float:
+        row = master_row(report, backend)
+        return number(_first(row, MASTER_BASELINE_RATE, suite="master"), f"{backend} baseline transitions/s", suite="master")
+
+    return figure
+
+
+def master_ratio(backend: str) -> Callable[[Report], float]:
+    def figure(report: Report) -> float:
+        row = master_row(report, backend)
+        if "ratio_transitions_per_s" in row:
+            return number(row["ratio_transitions_per_s"], f"{backend} ratio_transitions_per_s", suite="master")
+        return master_rate(backend)(report) / master_baseline_rate(backend)(report)
+
+    return figure
+
+
+def master_detail(backend: str) -> Callable[[Report], str]:
+    def detail(report: Report) -> str:
+        tasks = report.get("tasks")
+        queue = f", {tasks:,} tasks" if isinstance(tasks, int) else ""
+        return (
+            f"{backend}{queue}: pdps {master_rate(backend)(report):,.0f} transitions/s; "
+            f"whole-snapshot baseline {master_baseline_rate(backend)(report):,.1f} transitions/s"
+        )
+
+    return detail
+
+
+# checkpoint: {"ratios": [{"name", "value", "row", "baseline"}], "results": [{"label", "gbps"}]}
+
+
+def checkpoint_ratio(name: str) -> Callable[[Report], float]:
+    def figure(report: Report) -> float:
+        row = _one(get(report, "ratios", suite="checkpoint"), "ratio", "checkpoint", name=name)
+        return number(get(row, "value", suite="checkpoint"), f"ratio {name!r}", suite="checkpoint")
+
+    return figure
+
+
+def checkpoint_detail(name: str) -> Callable[[Report], str]:
+    def detail(report: Report) -> str:
+        r = _one(get(report, "ratios", suite="checkpoint"), "ratio", "checkpoint", name=name)
+        rows = {x.get("label"): x for x in get(report, "results", suite="checkpoint") if isinstance(x, Mapping)}
+        mine, base = rows.get(r.get("row"), {}), rows.get(r.get("baseline"), {})
+        return (
+            f"{r.get('row')}: {float(mine.get('gbps', float('nan'))):.2f} GB/s; {r.get('baseline')}: "
+            f"{float(base.get('gbps', float('nan'))):.2f} GB/s (best rounds: {float(r.get('best', float('nan'))):.3f})"
+        )
+
+    return detail
+
+
+# --- the table ---------------------------------------------------------------------------
+
+TARGETS: tuple[Target, ...] = (
+    Target("e2e.grpc", "end-to-end", "async-SGD, 1 trainer + 2 pservers over gRPC / single-process torch, samples/s",
+           0.5, e2e_ratio("grpc"), e2e_detail("grpc")),
+    Target("e2e.inproc", "end-to-end", "async-SGD, 1 trainer + 2 pservers over inproc / single-process torch, samples/s",
+           0.8, e2e_ratio("inproc"), e2e_detail("inproc")),
+    Target("transport.grpc_vs_tcp", "transport", "gRPC push + pull of 64 MiB / raw loopback TCP, GB/s",
+           0.75, transport_ratio("grpc_vs_tcp"), transport_detail("grpc_vs_tcp")),
+    Target("transport.grpc_vs_torch_rpc", "transport", "gRPC push + pull of 64 MiB / torch.distributed.rpc, GB/s",
+           1.0, transport_ratio("grpc_vs_torch_rpc"), transport_detail("grpc_vs_torch_rpc")),
+    Target("master.etcd_rate", "master", "master transitions/s on etcd with 100k tasks",
+           5000.0, master_rate("etcd"), master_detail("etcd"), unit="transitions/s"),
+    Target("master.etcd_vs_snapshot", "master", "master transitions/s on etcd / the whole-snapshot baseline",
+           50.0, master_ratio("etcd"), master_detail("etcd")),
+    Target("checkpoint.save", "checkpoint", "checkpoint save (write_part) / raw sequential write, time",
+           0.8, checkpoint_ratio("save / raw write"), checkpoint_detail("save / raw write")),
+    Target("checkpoint.restore_warm", "checkpoint", "checkpoint restore (read_part) / raw sequential read, page cache warm",
+           0.8, checkpoint_ratio("restore / raw read, warm"), checkpoint_detail("restore / raw read, warm")),
+    Target("checkpoint.restore_cold", "checkpoint", "checkpoint restore (read_part) / raw sequential read, page cache dropped",
+           0.8, checkpoint_ratio("restore / raw read, cold"), checkpoint_detail("restore / raw read, cold")),
+)
+
+
+def stability_id(target: Target) -> str:
+    return f"stability.{target.id}"
+
+
+# --- the figures of each suite's table ---------------------------------------------------
+
+
+def suite_figures(suite: str, report: Report) -> list[tuple[str, float, str]]:
+    """(name, value, unit) rows of a suite's table in the report, in the suite's order."""
+    out: list[tuple[str, float, str]] = []
+    if suite == "transport":
+        for r in get(report, "results", suite=suite):
+            out.append((f"{r['label']}", number(r.get("gbps"), f"{r.get('label')} gbps", suite=suite), "GB/s"))
+        for name, r in get(report, "ratios", suite=suite).items():
+            out.append((name.replace("_vs_", " / ").replace("_", "-"), number(r.get("value"), f"ratios.{name}", suite=suite), "x"))
+    elif suite == "master":
+        for r in get(report, "results", suite=suite):
+            b = r.get("backend")
+            out.append((f"{b}: pdps", master_rate(b)(report), "transitions/s"))
+            out.append((f"{b}: whole-snapshot baseline", master_baseline_rate(b)(report), "transitions/s"))
+            out.append((f"{b}: pdps / baseline", master_ratio(b)(report), "x"))
+    elif suite == "checkpoint":
+        for r in get(report, "results", suite=suite):
+            out.append((f"{r['label']}", number(r.get("gbps"), f"{r.get('label')} gbps", suite=suite), "GB/s"))
+        for r in get(report, "ratios", suite=suite):
+            out.append((f"{r['name']}", number(r.get("value"), f"ratio {r.get('name')}", suite=suite), "x"))
+    elif suite == "end-to-end":
+        out.append(("torch, single process", e2e_torch(report), "samples/s"))
+        for r in get(report, "runs", suite=suite):
+            label = e2e_label(r)
+            out.append((label, number(r.get("samples_per_s"), f"{label} samples_per_s", suite=suite), "samples/s"))
+            out.append((f"{label} / torch", number(r.get("ratio_vs_torch"), f"{label} ratio_vs_torch", suite=suite), "x"))
+    else:
+        raise BenchError(f"unknown suite {suite!r}; choose from {', '.join(SUITES)}")
+    return out
+
+
+def e2e_breakdown(report: Report) -> list[tuple[str, dict[str, float]]]:
+    """(configuration, {step part: ms per step}) of every end-to-end run that reports a breakdown."""
+    out = []
+    torch_parts = report.get("torch", {}).get("breakdown_ms") if isinstance(report.get("torch"), Mapping) else None
+    if isinstance(torch_parts, Mapping):
+        out.append(("torch, single process", {str(k): float(v) for k, v in torch_parts.items() if isinstance(v, (int, float))}))
+    for r in get(report, "runs", suite="end-to-end"):
+        parts = r.get("breakdown_ms")
+        if isinstance(parts, Mapping):
+            out.append((e2e_label(r), {str(k): float(v) for k, v in parts.items() if isinstance(v, (int, float))}))
+    return out
+
+
+# --- verdicts ----------------------------------------------------------------------------
+
+
+def spread(values: Sequence[float]) -> float:
+    """The worst disagreement of consecutive values, |a - b| / max(a, b)."""
+    worst = 0.0
+    for a, b in zip(values, values[1:]):
+        top = max(abs(a), abs(b))
+        worst = max(worst, abs(a - b) / top if top else 0.0)
+    return worst
+
+
+def evaluate(reports: Mapping[str, Sequence[Report | None]], targets: Sequence[Target] = TARGETS) -> list[dict[str, Any]]:
+    """The verdict on every target of the suites in ``reports``, then the stability verdicts.
+
+    ``reports[suite]`` holds each run's JSON in order (None for a run that failed). A
+    target of a suite that was not run is left out; one whose suite failed is NOT RUN.
+    """
+    verdicts: list[dict[str, Any]] = []
+    stability: list[dict[str, Any]] = []
+    for t in targets:
+        if t.suite not in reports:
+            continue
+        runs = list(reports[t.suite])
+        values: list[float | None] = []
+        errors: list[str] = []
+        details: list[str] = []
+        for report in runs:
+            if report is None:
+                values.append(None)
+                continue
+            try:
+                values.append(t.figure(report))
+            except SuiteOutputError as exc:
+                values.append(None)
+                errors.append(str(exc))
+                continue
+            try:
+                details.append(t.detail(report))
+            except (SuiteOutputError, KeyError, TypeError, ValueError) as exc:
+                details.append(f"(figures unavailable: {exc})")
+        if errors:
+            status = ERROR
+        elif not runs or any(v is None for v in values):
+            status = NOT_RUN
+        else:
+            status = MET if all(v >= t.threshold for v in values) else MISSED  # type: ignore[operator]
+        got = [v for v in values if v is not None]
+        verdicts.append(
+            {
+                "id": t.id,
+                "suite": t.suite,
+                "description": t.description,
+                "comparison": ">=",
+                "threshold": t.threshold,
+                "unit": t.unit,
+                "values": values,
+                "best": max(got) if got else None,
+                "status": status,
+                "details": details,
+                "errors": errors,
+            }
+        )
+        if t.is_ratio:
+            if status in (ERROR, NOT_RUN):
+                s_status, value = status, None
+            elif len(values) < 2:
+                s_status, value = NOT_CHECKED, None
+            else:
+                value = spread(got)
+                s_status = MET if value <= STABILITY + 1e-12 else MISSED  # 15% exactly is within 15%
+            stability.append(
+                {
+                    "id": stability_id(t),
+                    "suite": t.suite,
+                    "description": f"consecutive runs agree on {t.id} (|a-b|/max(a,b))",
+                    "comparison": "<=",
+                    "threshold": STABILITY,
+                    "unit": "fraction",
+                    "values": [value],
+                    "best": value,
+                    "status": s_status,
+                    "details": [f"{t.id} per run: " + ", ".join("-" if v is None else f"{v:.3f}" for v in values)],
+                    "errors": [],
+                }
+            )
+    return verdicts + stability
+
+
+def failing(verdicts: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The verdicts that make ``--check`` fail: MISSED, ERROR and NOT RUN (NOT CHECKED does not)."""
+    return [v for v in verdicts if v["status"] in (MISSED, ERROR, NOT_RUN)]
+
+
+def format_value(value: float | None, unit: str) -> str:
+    if value is None:
+        return "-"
+    if unit == "fraction":
+        return f"{100 * value:.1f}%"
+    if unit == "x":
+        return f"{value:.3f}x" if value < 100 else f"{value:,.0f}x"
+    return f"{value:,.0f} {unit}" if abs(value) >= 100 else f"{value:.3g} {unit}"
+
+
+def format_threshold(verdict: Mapping[str, Any]) -> str:
+    value, unit = verdict["threshold"], verdict["unit"]
+    shown = f"{100 * value:g}%" if unit == "fraction" else f"{value:g}x" if unit == "x" else f"{value:,.0f} {unit}"
+    return f"{verdict['comparison']} {shown}"

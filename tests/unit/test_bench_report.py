@@ -1,0 +1,422 @@
+"""pdps bench: the target verdicts, the stability rule, --check's exit status, the results
+JSON, docs/performance.md and its plots, from fake suite JSON (no benchmark runs here)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from pdps.benchmark import report as rp
+from pdps.benchmark import targets as tg
+from pdps.benchmark.runner import run_bench
+from pdps.benchmark.suites import SUITE_SPECS, bench_dir, parse_json_line, run_suite
+
+REPO = Path(__file__).resolve().parents[2]
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+# --- fake suite JSON, shaped like each program's --json -----------------------------------
+
+
+def transport_json(grpc=3.0, tcp=3.2, rpc=1.2):
+    rows = [
+        {"label": "tcp", "kind": "tcp", "gbps": tcp},
+        {"label": "torch-rpc", "kind": "torch-rpc", "gbps": rpc},
+        {"label": "inproc, 1 block", "kind": "inproc", "gbps": 700.0},
+        {"label": "grpc, chunk default, 1 block", "kind": "grpc", "gbps": grpc},
+    ]
+    ratios = {
+        "grpc_vs_tcp": {"value": grpc / tcp, "row": "grpc, chunk default, 1 block", "baseline": "tcp"},
+        "grpc_vs_torch_rpc": {"value": grpc / rpc, "row": "grpc, chunk default, 1 block", "baseline": "torch-rpc"},
+    }
+    return {"bench": "transport", "mib": 64.0, "repeats": 7, "blocks": [1, 4], "machine": {}, "results": rows, "ratios": ratios}
+
+
+def master_json(etcd=6000.0, base=20.0):
+    def row(backend, rate):
+        return {"backend": backend, "pdps": {"per_s": rate}, "baseline": {"per_s": base}, "ratio_transitions_per_s": rate / base}
+
+    return {"bench": "master_transitions", "tasks": 100_000, "clients": 4, "results": [row("etcd", etcd), row("memory", 30000.0)]}
+
+
+def checkpoint_json(save=0.9, warm=0.85, cold=0.95):
+    rows = [
+        {"label": "raw write", "gbps": 1.5},
+        {"label": "write_part (crc32 inline) *", "gbps": 1.5 * save},
+        {"label": "raw read, warm", "gbps": 9.0},
+        {"label": "read_part (crc32 inline) *, warm", "gbps": 9.0 * warm},
+        {"label": "raw read, cold", "gbps": 2.5},
+        {"label": "read_part (crc32 inline) *, cold", "gbps": 2.5 * cold},
+    ]
+    ratios = [
+        {"name": "save / raw write", "value": save, "best": save, "row": "write_part (crc32 inline) *", "baseline": "raw write"},
+        {"name": "restore / raw read, warm", "value": warm, "best": warm, "row": "read_part (crc32 inline) *, warm", "baseline": "raw read, warm"},
+        {"name": "restore / raw read, cold", "value": cold, "best": cold, "row": "read_part (crc32 inline) *, cold", "baseline": "raw read, cold"},
+    ]
+    return {"size_bytes": 1 << 30, "repeats": 3, "crc32": "isal.isal_zlib.crc32", "machine": {}, "results": rows, "ratios": ratios}
+
+
+def e2e_json(grpc=0.6, inproc=0.9, torch=1000.0):
+    def row(transport, ratio, pservers=2):
+        return {
+            "transport": transport, "mode": "async", "trainers": 1, "pservers": pservers,
+            "samples_per_s": ratio * torch, "ratio_vs_torch": ratio,
+            "breakdown_ms": {"compute": 30.0, "serialize": 2.5, "network": 4.0, "update": 3.0, "barrier": 0.0, "loop_total": 40.0},
+        }
+
+    return {
+        "bench": "end_to_end",
+        "config": {"model": "784-2048-2048-2048-10", "batch_size": 64, "trainers": [1, 2]},
+        "machine": {},
+        "torch": {"samples_per_s": torch, "breakdown_ms": {"forward": 10.0, "backward": 20.0, "optimizer": 5.0}},
+        "runs": [row("grpc", grpc / 2, pservers=1), row("inproc", inproc), row("grpc", grpc)],
+    }
+
+
+FAKES = {"transport": transport_json, "master": master_json, "checkpoint": checkpoint_json, "end-to-end": e2e_json}
+MACHINE = {"cpu_count": 2, "cpu_model": "Fake CPU 9000", "memory_gib": 7.5, "python": "3.11.7", "torch": "2.13.0", "etcd": "etcd Version: 3.4.23"}
+
+
+def ran(*reports):
+    return [{"ok": True, "seconds": 1.0, "returncode": 0, "report": r, "stderr_tail": ""} for r in reports]
+
+
+def results_of(suite_runs, runs=2):
+    return rp.assemble(
+        command="pdps bench --check", machine=MACHINE, quick=False, runs=runs, suite_runs=suite_runs,
+        commands={k: f"python bench/{SUITE_SPECS[k].program} --json" for k in suite_runs},
+        started="2026-01-01T00:00:00+00:00", finished="2026-01-01T00:10:00+00:00",
+    )
+
+
+def by_id(verdicts):
+    return {v["id"]: v for v in verdicts}
+
+
+# --- verdicts -----------------------------------------------------------------------------
+
+
+def test_every_target_reads_its_figure_from_its_suite_json():
+    for t in tg.TARGETS:
+        report = FAKES[t.suite]()
+        assert isinstance(t.figure(report), float), t.id
+        assert t.detail(report)
+    assert {t.suite for t in tg.TARGETS} == set(tg.SUITES)
+
+
+def test_met_when_every_run_meets_the_threshold_missed_otherwise():
+    verdicts = by_id(tg.evaluate({"transport": [transport_json(grpc=3.0), transport_json(grpc=2.0)]}))
+    # run 2: 2.0 / 3.2 = 0.625 < 0.75, though run 1 meets it
+    assert verdicts["transport.grpc_vs_tcp"]["status"] == tg.MISSED
+    assert verdicts["transport.grpc_vs_tcp"]["values"] == pytest.approx([3.0 / 3.2, 2.0 / 3.2])
+    assert verdicts["transport.grpc_vs_torch_rpc"]["status"] == tg.MET
+    assert set(verdicts) == {
+        "transport.grpc_vs_tcp", "transport.grpc_vs_torch_rpc", "stability.transport.grpc_vs_tcp", "stability.transport.grpc_vs_torch_rpc"
+    }
+
+
+def test_threshold_is_inclusive_and_absolute_targets_compare_the_figure():
+    verdicts = by_id(tg.evaluate({"master": [master_json(etcd=5000.0), master_json(etcd=4999.0)]}))
+    assert verdicts["master.etcd_rate"]["status"] == tg.MISSED
+    assert verdicts["master.etcd_rate"]["values"] == [5000.0, 4999.0]
+    once = by_id(tg.evaluate({"master": [master_json(etcd=5000.0)]}))
+    assert once["master.etcd_rate"]["status"] == tg.MET
+    assert "stability.master.etcd_rate" not in once  # not a ratio: no stability verdict
+
+
+def test_stability_allows_15_percent_between_consecutive_runs():
+    ok = by_id(tg.evaluate({"checkpoint": [checkpoint_json(save=1.0), checkpoint_json(save=0.85)]}))
+    assert ok["stability.checkpoint.save"]["status"] == tg.MET
+    assert ok["stability.checkpoint.save"]["values"] == [pytest.approx(0.15)]
+    bad = by_id(tg.evaluate({"checkpoint": [checkpoint_json(save=1.0), checkpoint_json(save=0.84)]}))
+    assert bad["stability.checkpoint.save"]["status"] == tg.MISSED
+    assert bad["checkpoint.save"]["status"] == tg.MET  # both runs meet 0.8: only the stability is missed
+    three = by_id(tg.evaluate({"checkpoint": [checkpoint_json(save=1.0), checkpoint_json(save=0.9), checkpoint_json(save=1.2)]}))
+    assert three["stability.checkpoint.save"]["values"] == [pytest.approx(0.25)]  # the worst consecutive pair
+
+
+def test_spread_is_relative_to_the_larger_value():
+    assert tg.spread([2.0, 1.0]) == pytest.approx(0.5)
+    assert tg.spread([1.0, 2.0]) == pytest.approx(0.5)
+    assert tg.spread([1.0]) == 0.0
+
+
+def test_one_run_cannot_check_stability():
+    verdicts = by_id(tg.evaluate({"checkpoint": [checkpoint_json()]}))
+    assert verdicts["stability.checkpoint.save"]["status"] == tg.NOT_CHECKED
+    assert verdicts["checkpoint.save"]["status"] == tg.MET
+    assert not tg.failing(list(verdicts.values()))
+
+
+def test_a_renamed_key_is_an_error_naming_it():
+    renamed = master_json()
+    for row in renamed["results"]:
+        row["pdps"] = {"rate": row["pdps"].pop("per_s")}
+    verdicts = by_id(tg.evaluate({"master": [renamed, renamed]}))
+    v = verdicts["master.etcd_rate"]
+    assert v["status"] == tg.ERROR
+    assert "'per_s'" in v["errors"][0] and "master" in v["errors"][0]
+    assert verdicts["stability.master.etcd_vs_snapshot"]["status"] == tg.MET  # the ratio key is still there
+    assert tg.failing([v]) == [v]
+
+
+def test_master_figures_are_read_from_the_alternative_keys():
+    report = master_json(etcd=8000.0, base=40.0)
+    for row in report["results"]:
+        row["pdps"] = {"transitions_per_s": row["pdps"]["per_s"]}
+        del row["ratio_transitions_per_s"]
+    verdicts = by_id(tg.evaluate({"master": [report]}))
+    assert verdicts["master.etcd_rate"]["values"] == [8000.0]
+    assert verdicts["master.etcd_vs_snapshot"]["values"] == [pytest.approx(200.0)]
+
+
+def test_end_to_end_targets_use_the_async_1x2_rows_of_each_transport():
+    verdicts = by_id(tg.evaluate({"end-to-end": [e2e_json(grpc=0.45, inproc=0.95)] * 2}))
+    assert verdicts["e2e.grpc"]["values"] == [0.45, 0.45] and verdicts["e2e.grpc"]["status"] == tg.MISSED
+    assert verdicts["e2e.inproc"]["status"] == tg.MET
+    no_grpc = e2e_json()
+    no_grpc["runs"] = [r for r in no_grpc["runs"] if r["transport"] != "grpc"]
+    v = by_id(tg.evaluate({"end-to-end": [no_grpc]}))["e2e.grpc"]
+    assert v["status"] == tg.ERROR and "'transport': 'grpc'" in v["errors"][0]
+
+
+def test_a_failed_run_leaves_its_targets_not_run():
+    verdicts = by_id(tg.evaluate({"checkpoint": [checkpoint_json(), None]}))
+    assert verdicts["checkpoint.save"]["status"] == tg.NOT_RUN
+    assert verdicts["stability.checkpoint.save"]["status"] == tg.NOT_RUN
+    assert tg.failing([verdicts["checkpoint.save"]])
+
+
+def test_suites_not_run_have_no_verdicts():
+    assert {v["suite"] for v in tg.evaluate({"checkpoint": [checkpoint_json()]})} == {"checkpoint"}
+
+
+# --- exit status and --check lines ---------------------------------------------------------
+
+
+def test_check_fails_on_a_missed_target_and_plain_runs_do_not():
+    met = results_of({"checkpoint": ran(checkpoint_json(), checkpoint_json())})
+    assert rp.exit_code(met, check=True) == 0
+    missed = results_of({"checkpoint": ran(checkpoint_json(warm=0.5), checkpoint_json(warm=0.5))})
+    assert rp.exit_code(missed, check=True) == 1
+    assert rp.exit_code(missed, check=False) == 0
+    unstable = results_of({"checkpoint": ran(checkpoint_json(cold=2.0), checkpoint_json(cold=1.0))})
+    assert rp.exit_code(unstable, check=True) == 1
+
+
+def test_a_failed_suite_fails_with_or_without_check():
+    failed = {"ok": False, "seconds": 3.0, "returncode": 1, "error": "checkpoint.py exited with status 1", "stderr_tail": "Traceback\nOSError: disk full\n"}
+    results = results_of({"checkpoint": [*ran(checkpoint_json()), failed]})
+    assert rp.exit_code(results, check=False) == 1
+    assert rp.exit_code(results, check=True) == 1
+    text = "\n".join(rp.check_lines(results))
+    assert "FAILED      suite checkpoint, run 2: checkpoint.py exited with status 1" in text
+    assert "OSError: disk full" in text
+
+
+def test_check_lines_one_per_target_with_figures_and_threshold():
+    results = results_of({"checkpoint": ran(checkpoint_json(save=0.9, warm=0.5), checkpoint_json(save=0.92, warm=0.5))})
+    lines = rp.check_lines(results)
+    assert len(lines) == len(results["targets"]) == 6
+    save = next(line for line in lines if " checkpoint.save " in line)
+    assert save.startswith("MET ") and "0.900x, 0.920x" in save and "(threshold >= 0.8x)" in save
+    warm = next(line for line in lines if " checkpoint.restore_warm " in line)
+    assert warm.startswith("MISSED ")
+
+
+# --- the results JSON ---------------------------------------------------------------------
+
+
+def test_results_json_holds_machine_command_config_runs_and_targets(tmp_path):
+    results = results_of({"end-to-end": ran(e2e_json(), e2e_json(grpc=0.55)), "master": ran(master_json(), master_json())})
+    path = rp.write_json(results, tmp_path / "out" / "results.json")
+    back = json.loads(path.read_text())
+    assert back["command"] == "pdps bench --check"
+    assert back["machine"]["cpu_model"] == "Fake CPU 9000"
+    e2e = back["suites"]["end-to-end"]
+    assert e2e["config"]["model"] == "784-2048-2048-2048-10"  # the config block the suite reports
+    assert e2e["args"] == list(SUITE_SPECS["end-to-end"].full)
+    assert [r["run"] for r in e2e["runs"]] == [1, 2]
+    assert {"name": "grpc async 1x2", "value": 550.0, "unit": "samples/s"} in e2e["runs"][1]["figures"]
+    assert e2e["runs"][0]["breakdown_ms"]["inproc async 1x2"]["serialize"] == 2.5
+    assert back["suites"]["master"]["config"] == {"tasks": 100_000, "clients": 4}  # top-level settings, no figures
+    assert {v["id"] for v in back["targets"]} >= {"e2e.grpc", "e2e.inproc", "master.etcd_rate", "stability.e2e.grpc"}
+    assert by_id(back["targets"])["stability.e2e.grpc"]["values"] == [pytest.approx(0.05 / 0.6)]
+
+
+# --- docs/performance.md and the plots ------------------------------------------------------
+
+
+def full_results(**checkpoint):
+    return results_of({
+        "transport": ran(transport_json(), transport_json()),
+        "master": ran(master_json(), master_json()),
+        "checkpoint": ran(checkpoint_json(**checkpoint), checkpoint_json(**checkpoint)),
+        "end-to-end": ran(e2e_json(), e2e_json()),
+    })
+
+
+def test_markdown_has_header_machine_tables_breakdown_and_targets():
+    text = rp.render_markdown(full_results(), {})
+    assert "Generated by `pdps bench`: do not edit by hand." in text
+    assert "- Command: `pdps bench --check`" in text
+    assert "Fake CPU 9000 x 2" in text and "7.5 GiB" in text and "etcd Version: 3.4.23" in text
+    for suite in tg.SUITES:
+        assert f"## {suite}\n" in text
+        assert f"![{suite}](performance/{suite}.png)" in text
+    assert "| figure | unit | run 1 | run 2 |" in text
+    assert "| grpc_vs_tcp" not in text and "| grpc / tcp | x | 0.938 | 0.938 |" in text
+    assert "| configuration | run | compute | serialize | network | update | barrier |" in text
+    assert "| inproc async 1x2 | 1 | 30.00 | 2.50 | 4.00 | 3.00 | 0.00 |" in text
+    assert "| target | threshold | run 1 | run 2 | verdict |" in text
+    assert "| `master.etcd_rate`: master transitions/s on etcd with 100k tasks | >= 5,000 transitions/s | 6,000 transitions/s | 6,000 transitions/s | **MET** |" in text
+    assert "| `stability.checkpoint.save`: consecutive runs agree on checkpoint.save (\\|a-b\\|/max(a,b)) | <= 15% |  | 0.0% | **MET** |" in text
+    assert "### MISSED" not in text
+
+
+def test_markdown_shows_the_note_and_ceiling_under_a_missed_target_only(tmp_path):
+    notes_file = tmp_path / "notes.toml"
+    notes_file.write_text(
+        '"checkpoint.restore_warm" = """\nThe warm read is bound by **page faults** of the fresh buffer.\n"""\n'
+        '"checkpoint.save" = "Saving is bound by fsync."\n'
+    )
+    notes = rp.load_notes(notes_file)
+    text = rp.render_markdown(full_results(warm=0.5), notes)
+    assert "### MISSED: `checkpoint.restore_warm`" in text
+    assert "The warm read is bound by **page faults** of the fresh buffer." in text
+    assert "Measured: 0.500x at best (best run), threshold >= 0.8x." in text
+    assert "read_part (crc32 inline) *, warm: 4.50 GB/s; raw read, warm: 9.00 GB/s" in text
+    assert "Saving is bound by fsync." not in text  # met: its note is left out
+    bare = rp.render_markdown(full_results(warm=0.5), {})
+    assert "_No explanation yet: add one to `bench/notes.toml`" in bare
+
+
+def test_quick_mode_is_flagged_in_the_doc():
+    results = full_results()
+    results["quick"] = True
+    assert "**Quick mode**" in rp.render_markdown(results, {})
+    assert "**Quick mode**" not in rp.render_markdown(full_results(), {})
+
+
+def test_notes_with_unknown_ids_or_bad_toml_are_refused(tmp_path):
+    path = tmp_path / "notes.toml"
+    path.write_text('"checkpoint.sav" = "typo"\n')
+    with pytest.raises(tg.BenchError, match="unknown ids: \\['checkpoint.sav'\\]"):
+        rp.load_notes(path)
+    path.write_text("not = [toml\n")
+    with pytest.raises(tg.BenchError, match="not valid TOML"):
+        rp.load_notes(path)
+    assert rp.load_notes(tmp_path / "absent.toml") == {}
+
+
+def test_the_checked_in_notes_file_is_valid():
+    assert rp.load_notes(REPO / "bench" / "notes.toml")
+
+
+def test_write_docs_draws_valid_pngs_and_the_doc(tmp_path):
+    pytest.importorskip("matplotlib")
+    results = full_results()
+    written = rp.write_docs(results, tmp_path, {}, results_link="bench-results/results.json")
+    for suite in tg.SUITES:
+        png = tmp_path / "docs" / "performance" / f"{suite}.png"
+        assert png in written
+        assert png.read_bytes()[:8] == PNG and png.stat().st_size > 5000
+        assert results["plots"][suite] == f"docs/performance/{suite}.png"
+    doc = (tmp_path / "docs" / "performance.md").read_text()
+    assert doc == rp.render_markdown(results, {}, results_link="bench-results/results.json")
+
+
+# --- locating bench/ and running a suite ------------------------------------------------------
+
+
+def test_a_missing_bench_directory_is_a_clear_error(tmp_path):
+    (tmp_path / "site-packages" / "pdps").mkdir(parents=True)
+    fake = tmp_path / "site-packages" / "pdps" / "__init__.py"
+    with pytest.raises(tg.BenchError, match="source checkout.*no bench/ directory at .*site-packages/bench.*pip install -e"):
+        bench_dir(str(fake))
+    with pytest.raises(tg.BenchError, match="no bench/ directory"):
+        run_bench(suites=["checkpoint"], runs=1, docs=False, package_file=str(fake), out_dir=tmp_path / "out")
+    assert bench_dir() == REPO / "bench"
+
+
+def test_malformed_suite_json_is_a_clear_error():
+    with pytest.raises(tg.SuiteOutputError, match="last line of its stdout is not JSON.*'total 3 s'"):
+        parse_json_line("table\n{\"a\": 1}\ntotal 3 s\n", "checkpoint.py")
+    with pytest.raises(tg.SuiteOutputError, match="printed nothing"):
+        parse_json_line("\n", "checkpoint.py")
+    with pytest.raises(tg.SuiteOutputError, match="not an object"):
+        parse_json_line("[1, 2]\n", "checkpoint.py")
+    assert parse_json_line("a table\n{\"ratios\": []}\n\n", "x") == {"ratios": []}
+
+
+def fake_checkout(tmp_path: Path, programs: dict[str, str]) -> Path:
+    """A checkout with pdps/__init__.py and bench/ holding machine.py and the given programs."""
+    (tmp_path / "pdps").mkdir()
+    (tmp_path / "pdps" / "__init__.py").write_text("")
+    (tmp_path / "bench").mkdir()
+    shutil.copy(REPO / "bench" / "machine.py", tmp_path / "bench" / "machine.py")
+    for name, body in programs.items():
+        (tmp_path / "bench" / name).write_text(textwrap.dedent(body))
+    return tmp_path
+
+
+def printing(report) -> str:
+    return f"import json, sys\nprint('a table', flush=True)\nprint('progress', file=sys.stderr)\nprint(json.dumps({report!r}))\n"
+
+
+def test_run_suite_reads_the_last_line_or_the_json_file_and_reports_failures(tmp_path):
+    writing = (
+        "import json, sys\nargs = sys.argv[1:]\npath = args[args.index('--json') + 1]\n"
+        f"open(path, 'w').write(json.dumps({master_json()!r}))\n"
+    )
+    root = fake_checkout(tmp_path, {
+        "checkpoint.py": printing(checkpoint_json()),
+        "master_transitions.py": writing,
+        "transport.py": "import sys\nprint('no json here')\nprint('Traceback: boom', file=sys.stderr)\nsys.exit(3)\n",
+        "end_to_end.py": "print('a table')\nprint('{not json')\n",
+    })
+    echoed: list[str] = []
+    kw = {"quick": True, "echo": echoed.append, "timeout": 60}
+    ok = run_suite(SUITE_SPECS["checkpoint"], root / "bench", label="checkpoint 1/1", **kw)
+    assert ok["ok"] and ok["report"] == checkpoint_json()
+    assert "[checkpoint 1/1] a table" in echoed and "[checkpoint 1/1] progress" in echoed
+    assert not any(line.startswith("[checkpoint 1/1] {") for line in echoed)  # the JSON line is not echoed
+    assert run_suite(SUITE_SPECS["master"], root / "bench", label="m", **kw)["report"] == master_json()
+    bad = run_suite(SUITE_SPECS["transport"], root / "bench", label="t", **kw)
+    assert not bad["ok"] and bad["error"] == "transport.py exited with status 3" and "boom" in bad["stderr_tail"]
+    garbled = run_suite(SUITE_SPECS["end-to-end"], root / "bench", label="e", **kw)
+    assert not garbled["ok"] and "end_to_end.py: the last line of its stdout is not JSON" in garbled["error"]
+
+
+def test_run_bench_writes_results_and_check_sets_the_exit_status(tmp_path, capsys):
+    root = fake_checkout(tmp_path, {"checkpoint.py": printing(checkpoint_json(warm=0.5))})
+    out = tmp_path / "out"
+    args = dict(suites=["checkpoint"], runs=2, docs=False, out_dir=out, package_file=str(root / "pdps" / "__init__.py"), echo=lambda s: None)
+    assert run_bench(check=False, argv=["bench", "--suite", "checkpoint"], **args) == 0
+    assert run_bench(check=True, argv=["bench", "--suite", "checkpoint", "--check"], **args) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("MISSED") and "checkpoint.restore_warm" in line for line in lines)
+    results = json.loads((out / "results.json").read_text())
+    assert results["command"] == "pdps bench --suite checkpoint --check"
+    assert results["machine"]["cpu_count"] and "memory_gib" in results["machine"]
+    assert [r["ok"] for r in results["suites"]["checkpoint"]["runs"]] == [True, True]
+    assert results["suites"]["checkpoint"]["command"].startswith("python bench/checkpoint.py --mib 1024")
+    assert not (root / "docs").exists()  # --no-docs
+
+
+def test_run_bench_rejects_unknown_suites_before_running(tmp_path):
+    with pytest.raises(tg.BenchError, match="unknown suite"):
+        run_bench(suites=["disk"], docs=False, out_dir=tmp_path)
+
+
+def test_import_pdps_does_not_import_matplotlib():
+    import subprocess
+
+    code = "import pdps, pdps.cli, pdps.benchmark.report, pdps.benchmark.runner, sys; print('matplotlib' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False", out.stderr

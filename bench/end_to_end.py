@@ -31,8 +31,10 @@ What runs
 * Baseline: a plain torch loop (same model, batch, optimizer) over the samples of a
   1-trainer configuration (after 5 untimed steps), on the main thread with torch's
   default intra-op threads, from tensors already in memory (no Parquet reads), run
-  before and after the pdps configurations; the ratio uses the mean of the two. Both
-  are printed: the difference is the drift of the machine (other processes) over the run.
+  before the pdps configurations (after ``os.sync()`` and 3 s of quiet, so what an
+  earlier program wrote is not flushed meanwhile), between the inproc and the gRPC
+  ones, and after them; the ratio uses the median of these looks at the machine. All
+  are printed: their spread is the drift of the machine (other processes) over the run.
 * Bounds: every job has a timeout (``--job-timeout``, default 120 s + samples / 20), a
   job whose count of finished tasks stops growing for 60 s is stopped and reported
   failed (e.g. one that keeps rolling back), and a launcher that outlives its time gets
@@ -100,6 +102,7 @@ import re
 import resource
 import shlex
 import shutil
+import statistics
 import signal
 import subprocess
 import sys
@@ -134,6 +137,7 @@ SAMPLES_PER_TRAINER = 2816  # 44 steps = 11 tasks per trainer: 40 timed after th
 QUICK_SAMPLES_PER_TRAINER = 1536  # 24 steps = 6 tasks: 20 timed
 LAUNCH_GRACE_S = 5.0  # the roles' --grace
 LAUNCH_STOP_S = 30.0  # a launcher past its time gets SIGTERM, then SIGKILL this long after
+SETTLE_S = 3.0  # seconds of quiet after os.sync() before the first baseline
 STALL_S = 60.0  # a job whose count of finished tasks has not grown for this long is stopped
 PROGRESS = re.compile(r"^pass \d+/\d+\s+tasks (\d+)/")  # the launcher's progress line
 BREAKDOWN_KEYS = ("compute", "data", "serialize", "network", "update", "barrier", "wait")
@@ -531,6 +535,8 @@ def main(argv: list[str] | None = None) -> int:
             if not data[t].exists():
                 write_dataset(data[t], n, args.rows_per_task, args.seed)
         bx, by = write_dataset(tmp / "baseline", base_samples, args.rows_per_task, args.seed)
+        os.sync()  # what an earlier program wrote (a checkpoint suite: GiBs) is not flushed during the baseline
+        time.sleep(SETTLE_S)
         base_before = torch_baseline(bx, by, base_samples, warmup=5, seed=args.seed)
         say(f"torch baseline (before): {base_before['samples_per_s']:.0f} samples/s, {base_before['ms_per_step']:.1f} ms/step")
 
@@ -547,6 +553,10 @@ def main(argv: list[str] | None = None) -> int:
                 done(i, cfg, None, exc, time.perf_counter() - t0)
 
         grpc = [(i, cfg) for i, cfg in enumerate(configs) if cfg[0] == "grpc"]
+        base_middle = None
+        if grpc and len(grpc) < len(configs):  # between the transports: a third look at the machine
+            base_middle = torch_baseline(bx, by, base_samples, warmup=2, seed=args.seed)
+            say(f"torch baseline (between): {base_middle['samples_per_s']:.0f} samples/s, {base_middle['ms_per_step']:.1f} ms/step")
         if grpc:
             from tests.servers import EtcdServer
 
@@ -587,7 +597,10 @@ def main(argv: list[str] | None = None) -> int:
 
     order = {cfg: k for k, cfg in enumerate(configs)}
     rows.sort(key=lambda r: order[(r["transport"], r["mode"], r["trainers"], r["pservers"])])
-    base = (base_before["samples_per_s"] + base_after["samples_per_s"]) / 2
+    # The median of the looks at the machine (before, between the transports, after): one
+    # disturbed by something else running sways the ratios less than in a mean.
+    looks = [b for b in (base_before, base_middle, base_after) if b is not None]
+    base = statistics.median(b["samples_per_s"] for b in looks)
     for r in rows:
         r["ratio_vs_torch"] = r["samples_per_s"] / base
         if "sim_samples_per_s" in r:
@@ -611,12 +624,13 @@ def main(argv: list[str] | None = None) -> int:
                f"{fmt(r.get('launch_wall_s'), '>8.1f')} {threads:>7}")
     for f_ in failed:
         out_fn(f"{f_['transport']:<9} {f_['mode']:<5} {f_['trainers']:>8} {f_['pservers']:>8}  FAILED: {f_['error']}")
-    out_fn(f"(ratio = samples/s / torch's mean of before {base_before['samples_per_s']:.0f} and after {base_after['samples_per_s']:.0f}; "
+    seen = ", ".join(f"{b['samples_per_s']:.0f}" for b in looks)
+    out_fn(f"(ratio = samples/s / the median of torch's {seen} samples/s (before, [between the transports,] after); "
            "samples, seconds: the timed window, warm-up excluded; sim samples/s: every sample / simulate's result.seconds; "
            "launch s: the launcher's wall time, start-up and shutdown included; threads: each trainer's torch intra-op threads)")
 
     out_fn("")
-    out_fn("per-step breakdown, ms (torch baseline, mean of before and after):")
+    out_fn("per-step breakdown, ms (torch baseline, mean of before and after):")  # (the breakdown's own figures)
     for k, v in torch_breakdown.items():
         out_fn(f"  {k:<14} {v:8.2f}")
     shown = [r for r in rows if r["mode"] == "async" and r["trainers"] == 1 and r["pservers"] == 2]
@@ -665,7 +679,7 @@ def main(argv: list[str] | None = None) -> int:
                 loadavg_end=list(load_end),
             ),  # fmt: skip
             "command": command,
-            "torch": {"samples_per_s": base, "before": base_before, "after": base_after, "breakdown_ms": torch_breakdown},
+            "torch": {"samples_per_s": base, "before": base_before, "between": base_middle, "after": base_after, "breakdown_ms": torch_breakdown},
             "runs": rows,
             "failed": failed,
             "total_s": total_s,

@@ -195,7 +195,7 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--quick", action="store_true", help="small configurations, for development: figures not comparable "
                        "with the targets")
     bench.add_argument("--out", type=Path, metavar="DIR", default=None,
-                       help="where to write results.json (default: bench-results/ in the checkout)")
+                       help="where to write results.json (default: docs/performance/ in the checkout, beside the plots; with --no-docs bench-results/)")
     bench.add_argument("--no-docs", dest="docs", action="store_false",
                        help="do not regenerate docs/performance.md and docs/performance/*.png")
     bench.add_argument("--timeout", type=float, default=1800.0, metavar="SECONDS",

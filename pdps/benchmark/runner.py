@@ -84,7 +84,9 @@ def run_bench(
         raise BenchError(f"--runs must be at least 1, got {runs}")
     bench = bench_dir(package_file)
     root = bench.parent
-    out_dir = out_dir if out_dir is not None else root / "bench-results"
+    # beside the plots when the docs are written (the report links the figures it shows);
+    # a development run with --no-docs leaves the docs and writes outside them
+    out_dir = out_dir if out_dir is not None else root / ("docs/performance" if docs else "bench-results")
     notes = rp.load_notes(bench / "notes.toml")  # a bad notes file fails now, not after the runs
     if docs:
         from pdps.benchmark.plots import _pyplot

@@ -362,7 +362,7 @@ class _Pipeline:
                 self._ready(i)
             for pi, held in enumerate(self._held):
                 self._send(pi, held, final=True)
-        except BaseException as exc:  # a non-finite slot: nothing more goes out
+        except BaseException as exc:  # backward failed: nothing more goes out
             error = exc
         finally:
             self._meta = None
@@ -867,8 +867,8 @@ class TrainerContext:
         if samples:
             meta = {"trainer": self.trainer_id, "round": round_no, "samples": samples, "epoch": self._epoch}
             if loss is not None and self._pipeline is not None:
-                # a non-finite slot stops the pushes and raises before the commit below:
-                # what was staged is never applied
+                # a slot its pserver refused (not finite) raises here, before the commit
+                # below: what the others staged is never applied
                 replies = self._pipeline.push(loss, [meta] * len(self._group.parts))
             else:
                 self._replica.check_finite(self.trainer_id)  # all pservers or none: fail before the first push
@@ -953,7 +953,7 @@ class TrainerContext:
     def _async_push(self, loss: Any = None) -> bool:
         """Push the summed gradients to every pserver; True if one of them said pull.
         With ``loss`` (overlap), its backward runs here, each slot pushed when ready: a
-        non-finite slot is refused there, after the slots before it went out."""
+        non-finite slot is refused by its pserver while the others are applied."""
         assert self._replica is not None and self._group is not None
         if self._pipeline is not None:
             self._pipeline.drain()

@@ -525,8 +525,9 @@ class TestOnCuda:
         loss_of(replica.module, 0).backward()
         grads = replica.grads(blocks)
         shard.check(grads, "t0")
-        shard.accumulate(grads, 2.0)
-        shard.apply_accumulated(0.5)
+        shard.stage("a", grads)  # a sync round of two trainers with the same gradient: its mean
+        shard.stage("b", grads)
+        shard.apply_staged([("a", 0.5), ("b", 0.5)])
         bad = [g.clone() for g in grads]
         bad[1].view(-1)[0] = float("nan")
         with pytest.raises(GradientRejected, match=r"0\.weight\[3:6\] from trainer 't9'"):

@@ -303,16 +303,23 @@ class PserverGroup:
             p.channel.close()
 
 
+#: Elements of one overlapped push or pull to one pserver (4 MiB of float32): the slots
+#: of parameters whose gradients are ready gather until they reach this, so a small
+#: model sends one message per pserver a step, and a large one a few.
+BUCKET_NUMEL = 1 << 20
+
+
 class _Pipeline:
     """Communication beside computation for one trainer (``JobConfig.overlap``).
 
-    A push-step arms it: as backward accumulates each parameter's gradient, a hook
-    hands that parameter's blocks of each pserver to the pserver's worker thread, which
-    pushes them (``"part": true``; the last piece of a step carries ``"final"``, so an
-    async pserver counts the step once) and then zeroes them. The pservers check each
-    piece is finite: the trainer makes no pass of its own over the gradient. Async, once the pushes are in, the pull goes
-    out parameter by parameter in forward order and :meth:`need` (a forward pre-hook)
-    waits for a module's own parameters only.
+    A push-step arms it: as backward accumulates each parameter's gradient, a hook adds
+    that parameter's blocks of each pserver to the pserver's bucket; a bucket of
+    :data:`BUCKET_NUMEL` elements goes to the pserver's worker thread, which pushes it
+    (``"part": true``; the last push of a step carries ``"final"``, so an async pserver
+    counts the step once) and then zeroes those blocks. The pservers check each piece
+    is finite: the trainer makes no pass of its own over the gradient. Async, once the
+    pushes are in, the pull goes out bucket by bucket in forward order and :meth:`need`
+    (a forward pre-hook) waits for a module's own parameters only.
     """
 
     def __init__(self, ctx: TrainerContext) -> None:
@@ -331,7 +338,7 @@ class _Pipeline:
         self._workers = [ThreadPoolExecutor(1, thread_name_prefix=f"{ctx.trainer_id}-ps{part.index}") for part in self._group.parts]
         self._meta: list[dict] | None = None  # per part, while a push-step's backward runs
         self._sent: set[int] = set()
-        self._held: list[tuple[int, list[int]] | None] = []  # per part: the piece not yet sent
+        self._bucket: list[list[int]] = []  # per part: block positions ready and not yet sent
         self._pushes: list[tuple[int, Future]] = []  # (part position, its reply)
         self._pulls: dict[int, list[Future]] = {}  # parameter -> its pulls in flight
         self._lock = threading.Lock()
@@ -352,7 +359,7 @@ class _Pipeline:
         """``loss.backward()`` with each slot pushed as soon as it is ready; one reply
         (the last piece's) or StalePush per part, once every piece has been answered."""
         self._meta, self._sent, self._pushes = metas, set(), []
-        self._held = [None] * len(self._workers)
+        self._bucket = [[] for _ in self._workers]
         error: BaseException | None = None
         try:
             t0 = time.perf_counter()
@@ -360,8 +367,8 @@ class _Pipeline:
             self._ctx._time("compute", time.perf_counter() - t0)
             for i in sorted(set(self._pieces) - self._sent):  # parameters this loss does not reach
                 self._ready(i)
-            for pi, held in enumerate(self._held):
-                self._send(pi, held, final=True)
+            for pi, bucket in enumerate(self._bucket):
+                self._send(pi, bucket, final=True)
         except BaseException as exc:  # backward failed: nothing more goes out
             error = exc
         finally:
@@ -392,25 +399,24 @@ class _Pipeline:
             return
         self._sent.add(i)
         for pi, positions in self._pieces.get(i, ()):
-            held, self._held[pi] = self._held[pi], (i, positions)
-            if held is not None:
-                self._send(pi, held, final=False)
+            bucket = self._bucket[pi]
+            bucket.extend(positions)
+            blocks = self._group.parts[pi].blocks
+            if sum(blocks[j].numel for j in bucket) >= BUCKET_NUMEL:
+                self._send(pi, bucket, final=False)
+                self._bucket[pi] = []
 
-    def _send(self, pi: int, piece: tuple[int, list[int]] | None, *, final: bool) -> None:
+    def _send(self, pi: int, positions: list[int], *, final: bool) -> None:
+        """Push these blocks of part ``pi`` (in the pserver's order). An empty final push
+        only tells an async pserver the step is complete; sync needs none."""
         assert self._meta is not None
+        if not positions and (not final or self._ctx.config.mode is Mode.SYNC):
+            return
         part = self._group.parts[pi]
-        if piece is None:
-            if not final or self._ctx.config.mode is Mode.SYNC:
-                return
-            keys: list[str] = []
-            tensors: list[Any] = []
-        else:
-            i, positions = piece
-            blocks = [part.blocks[j] for j in positions]
-            keys = [b.key for b in blocks]
-            tensors = self._replica.grad_blocks(blocks)
-        meta = {**self._meta[pi], "blocks": keys, "part": True, "final": final}
-        self._pushes.append((pi, self._workers[pi].submit(self._push_piece, part, Message(meta, tensors), blocks if piece else [])))
+        blocks = [part.blocks[j] for j in sorted(positions)]
+        tensors = self._replica.grad_blocks(blocks)
+        meta = {**self._meta[pi], "blocks": [b.key for b in blocks], "part": True, "final": final}
+        self._pushes.append((pi, self._workers[pi].submit(self._push_piece, part, Message(meta, tensors), blocks)))
 
     def _push_piece(self, part: _Part, request: Message, blocks: list[Block]) -> Message | StalePush:
         """Push one piece (the pserver checks it is finite), then zero its gradient
@@ -434,17 +440,33 @@ class _Pipeline:
     # --- pulls, during the next forward (async) ----------------------------------------
 
     def pull_ahead(self) -> None:
-        """Send the pull of every slot, in forward order; :meth:`need` waits for them."""
+        """Send the pull of every slot, bucket by bucket in forward order; :meth:`need`
+        waits for them."""
         meta = {"trainer": self._ctx.trainer_id, "epoch": self._ctx.epoch}
         fresh = [True] * len(self._workers)
+        buckets: list[tuple[list[int], list[Block]]] = [([], []) for _ in self._workers]  # (parameters, blocks)
+
+        def send(pi: int) -> None:
+            params, blocks = buckets[pi]
+            if not blocks:
+                return
+            part = self._group.parts[pi]
+            first, fresh[pi] = fresh[pi], False
+            fut = self._workers[pi].submit(self._pull, part, blocks, Message({**meta, "blocks": [b.key for b in blocks]}), first)
+            for i in params:
+                self._pulls.setdefault(i, []).append(fut)
+            buckets[pi] = ([], [])
+
         with self._lock:
             for i in sorted(self._pieces):
                 for pi, positions in self._pieces[i]:
-                    part = self._group.parts[pi]
-                    blocks = [part.blocks[j] for j in positions]
-                    first, fresh[pi] = fresh[pi], False
-                    fut = self._workers[pi].submit(self._pull, part, blocks, Message({**meta, "blocks": [b.key for b in blocks]}), first)
-                    self._pulls.setdefault(i, []).append(fut)
+                    params, blocks = buckets[pi]
+                    params.append(i)
+                    blocks.extend(self._group.parts[pi].blocks[j] for j in positions)
+                    if sum(b.numel for b in blocks) >= BUCKET_NUMEL:
+                        send(pi)
+            for pi in range(len(self._workers)):
+                send(pi)
 
     def _pull(self, part: _Part, blocks: list[Block], request: Message, first: bool) -> None:
         reply = self._call(part, "pull", request, into=self._replica.value_blocks(blocks))

@@ -78,9 +78,11 @@ class _Probe(torch.autograd.Function):
 
 
 @pytest.mark.parametrize("overlap", ["on", "off"])
-def test_the_last_layers_slots_reach_the_pserver_while_backward_still_runs(source, overlap):
+def test_the_last_layers_slots_reach_the_pserver_while_backward_still_runs(source, overlap, monkeypatch):
     """Async, one pserver: when backward reaches the first layer, the last layer's
-    update has (overlap) or has not (no overlap) been applied on the pserver already."""
+    update has (overlap) or has not (no overlap) been applied on the pserver already.
+    (Buckets of one element: each parameter's slots go as soon as they are ready.)"""
+    monkeypatch.setattr("pdps.roles.trainer.BUCKET_NUMEL", 1)
     job = start_job(source, name=f"probe-{overlap}", mode="async", overlap=overlap, min_block=1024)
     try:
         ctx = job.trainer("t0")
@@ -186,3 +188,26 @@ def test_overlap_auto_is_on_where_something_idle_can_communicate(monkeypatch, se
 def test_overlap_setting_is_checked():
     with pytest.raises(pdps.ConfigError, match="overlap must be 'auto', 'on' or 'off'"):
         pdps.JobConfig(overlap="yes")
+
+
+@pytest.mark.parametrize("bucket,calls", [(1 << 20, 3), (1, 14)])
+def test_slots_go_in_buckets(source, monkeypatch, bucket, calls):
+    """A small model's slots gather into one push (the step's final) and one pull per
+    pserver and step; with one-element buckets each of its 6 parameters goes on its
+    own: 6 pushes, an empty final one, 6 pulls. Then one plain pull (ctx.pull())."""
+    monkeypatch.setattr("pdps.roles.trainer.BUCKET_NUMEL", bucket)
+    job = start_job(source, name=f"buckets-{bucket}", mode="async", overlap="on")
+    try:
+        ctx = job.trainer("t0")
+        model = ctx.attach(make_model())
+        stats = ctx._group.parts[0].channel.stats
+        batches = ctx.batches()
+        batch = next(batches)
+        before = stats["calls"]
+        ctx.step(F.mse_loss(model(batch["x"]), batch["y"]))
+        ctx.pull()  # waits for the pulls sent ahead, then pulls once more
+        assert stats["calls"] - before == calls
+        assert job.ps.version == 1  # one update, however many pushes it came in
+        batches.close()
+    finally:
+        job.close()

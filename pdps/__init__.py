@@ -32,7 +32,7 @@ from pdps.core.errors import (
 from pdps.core.job import DEFAULT_JOB, JobConfig
 from pdps.core.sgd import Mode
 from pdps.registry import open_data_source, open_storage, open_store, open_transport
-from pdps.roles.trainer import Batch, Killed, TrainerContext
+from pdps.roles.trainer import Batch, Killed, StepRecord, TrainerContext
 from pdps.sim import SimulationResult, fetch_parameters, simulate
 
 __version__ = "0.1.0"
@@ -40,7 +40,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DEFAULT_JOB", "Batch", "ConfigError", "CorruptCheckpoint", "DatasetError", "FencingError", "GradientRejected",
     "InvalidTransition", "JobConfig", "Killed", "LeaseExpired", "MissingExtraError", "Mode",
-    "NotReady", "PdpsError", "SimulationResult", "StalePush", "StorageError", "StoreError",
+    "NotReady", "PdpsError", "SimulationResult", "StalePush", "StepRecord", "StorageError", "StoreError",
     "Timeout", "TrainerContext", "TransportError", "UnknownSchemeError", "UnknownTaskError",
     "fetch_parameters", "open_data_source", "open_storage", "open_store", "open_transport", "simulate",
 ]

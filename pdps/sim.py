@@ -26,7 +26,7 @@ from pdps.ports.data import DataSource
 from pdps.ports.transport import Message, Transport
 from pdps.roles.master import Master
 from pdps.roles.pserver import Pserver
-from pdps.roles.trainer import Killed, PserverGroup, TrainerContext
+from pdps.roles.trainer import Killed, PserverGroup, StepRecord, TrainerContext
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +46,11 @@ class SimulationResult:
     trainers: dict[str, Any]  # trainer id -> what its function returned (None if killed)
     killed: tuple[str, ...]
     config: JobConfig
+    #: trainer id -> the steps of it that were applied, in order (``ctx.history``): which
+    #: sync round each joined, which records of which task it trained, its sample weight
+    history: dict[str, tuple[StepRecord, ...]] = attrs.field(factory=dict)
+    #: pserver index -> the records it applied, as ``[task, attempt, start, end]`` rows
+    applied: dict[int, list[list[int]]] = attrs.field(factory=dict)
 
 
 def simulate(
@@ -158,6 +163,8 @@ def simulate(
             trainers=results,
             killed=tuple(sorted(killed)),
             config=config,
+            history={ctx.trainer_id: tuple(ctx.history) for ctx in contexts},
+            applied={ps.index: ps.applied() for ps in pservers},
         )
     finally:
         for ctx in contexts:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from pdps.core.audit import Attempt, Outcome, decode_attempts
+from pdps.core.audit import Attempt, Outcome, decode_attempts, record_counts
 from pdps.core.errors import CorruptRecord, NoSuchJob, NoSuchPass
 from pdps.core.job import JobConfig, Keys, decode_as, decode_json
 from pdps.ports.coordination import CoordinationStore
@@ -212,10 +212,13 @@ def pass_audit(store: CoordinationStore, job: str, pass_no: int) -> dict[str, An
     ``job``, ``pass``, ``tasks``, ``records`` (the dataset's, or null for a job started
     before record counts were kept), ``entries`` (one per task, by id: ``task``,
     ``records``, ``attempts`` [{``attempt``, ``trainer``, ``outcome``, and ``offset``
-    / ``late_finish`` when set}], ``outcome`` of the task in the pass: done, failed,
-    pending or todo, and ``trained``: its attempts whose records were trained),
-    ``summary`` (``done``, ``failed``, ``pending``, ``todo``, ``records_trained``:
-    records of tasks trained at least once, ``records_trained_more_than_once``,
+    (its first record) / ``applied`` (the record it had trained up to when it ended) /
+    ``late_finish`` when set}], ``outcome`` of the task in the pass: done, failed,
+    pending or todo, ``trained``: its attempts that trained records, and
+    ``record_counts``: how many times each of its records was trained, as runs
+    ``[count, length]`` in record order), ``summary`` (``done``, ``failed``, ``pending``,
+    ``todo``, ``records_trained``: records trained at least once,
+    ``records_trained_more_than_once``,
     ``attempts_total``) and ``corrupt`` (audit keys of the pass that could not be
     decoded, or were quarantined: those tasks' attempts are incomplete).
 
@@ -258,19 +261,25 @@ def pass_audit(store: CoordinationStore, job: str, pass_no: int) -> dict[str, An
     for tid in sorted(ids):
         tried = attempts.get(tid, ())
         outcome = outcomes.get(tid) or _outcome_of(tried, finished=pass_no < current)
+        n = None if records is None else records.get(tid)
         entries.append(
             {
                 "task": tid,
-                "records": None if records is None else records.get(tid),
+                "records": n,
                 "attempts": [a.to_json() for a in tried],
                 "outcome": outcome,
                 "trained": sum(a.trained for a in tried),
+                "record_counts": None if n is None else record_counts(tried, n),
             }
         )
     summary: dict[str, Any] = {k: sum(e["outcome"] == k for e in entries) for k in ("done", "failed", "pending", "todo")}
     known = records is not None
-    summary["records_trained"] = sum(e["records"] or 0 for e in entries if e["trained"] >= 1) if known else None
-    summary["records_trained_more_than_once"] = sum(e["records"] or 0 for e in entries if e["trained"] >= 2) if known else None
+
+    def records_counted(at_least: int) -> int | None:
+        return sum(length for e in entries for count, length in e["record_counts"] or () if count >= at_least) if known else None
+
+    summary["records_trained"] = records_counted(1)
+    summary["records_trained_more_than_once"] = records_counted(2)
     summary["attempts_total"] = sum(len(e["attempts"]) for e in entries)
     return {
         "job": job,
@@ -335,10 +344,13 @@ def format_pass_audit(audit: dict[str, Any], url: str) -> str:
 
 
 def _attempt_text(t: dict[str, Any]) -> str:
-    """``1:trainer-a:timeout``, plus ``+late_finish`` and ``@offset`` when set."""
+    """``1:trainer-a:timeout``, plus ``+late_finish``, ``@offset`` (where it began) and
+    ``..applied`` (where it ended without finishing) when set."""
     text = f"{t['attempt']}:{t['trainer'] or '?'}:{t['outcome']}"
     if t.get("late_finish"):
         text += "+late_finish"
     if t.get("offset"):
         text += f"@{t['offset']}"
+    if t.get("applied") is not None and t["outcome"] != "done":
+        text += f"..{t['applied']}"
     return text

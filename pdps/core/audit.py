@@ -7,10 +7,15 @@ Rules, in a few lines:
   The event that ends it sets its outcome: finish → ``done``, a failure report →
   ``failed``, ``timeout``, ``trainer_lost``, give-back → ``given_back``. The trainer
   comes from the attempt as opened: a finished or failed record no longer names it.
+* An attempt records the records it trained: ``[offset, applied)``, where ``applied``
+  is what its ending event says (the attempt's fenced progress record,
+  :mod:`pdps.core.progress`), or the task's end for a ``done`` attempt. The master
+  fences an attempt before it re-queues the task, so nothing of it is applied later
+  and the next attempt starts at its ``applied``: per-record counts
+  (:func:`record_counts`) are exact.
 * A finish report for an attempt the master had already ended by ``timeout`` or
-  ``trainer_lost`` (the queue ignores it) sets ``late_finish`` on that attempt: its
-  trainer trained the whole task and pushed its gradients anyway, so its records
-  were trained, possibly once more than the task's ``done`` attempt says.
+  ``trainer_lost`` (the queue ignores it) sets ``late_finish`` on that attempt. It
+  trained nothing beyond its ``applied``: the fence refused its later steps.
 * A checkpoint rollback undoes what was trained or being trained since the
   checkpoint: those attempts (done, pending, or finished late) become ``rolled_back``
   (:meth:`AuditLog.roll_back`, :func:`roll_back_attempts`).
@@ -32,6 +37,7 @@ import attrs
 
 from pdps.core.errors import CorruptRecord
 from pdps.core.job import decode_json
+from pdps.core.progress import count_records
 from pdps.core.tasks import Change, Event, Ignored, PassStarted, State, TaskChanged, TaskRecord, TaskSpec
 
 
@@ -70,16 +76,32 @@ class Attempt:
     outcome: Outcome
     offset: int = 0  # the record the attempt started reading at (a resumed task)
     late_finish: bool = False
+    #: the attempt trained records [offset, applied) (None: pending, or done to the end)
+    applied: int | None = None
+
+    def trained_range(self, records: int) -> tuple[int, int]:
+        """The records ``[start, end)`` of a task of ``records`` records whose gradients
+        this attempt put into the parameters (empty while it is pending: its progress is
+        in its progress record until it ends)."""
+        if self.outcome in (Outcome.PENDING, Outcome.ROLLED_BACK):
+            return (self.offset, self.offset)
+        if self.applied is not None:
+            return (self.offset, max(self.offset, self.applied))
+        return (self.offset, records if self.outcome is Outcome.DONE else self.offset)
 
     @property
     def trained(self) -> bool:
-        """Its records reached the parameters and no rollback undid them."""
-        return self.outcome is Outcome.DONE or (self.late_finish and self.outcome is not Outcome.ROLLED_BACK)
+        """It put records into the parameters and no rollback undid them."""
+        if self.outcome in (Outcome.PENDING, Outcome.ROLLED_BACK):
+            return False
+        return self.applied > self.offset if self.applied is not None else self.outcome is Outcome.DONE
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {"attempt": self.attempt, "trainer": self.trainer, "outcome": self.outcome.value}
         if self.offset:
             d["offset"] = self.offset
+        if self.applied is not None:
+            d["applied"] = self.applied
         if self.late_finish:
             d["late_finish"] = True
         return d
@@ -87,11 +109,14 @@ class Attempt:
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> Attempt:
         attempt, trainer, offset, late = d["attempt"], d["trainer"], d.get("offset", 0), d.get("late_finish", False)
+        applied = d.get("applied")
         if type(attempt) is not int or attempt < 1 or type(offset) is not int or offset < 0:
             raise ValueError(f"attempt must be an integer >= 1 and offset >= 0, got {attempt!r}, {offset!r}")
+        if not (applied is None or (type(applied) is int and applied >= 0)):
+            raise ValueError(f"applied must be a whole number >= 0, got {applied!r}")
         if not (trainer is None or isinstance(trainer, str)) or not isinstance(late, bool):
             raise ValueError(f"trainer must be a string or null and late_finish a boolean, got {trainer!r}, {late!r}")
-        return cls(attempt=attempt, trainer=trainer, outcome=Outcome(d["outcome"]), offset=offset, late_finish=late)
+        return cls(attempt=attempt, trainer=trainer, outcome=Outcome(d["outcome"]), offset=offset, late_finish=late, applied=applied)
 
 
 @attrs.frozen
@@ -135,7 +160,7 @@ def roll_back_attempts(attempts: Sequence[Attempt], after: int = 0) -> tuple[Att
     """
     return tuple(
         attrs.evolve(a, outcome=Outcome.ROLLED_BACK)
-        if a.attempt > after and (a.outcome in (Outcome.DONE, Outcome.PENDING) or a.late_finish) and a.outcome is not Outcome.ROLLED_BACK
+        if a.attempt > after and (a.trained or a.outcome is Outcome.PENDING or a.late_finish) and a.outcome is not Outcome.ROLLED_BACK
         else a
         for a in attempts
     )
@@ -186,7 +211,7 @@ class AuditLog:
         out: dict[tuple[int, int], AuditEntry] = {}
         for ch in changes:
             if isinstance(ch, TaskChanged):
-                self._follow(ch.record, ch.event)
+                self._follow(ch.record, ch.event, ch.applied)
                 out[self.pass_no, ch.record.id] = self._entry(ch.record.id)
             elif isinstance(ch, Ignored):
                 if ch.event is Event.FINISH and self._late_finish(ch.task_id, ch.attempt):
@@ -228,7 +253,7 @@ class AuditLog:
 
     # --- internals --------------------------------------------------------------------
 
-    def _follow(self, rec: TaskRecord, event: Event) -> None:
+    def _follow(self, rec: TaskRecord, event: Event, applied: int | None = None) -> None:
         log = self._logs.setdefault(rec.id, [])
         if event is Event.DISPATCH:
             log.append(Attempt(attempt=rec.attempt, trainer=rec.trainer, outcome=Outcome.PENDING, offset=rec.offset))
@@ -238,9 +263,9 @@ class AuditLog:
             return  # NEW_PASS is not a TaskChanged event
         i = _find(log, rec.attempt)
         if i is None:  # its dispatch was not audited (a log started afresh): keep what is known
-            log.append(Attempt(attempt=rec.attempt, trainer=None, outcome=outcome))
+            log.append(Attempt(attempt=rec.attempt, trainer=None, outcome=outcome, applied=applied))
         else:
-            log[i] = attrs.evolve(log[i], outcome=outcome)
+            log[i] = attrs.evolve(log[i], outcome=outcome, applied=applied)
 
     def _late_finish(self, task_id: int, attempt: int) -> bool:
         log = self._logs.get(task_id, [])
@@ -263,6 +288,12 @@ def _find(log: list[Attempt], attempt: int) -> int | None:
 
 
 # --- record counts ------------------------------------------------------------------
+
+
+def record_counts(attempts: Iterable[Attempt], records: int) -> list[list[int]]:
+    """How many times each record of a task was trained in a pass, from its attempts,
+    as runs ``[count, length]`` in record order (``[[1, records]]``: exactly once)."""
+    return count_records([a.trained_range(records) for a in attempts], records)
 
 
 def encode_record_counts(specs: Iterable[TaskSpec]) -> list[list[int]]:

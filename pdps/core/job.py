@@ -162,6 +162,8 @@ class Keys:
                           number of tasks and each one's record count (runs over the
                           ids), written once with pass 0
     ``tasks/<id>``        one TaskRecord per task (JSON); O(1) writes per transition
+    ``progress/<id>``     how far the current attempt at a task has trained, or the fence
+                          that ended it: {attempt, applied, fenced} (:mod:`pdps.core.progress`)
     ``quarantine/<id>``   a task record that could not be decoded, moved aside
     ``audit/<pass>/<id>`` the attempts at one task in one pass: a JSON list of {attempt,
                           trainer, outcome[, offset][, late_finish]}, written in the
@@ -218,6 +220,13 @@ class Keys:
 
     def task(self, task_id: int) -> str:
         return f"{self.tasks}{task_id:08d}"
+
+    @property
+    def progress(self) -> str:
+        return self.root + "progress/"
+
+    def task_progress(self, task_id: int) -> str:
+        return f"{self.progress}{task_id:08d}"
 
     def task_id(self, key: str) -> int:
         """The task id in a ``tasks/<id>``, ``quarantine/<id>`` or ``audit/<pass>/<id>`` key (ValueError if none)."""

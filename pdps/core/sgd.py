@@ -75,9 +75,11 @@ def check_staleness(base_version: int, current_version: int, bound: int | None) 
 class Contribution:
     """One trainer's part of a sync round, as committed to the round's record.
 
-    ``samples`` weights its gradient; ``task``/``attempt``/``offset`` say which records
-    it trained (``offset`` counts the task's records consumed through this batch) so a
-    checkpoint taken at this round can resume each task exactly where it was.
+    ``samples`` weights its gradient; ``task``/``attempt`` and ``start``..``offset`` say
+    which records it trained (records ``[start, offset)`` of the task: ``offset`` counts
+    the task's records consumed through this batch), so a checkpoint taken at this
+    round can resume each task exactly where it was, and a replay knows each round's
+    data.
     """
 
     samples: int
@@ -85,6 +87,7 @@ class Contribution:
     attempt: int | None = None
     offset: int = 0
     last: bool = False  # the batch was its task's last
+    start: int = 0
 
     def to_json(self) -> dict:
         return attrs.asdict(self)
@@ -99,6 +102,7 @@ class Contribution:
             attempt=None if attempt is None else int(attempt),
             offset=int(d.get("offset", 0)),
             last=bool(d.get("last", False)),
+            start=int(d.get("start", 0)),
         )
 
 

@@ -12,6 +12,10 @@ Rules, in a few lines:
   sends the task back to todo with ``failures + 1``; once ``failures`` exceeds
   ``failure_max`` the task is failed for this pass. A graceful give-back returns it
   to todo without counting a failure.
+* Each of those events may say how far the ended attempt had trained (``applied``,
+  from its fenced progress record, :mod:`pdps.core.progress`): the next attempt
+  resumes there, so no record is trained twice; an attempt that had trained every
+  record leaves the task done.
 * A pass is complete when todo and pending are both empty, however many tasks failed.
   The next pass puts every task, failed ones included, back into todo with zero
   failures.
@@ -66,10 +70,11 @@ _FAILURES = frozenset({Event.FAIL, Event.TIMEOUT, Event.TRAINER_LOST})
 TRANSITIONS: Mapping[tuple[State, Event], frozenset[State]] = {
     (State.TODO, Event.DISPATCH): frozenset({State.PENDING}),
     (State.PENDING, Event.FINISH): frozenset({State.DONE}),
-    (State.PENDING, Event.FAIL): frozenset({State.TODO, State.FAILED}),
-    (State.PENDING, Event.TIMEOUT): frozenset({State.TODO, State.FAILED}),
-    (State.PENDING, Event.TRAINER_LOST): frozenset({State.TODO, State.FAILED}),
-    (State.PENDING, Event.GIVE_BACK): frozenset({State.TODO}),
+    # ... or DONE when the ended attempt had applied every record of the task
+    (State.PENDING, Event.FAIL): frozenset({State.TODO, State.FAILED, State.DONE}),
+    (State.PENDING, Event.TIMEOUT): frozenset({State.TODO, State.FAILED, State.DONE}),
+    (State.PENDING, Event.TRAINER_LOST): frozenset({State.TODO, State.FAILED, State.DONE}),
+    (State.PENDING, Event.GIVE_BACK): frozenset({State.TODO, State.DONE}),
     (State.DONE, Event.NEW_PASS): frozenset({State.TODO}),
     (State.FAILED, Event.NEW_PASS): frozenset({State.TODO}),
 }
@@ -143,6 +148,9 @@ class TaskChanged:
 
     record: TaskRecord
     event: Event
+    #: how far the attempt this event ended had trained (records ``[0, applied)`` of the
+    #: task are in the parameters); None where the event ends no attempt or nobody knows
+    applied: int | None = None
 
 
 @attrs.frozen
@@ -382,32 +390,45 @@ class TaskQueue:
         new = self._move(rec, Event.FINISH, State.DONE, trainer=None, deadline=None, offset=0)
         return [TaskChanged(new, Event.FINISH), *self._completion()]
 
-    def fail(self, task_id: int, attempt: int) -> list[Change]:
-        """The trainer of ``attempt`` could not train the task (counts as a failure)."""
+    def fail(self, task_id: int, attempt: int, applied: int | None = None) -> list[Change]:
+        """The trainer of ``attempt`` could not train the task (counts as a failure).
+        ``applied``: how far the attempt had trained (the next one resumes there)."""
         rec, ignored = self._current(task_id, attempt, Event.FAIL)
         if ignored:
             return [ignored]
-        return [self._failure(rec, Event.FAIL), *self._completion()]
+        return [self._failure(rec, Event.FAIL, applied), *self._completion()]
 
-    def give_back(self, task_id: int, attempt: int) -> list[Change]:
-        """Graceful shutdown: the task goes back to the front of todo, not counted as a failure."""
+    def give_back(self, task_id: int, attempt: int, applied: int | None = None) -> list[Change]:
+        """Graceful shutdown: the task goes back to the front of todo, not counted as a
+        failure, resuming at ``applied`` (or done, if that was every record)."""
         rec, ignored = self._current(task_id, attempt, Event.GIVE_BACK)
         if ignored:
             return [ignored]
-        new = self._move(rec, Event.GIVE_BACK, State.TODO, trainer=None, deadline=None)
+        offset = rec.offset if applied is None else applied
+        if offset >= self._specs[task_id].records > 0:
+            return [self._finished_by(rec, Event.GIVE_BACK, offset), *self._completion()]
+        new = self._move(rec, Event.GIVE_BACK, State.TODO, trainer=None, deadline=None, offset=offset)
         self._todo.move_to_end(task_id, last=False)
-        return [TaskChanged(new, Event.GIVE_BACK)]
+        return [TaskChanged(new, Event.GIVE_BACK, applied)]
 
-    def expire(self, now: float) -> list[Change]:
-        """Send every pending task whose deadline has passed back to todo (a failure)."""
-        late = [t for t in self._pending if (self._records[t].deadline or 0.0) <= now]
-        changes: list[Change] = [self._failure(self._records[t], Event.TIMEOUT) for t in late]
+    def expired(self, now: float) -> list[TaskRecord]:
+        """The pending tasks whose deadline has passed (what :meth:`expire` would end), so
+        the shell can fence their attempts first. Changes nothing."""
+        return [self._records[t] for t in self._pending if (self._records[t].deadline or 0.0) <= now]
+
+    def expire(self, now: float, applied: Mapping[int, int] | None = None) -> list[Change]:
+        """Send every pending task whose deadline has passed back to todo (a failure),
+        each resuming at ``applied[task]`` where given."""
+        applied = applied or {}
+        changes: list[Change] = [self._failure(rec, Event.TIMEOUT, applied.get(rec.id)) for rec in self.expired(now)]
         return changes + self._completion() if changes else changes
 
-    def trainer_lost(self, trainer: str) -> list[Change]:
-        """The trainer's lease expired: re-queue its pending tasks at once (a failure each)."""
+    def trainer_lost(self, trainer: str, applied: Mapping[int, int] | None = None) -> list[Change]:
+        """The trainer's lease expired: re-queue its pending tasks at once (a failure
+        each), each resuming at ``applied[task]`` where given."""
+        applied = applied or {}
         tids = sorted(self._by_trainer.get(trainer, ()))
-        changes: list[Change] = [self._failure(self._records[t], Event.TRAINER_LOST) for t in tids]
+        changes: list[Change] = [self._failure(self._records[t], Event.TRAINER_LOST, applied.get(t)) for t in tids]
         return changes + self._completion() if changes else changes
 
     def check_completion(self) -> list[Change]:
@@ -446,11 +467,19 @@ class TaskQueue:
             return rec, Ignored(task_id, attempt, event, f"task is {rec.state}, no longer pending")
         return rec, None
 
-    def _failure(self, rec: TaskRecord, event: Event) -> TaskChanged:
+    def _failure(self, rec: TaskRecord, event: Event, applied: int | None = None) -> TaskChanged:
+        offset = rec.offset if applied is None else applied
+        if offset >= self._specs[rec.id].records > 0:
+            return self._finished_by(rec, event, offset)  # nothing is left to train
         failures = rec.failures + 1
         target = State.FAILED if failures > self.failure_max else State.TODO
-        new = self._move(rec, event, target, failures=failures, trainer=None, deadline=None)
-        return TaskChanged(new, event)
+        new = self._move(rec, event, target, failures=failures, trainer=None, deadline=None, offset=offset)
+        return TaskChanged(new, event, applied)
+
+    def _finished_by(self, rec: TaskRecord, event: Event, applied: int) -> TaskChanged:
+        """``event`` ended an attempt that had applied every record: the task is done."""
+        new = self._move(rec, event, State.DONE, trainer=None, deadline=None, offset=0)
+        return TaskChanged(new, event, applied)
 
     def _completion(self) -> list[Change]:
         if self.pass_complete and not self._completion_announced:

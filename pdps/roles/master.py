@@ -62,6 +62,7 @@ from pdps.core.audit import (
 )
 from pdps.core.errors import ConfigError, CorruptRecord, FencingError, LeaseExpired, PdpsError, StoreUnavailable
 from pdps.core.job import JobConfig, Keys, decode_as, decode_json
+from pdps.core.progress import TaskProgress
 from pdps.core.sgd import Mode, RoundRecord
 from pdps.core.slots import SlotMap
 from pdps.core.tasks import (
@@ -714,10 +715,17 @@ class Master:
             return Message({"done": True})
         return Message({"wait": str(result), "retry_in": RETRY_IN, "epoch": epoch_now})
 
-    def _report(self, req: Message, event: Callable[[int, int], list[Change]]) -> Message:
+    def _report(self, req: Message, event: Callable[..., list[Change]], *, ends_attempt: bool = False) -> Message:
+        task, attempt = int(req.meta["task"]), int(req.meta["attempt"])
         with self._locked():
+            assert self._queue is not None
             self._check_leading()
-            changes = event(int(req.meta["task"]), int(req.meta["attempt"]))
+            if ends_attempt:
+                rec = self._queue.record(task)
+                current = rec.state is TaskState.PENDING and rec.attempt == attempt
+                changes = event(task, attempt, self._fence_attempts([rec])[task] if current else None)
+            else:
+                changes = event(task, attempt)
             durable = self._stage(changes)
         self._await(durable)
         ignored = next((c for c in changes if isinstance(c, Ignored)), None)
@@ -730,11 +738,30 @@ class Master:
     def _fail_task(self, req: Message) -> Message:
         assert self._queue is not None
         log.warning("trainer %s failed task %s: %s", req.meta.get("trainer"), req.meta.get("task"), req.meta.get("error"))
-        return self._report(req, self._queue.fail)
+        return self._report(req, self._queue.fail, ends_attempt=True)
 
     def _give_back(self, req: Message) -> Message:
         assert self._queue is not None
-        return self._report(req, self._queue.give_back)
+        return self._report(req, self._queue.give_back, ends_attempt=True)
+
+    def _fence_attempts(self, records: Iterable[TaskRecord]) -> dict[int, int]:
+        """End these pending attempts in their tasks' progress records (lock held), before
+        their tasks are re-queued: from then on no step of theirs can be applied. Returns
+        how far each had trained, where the next attempt resumes (exactly once per record)."""
+        applied = {}
+        for rec in records:
+            key = self._keys.task_progress(rec.id)
+            while True:
+                kv = self._store.get(key)
+                progress = TaskProgress.decode(None if kv is None else kv.value, key)
+                fenced = progress.fence(rec.attempt, rec.offset)
+                if fenced == progress:
+                    break  # fenced already (a master before this one got this far)
+                guard = Compare.absent(key) if kv is None else Compare.revision(key, Op.EQ, kv.mod_revision)
+                if self._store.commit((guard,), (Put(key, fenced.encode()),), fence=self._fence).succeeded:
+                    break  # else the attempt's trainer advanced it meanwhile: read again
+            applied[rec.id] = fenced.applied
+        return applied
 
     # --- checkpoints and rollbacks ----------------------------------------------------
 
@@ -898,7 +925,7 @@ class Master:
         with self._locked():
             assert self._queue is not None
             self._departures += 1  # a get_task that read the trainer's key before this reads it again
-            changes = self._queue.trainer_lost(trainer)
+            changes = self._queue.trainer_lost(trainer, self._fence_attempts(self._queue.record(t) for t in sorted(self._queue.in_flight(trainer))))
             if changes:
                 log.warning("trainer %s is gone; re-queued its tasks %s", trainer, [c.record.id for c in changes if isinstance(c, TaskChanged)])
             self._guarded(changes)
@@ -924,7 +951,8 @@ class Master:
                     assert self._queue is not None
                     deadline = self._queue.next_deadline()
                     if deadline is not None and deadline <= self._clock():
-                        self._guarded(self._queue.expire(self._clock()))
+                        now = self._clock()
+                        self._guarded(self._queue.expire(now, self._fence_attempts(self._queue.expired(now))))
                 if self._clock() >= next_reconcile and not self._stopped.is_set():
                     next_reconcile = self._clock() + every
                     self._reconcile()

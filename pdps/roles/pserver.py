@@ -23,8 +23,8 @@ import json
 import logging
 import threading
 import time
-
 import uuid
+from collections import OrderedDict
 
 from pdps.core.errors import (
     ConfigError,
@@ -103,6 +103,19 @@ def _field(req: Message, name: str, kind: type, default: object = _MISSING):
     return kind(value)
 
 
+def _records_field(req: Message) -> tuple[int, int, int, int, int] | None:
+    """An async push's ``records``: ``[pass, task, attempt, start, end]``, the task's
+    records its gradient was computed on (or null)."""
+    value = _field(req, "records", list, None)
+    if value is None:
+        return None
+    if len(value) != 5 or any(type(v) is not int or v < 0 for v in value) or value[3] > value[4]:
+        raise GradientRejected(f"push field 'records' must be [pass, task, attempt, start, end] (whole numbers, start <= end), got {value!r}")
+    return tuple(value)  # type: ignore[return-value]
+
+
+#: Task attempts whose applied records a pserver remembers for the ``applied`` call.
+LEDGER_ATTEMPTS = 100_000
 #: A sync pull that waits this long at the barrier answers "still waiting" with whom it
 #: waits for, so the trainer can say so; the trainer then asks again.
 PULL_SLICE = WAIT_LOG_EVERY
@@ -149,6 +162,13 @@ class Pserver:
         self._round_checkpoint: tuple[int, str] | None = None  # (round, checkpoint taken after it)
         self._waiting: set[str] = set()
         self._gone: set[str] = set()  # trainers whose key went: their staging buffers can go
+        #: async: the records [start, end) of each (pass, task) last applied here: the same
+        #: records pushed again (a re-queued task's first push, a retried call) are not
+        #: applied twice
+        self._last_records: dict[tuple[int, int], tuple[int, int]] = {}
+        #: (task, attempt) -> the records applied here, as merged [start, end) ranges (the
+        #: ``applied`` call; the newest LEDGER_ATTEMPTS attempts of this epoch)
+        self._ledger: OrderedDict[tuple[int, int], list[list[int]]] = OrderedDict()
         self._members: set[str] = set()  # registered trainers, as the watch reports them
         self._members_read = 0.0  # when _members was last read from the store
         self._ready = False
@@ -170,7 +190,7 @@ class Pserver:
         self._compute.check_optimizer(self.config.optimizer, self.config.optimizer_args)  # never serve a bad rule
         if self._storage is None:
             self._storage = recovery.open_checkpoint_storage(self.config)
-        self._endpoint = self._transport.serve(self._address, {"init": self._init, "push": self._push, "pull": self._pull})
+        self._endpoint = self._transport.serve(self._address, {"init": self._init, "push": self._push, "pull": self._pull, "applied": self._applied_records})
         self._keeper = LeaseKeeper(self._store, self.config.lease_ttl, name="pserver")
         value = json.dumps({"addr": self._endpoint.address}).encode()
         try:
@@ -294,13 +314,43 @@ class Pserver:
             if not 0 <= seen <= self.version:
                 raise GradientRejected(f"push from trainer {trainer!r} was computed on version {seen}, which pserver {self.index} never served (now {self.version})")
             check_staleness(seen, self.version, self.config.staleness)
+            records = _records_field(req)
+            if records is not None and self._last_records.get(records[:2]) == records[3:]:
+                # these records were applied here already (the push of an attempt that died
+                # before recording its progress, sent again by the next one): once is enough
+                return Message(self._reply(update_s=time.perf_counter() - began, duplicate=True))
             shard.apply(req.tensors, indices)
             # a gradient pushed slot by slot (overlapping the trainer's backward) counts as
             # one update, at its last piece
             if not part or _field(req, "final", bool, False):
                 self.version += 1
+                if records is not None:
+                    self._last_records[records[:2]] = records[3:]
+                    self._note_applied(records[1], records[2], records[3], records[4])
                 self._maybe_announce_async()
             return Message(self._reply(update_s=time.perf_counter() - began))
+
+    def _note_applied(self, task: int, attempt: int, start: int, end: int) -> None:
+        ranges = self._ledger.setdefault((task, attempt), [])
+        self._ledger.move_to_end((task, attempt))
+        if ranges and ranges[-1][1] == start:
+            ranges[-1][1] = end
+        else:
+            ranges.append([start, end])
+        while len(self._ledger) > LEDGER_ATTEMPTS:
+            self._ledger.popitem(last=False)
+
+    def applied(self) -> list[list[int]]:
+        """What this pserver has applied in its epoch, per task attempt, as
+        ``[task, attempt, start, end]`` rows (records ``[start, end)`` of the task): to
+        check an audit (``pdps status --pass N``) against. The newest
+        :data:`LEDGER_ATTEMPTS` attempts are kept."""
+        with self._cond:
+            return [[t, a, lo, hi] for (t, a), ranges in self._ledger.items() for lo, hi in ranges]
+
+    def _applied_records(self, req: Message) -> Message:
+        """The ``applied`` call: :meth:`applied`, as the reply's ``ledger``."""
+        return Message(self._reply(ledger=self.applied()))
 
     def _pull(self, req: Message) -> Message:
         after = _field(req, "after_round", int, None)
@@ -448,6 +498,9 @@ class Pserver:
         if weights:
             self._shard.apply_staged(weights)
             self.version += 1
+            for c in record.contributions.values():
+                if c.samples and c.task is not None and c.attempt is not None:
+                    self._note_applied(c.task, c.attempt, c.start, c.offset)
         self._shard.unstage()
         for t in self._gone - set(record.contributions):
             self._shard.unstage(t, forget=True)
@@ -582,6 +635,8 @@ class Pserver:
             self.epoch, self.round_no, self._prev = epoch.epoch, epoch.round, None
             self._ready = False
             self._round_checkpoint = None
+            self._last_records.clear()  # the parameters go back: so does what they hold
+            self._ledger.clear()
             self.rollbacks += 1
             self._cond.notify_all()  # waiting pulls end with EpochChanged
             try:

@@ -53,11 +53,12 @@ from pdps.core.errors import (
     TransportError,
 )
 from pdps.core.job import JobConfig, Keys, decode_as, decode_json
+from pdps.core.progress import TaskProgress
 from pdps.core.sgd import Contribution, Mode, RoundRecord
 from pdps.core.slots import Block, Layout, ParamSpec, SlotMap
 from pdps.core.tasks import TaskSpec
 from pdps.ports.compute import Compute, ModelReplica
-from pdps.ports.coordination import Compare, CoordinationStore, Op, Put
+from pdps.ports.coordination import Compare, CoordinationStore, Op, Put, TxnOp
 from pdps.ports.data import DataSource
 from pdps.ports.transport import Channel, Message, Transport
 
@@ -138,6 +139,61 @@ class _Part:
 
     def __attrs_post_init__(self) -> None:
         self.keys = [b.key for b in self.blocks]
+
+
+@attrs.frozen
+class StepRecord:
+    """What one step of this trainer put into the parameters (:attr:`TrainerContext.history`).
+
+    ``round`` is the sync round it joined (None in async mode); ``samples`` its weight
+    in that round; the records ``[start, end)`` of ``task`` (attempt ``attempt`` of pass
+    ``pass_no``) are the ones its gradient was computed on. Only steps that were applied
+    (committed to a round, or pushed to every pserver) are recorded.
+    """
+
+    round: int | None
+    epoch: int
+    pass_no: int
+    task: int
+    attempt: int
+    start: int
+    end: int
+    samples: int
+
+
+@attrs.define
+class _Attempt:
+    """The task attempt this trainer is training, and its progress record as last read
+    or written (the value a compare-and-set must find)."""
+
+    task: int
+    attempt: int
+    pass_no: int
+    key: str
+    raw: bytes | None
+    progress: TaskProgress
+
+    @classmethod
+    def read(cls, store: CoordinationStore, keys: Keys, task: int, attempt: int, pass_no: int) -> _Attempt:
+        key = keys.task_progress(task)
+        held = cls(task, attempt, pass_no, key, None, TaskProgress.decode(None, key))
+        held.refresh(store)
+        return held
+
+    def refresh(self, store: CoordinationStore) -> None:
+        kv = store.get(self.key)
+        self.raw = None if kv is None else kv.value
+        self.progress = TaskProgress.decode(self.raw, self.key)
+
+    def advance(self, end: int) -> tuple[Compare, Put, TaskProgress]:
+        """The compare and write that move the record to ``end``; StalePush once the
+        master has fenced this attempt (or a later one took the task)."""
+        new = self.progress.advance(self.attempt, end)
+        guard = Compare.absent(self.key) if self.raw is None else Compare.value(self.key, Op.EQ, self.raw)
+        return guard, Put(self.key, new.encode()), new
+
+    def advanced(self, new: TaskProgress) -> None:
+        self.raw, self.progress = new.encode(), new
 
 
 class Waits:
@@ -539,7 +595,11 @@ class TrainerContext:
         self._stop = threading.Event()
         self._kill_after: int | None = None
         self._epoch = 0
-        self._abandon = False  # a rollback voided the current task: batches() drops it
+        self._abandon = False  # a rollback or a fence voided the current task: batches() drops it
+        self._attempt: _Attempt | None = None  # the task attempt being trained
+        self._acc: tuple[int, int] | None = None  # async: records [start, end) summed since the last push
+        #: every step of this trainer that was applied, in order (:class:`StepRecord`)
+        self.history: list[StepRecord] = []
         #: How long an unreachable or unready pserver is waited for before it is an error.
         self.patience = DISCOVERY_TIMEOUT
         self.killed = False
@@ -755,6 +815,15 @@ class TrainerContext:
                 attempt, pass_no = int(reply.meta["attempt"]), int(reply.meta["pass"])
                 offset = int(reply.meta.get("offset", 0))
                 held = (task.id, attempt)
+                self._attempt = _Attempt.read(self._store, self._keys, task.id, attempt, pass_no)
+                try:
+                    self._attempt.progress.check(attempt)
+                except StalePush as exc:  # the master ended this attempt before we began
+                    log.warning("trainer %s drops task %d attempt %d: %s", self.trainer_id, task.id, attempt, exc)
+                    held = self._attempt = None
+                    continue
+                if self._attempt.progress.attempt == attempt:
+                    offset = max(offset, self._attempt.progress.applied)  # handed to us again: go on
                 try:
                     columns = self._source.read(task)
                 except Exception as exc:  # an unreadable task fails, the trainer goes on
@@ -784,11 +853,13 @@ class TrainerContext:
                     self._report("finish_task", held)
                     held = None
                 if self._abandon:
-                    # The job rolled back to a checkpoint: the master has put this task
-                    # where the checkpoint had it, and its attempt is void.
-                    log.warning("trainer %s drops task %d attempt %d: the job rolled back", self.trainer_id, task.id, attempt)
+                    # The job rolled back to a checkpoint (the master has put this task
+                    # where the checkpoint had it), or the master fenced this attempt
+                    # (it gave up on it and re-queued the task): the attempt is void.
+                    log.warning("trainer %s drops task %d attempt %d: the job rolled back or the master re-queued it", self.trainer_id, task.id, attempt)
                     held = None
                     self._abandon = False
+                self._attempt = None
             self._flush()
             if self._pipeline is not None:
                 self._pipeline.drain()  # the model holds the job's values when the loop ends
@@ -845,13 +916,16 @@ class TrainerContext:
                 return
             sync = self.config.mode is Mode.SYNC
             # with overlap, backward runs inside the push: each slot leaves when it is ready
-            overlap = self._pipeline is not None and (samples > 0 if sync else self.config.cadence.push_due(self._batch_no + 1))
+            overlap = self._pipeline is not None and (samples > 0 if sync else self._push_due(self._batch_no + 1))
             if not overlap:
                 began = time.perf_counter()
                 loss.backward()
                 self._time("compute", time.perf_counter() - began)
             self.steps += 1
             self._stepped = self._batch
+            if not sync and self._batch is not None:  # the records this push will carry
+                b = self._batch
+                self._acc = (b.start if self._acc is None else self._acc[0], b.start + b.size)
             try:
                 if sync:
                     self._sync_round(samples, loss if overlap else None)
@@ -875,7 +949,7 @@ class TrainerContext:
         b = self._batch
         if b is None or not samples:
             return Contribution(samples)
-        return Contribution(samples, b.task.id, b.attempt, b.start + b.size, b.last)
+        return Contribution(samples, b.task.id, b.attempt, b.start + b.size, b.last, start=b.start)
 
     def _sync_round(self, samples: int, loss: Any = None) -> None:
         """Push to every pserver (staged there), commit the contribution to the round's
@@ -916,20 +990,58 @@ class TrainerContext:
             self._pull_round(round_no)
 
     def _commit(self, round_no: int, contribution: Contribution) -> bool:
-        """Add our contribution to round ``round_no``'s record; False if it had closed."""
+        """Add our contribution to round ``round_no``'s record; False if it had closed.
+
+        A contribution that trained records advances its task's progress record in the
+        same transaction (exactly once per record): if the master has fenced the attempt
+        meanwhile, the step is not applied (a zero-sample contribution keeps the round
+        going) and :meth:`batches` drops the task."""
         key = self._keys.round(self._epoch, round_no)
+        held = self._attempt if contribution.samples and contribution.task is not None else None
         while True:
             kv = self._store.get(key)
             record = RoundRecord(round_no) if kv is None else decode_as(kv.value, kv.key, RoundRecord.from_json)
+            guards: list[Compare] = [Compare.absent(key) if kv is None else Compare.revision(key, Op.EQ, kv.mod_revision)]
+            ops: list[TxnOp] = []
+            advanced = None
+            if held is not None:
+                try:
+                    guard, put, advanced = held.advance(contribution.offset)
+                except StalePush as exc:
+                    self._lose_task(exc)
+                    held, contribution = None, Contribution(0)
+                    continue
+                guards.append(guard)
+                ops.append(put)
             try:
                 updated = record.contribute(self.trainer_id, contribution)
             except StalePush:
                 return False
-            if updated is record:
-                return True  # committed already (a retry whose reply was lost)
-            guard = Compare.absent(key) if kv is None else Compare.revision(key, Op.EQ, kv.mod_revision)
-            if self._store.commit((guard,), (Put(key, json.dumps(updated.to_json()).encode()),)).succeeded:
+            if updated is record:  # committed already (a retry whose reply was lost)
+                if held is not None:
+                    held.refresh(self._store)
+                    self._applied(contribution, round_no)
                 return True
+            ops.insert(0, Put(key, json.dumps(updated.to_json()).encode()))
+            if self._store.commit(tuple(guards), tuple(ops)).succeeded:
+                if held is not None and advanced is not None:
+                    held.advanced(advanced)
+                    self._applied(contribution, round_no)
+                return True
+            if held is not None:
+                held.refresh(self._store)  # the round or the progress record moved: look again
+
+    def _applied(self, c: Contribution, round_no: int | None) -> None:
+        """Note a step that went into the parameters (:attr:`history`)."""
+        assert self._attempt is not None and c.task is not None and c.attempt is not None
+        self.history.append(StepRecord(round_no, self._epoch, self._attempt.pass_no, c.task, c.attempt, c.start, c.offset, c.samples))
+
+    def _lose_task(self, why: BaseException) -> None:
+        """The master gave up on our attempt and fenced it: nothing more of it is
+        applied; batches() drops the task."""
+        if not self._abandon:
+            log.warning("trainer %s: the master re-queued its task (%s); dropping it", self.trainer_id, why)
+        self._abandon = True
 
     def _idle(self, pause: float) -> None:
         """No task for now. Sync: contribute zero samples, so the round need not wait for
@@ -957,13 +1069,21 @@ class TrainerContext:
                 return
             self._pull_fresh()
 
+    def _push_due(self, batch_no: int) -> bool:
+        """Async: push after the ``batch_no``-th batch? Every ``push_every`` batches of a
+        task, and after its last batch: a push never mixes two tasks' records, so how
+        far a task has trained is a push boundary (exactly once per record)."""
+        return self.config.cadence.push_due(batch_no) or (self._batch is not None and self._batch.last)
+
     def _async_step(self, loss: Any = None) -> None:
         assert self._replica is not None
         self._batch_no += 1
         cadence = self.config.cadence
         must_pull = False
-        if cadence.push_due(self._batch_no):
+        if self._push_due(self._batch_no):
             must_pull = self._async_push(loss)
+            if self._batch is not None and self._batch.last:
+                self._batch_no = 0  # the next task counts its batches from its start
         if must_pull or not cadence.pull_due(self._batch_no):
             if must_pull:
                 self._pull_fresh()
@@ -979,8 +1099,10 @@ class TrainerContext:
         assert self._replica is not None and self._group is not None
         if self._pipeline is not None:
             self._pipeline.drain()
+        held, acc = self._attempt, self._acc
+        records = None if held is None or acc is None else [held.pass_no, held.task, held.attempt, acc[0], acc[1]]
         metas = [
-            {"trainer": self.trainer_id, "version": part.version, "blocks": part.keys, "epoch": self._epoch, "incarnation": part.incarnation}
+            {"trainer": self.trainer_id, "version": part.version, "blocks": part.keys, "epoch": self._epoch, "incarnation": part.incarnation, "records": records}
             for part in self._group.parts
         ]
         if loss is not None and self._pipeline is not None:
@@ -999,7 +1121,27 @@ class TrainerContext:
                 self.pushes += 1
         if loss is None or self._pipeline is None:
             self._replica.zero_grad()  # (the pipeline's workers zeroed each piece they pushed)
+        self._acc = None
+        if held is not None and acc is not None:
+            self._record_progress(held, acc)
         return stale
+
+    def _record_progress(self, held: _Attempt, records: tuple[int, int]) -> None:
+        """Async: every pserver has the push of ``records``: advance the task's progress
+        record (compare-and-set). A fenced attempt drops its task; its pushes beyond the
+        fence are the pservers' to ignore (they apply each task's records once)."""
+        while True:
+            try:
+                guard, put, new = held.advance(records[1])
+            except StalePush as exc:
+                self._lose_task(exc)
+                return
+            if self._store.commit((guard,), (put,)).succeeded:
+                held.advanced(new)
+                samples = records[1] - records[0]
+                self.history.append(StepRecord(None, self._epoch, held.pass_no, held.task, held.attempt, records[0], records[1], samples))
+                return
+            held.refresh(self._store)
 
     def _flush(self) -> None:
         """Async: push what was accumulated since the last push, so no batch is lost."""

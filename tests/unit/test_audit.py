@@ -10,6 +10,7 @@ from hypothesis import settings
 from hypothesis.stateful import invariant, rule
 
 from pdps.core.audit import (
+    record_counts,
     Attempt,
     AuditEntry,
     AuditLog,
@@ -116,16 +117,19 @@ def test_each_transition_writes_only_the_task_it_touched():
     assert au.log.record([]) == []
 
 
-def test_a_late_finish_after_a_timeout_marks_the_attempt_and_counts_as_trained():
+def test_a_late_finish_after_a_timeout_marks_the_attempt_but_counts_only_what_it_applied():
     au = Audited(1)
     a = au.dispatch("t1")
-    au.feed(au.q.expire(now=100.0))
+    au.feed(au.q.expire(now=100.0, applied={0: 4}))  # the fence: t1 had applied records 0..3
     b = au.dispatch("t2", now=100.0)
+    assert b.offset == 4
     au.feed(au.q.finish(b.task.id, b.attempt))
-    late = au.q.finish(a.task.id, a.attempt)  # t1 trained the whole task after all
+    late = au.q.finish(a.task.id, a.attempt)  # t1 read the whole task, but its later steps were refused
     assert late[0].event is Event.FINISH and late[0].reason.startswith("stale")
-    assert au.feed(late) == [AuditEntry(0, 0, (A(1, "t1", "timeout", late_finish=True), A(2, "t2", "done")))]
-    assert [x.trained for x in au.log.attempts(0)] == [True, True]  # the records were trained twice
+    assert au.feed(late) == [AuditEntry(0, 0, (A(1, "t1", "timeout", late_finish=True, applied=4), A(2, "t2", "done", offset=4)))]
+    assert [x.trained for x in au.log.attempts(0)] == [True, True]
+    records = au.q.spec(0).records
+    assert record_counts(au.log.attempts(0), records) == [[1, records]]  # every record exactly once
     assert au.feed(au.q.finish(a.task.id, a.attempt)) == []  # a repeated report changes nothing
 
 

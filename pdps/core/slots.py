@@ -124,10 +124,11 @@ def block_floor(params: Sequence[ParamSpec], num_pservers: int, min_block: int =
     """The fewest elements of a block (:func:`cut_blocks`) for this model on ``num_pservers``.
 
     ``min_block`` for a model of at least ``BLOCKS_PER_PSERVER * num_pservers`` blocks
-    of that size, so a big model's blocks do not depend on the pserver count. A
-    smaller model is cut into about that many blocks, and finer still (halving the
-    floor, down to one element: one row per block) until it has a block with
-    elements for every pserver, or one per row when it has fewer rows than pservers.
+    of that size, so a big model's blocks are those of ``min_block`` whatever the
+    pserver count. A smaller model is cut into about that many blocks, and finer
+    still (halving the floor, down to one element: one row per block) until it has a
+    block with elements for every pserver, or one per row when it has fewer rows
+    than pservers.
     """
     if num_pservers < 1:
         raise ConfigError(f"a model is spread over at least one pserver, got {num_pservers}")
@@ -254,12 +255,14 @@ class Layout:
             if b.numel:
                 held[owners[slots[i]]].append(i)
         for p, mine in enumerate(held):
-            own = [s for s, o in enumerate(owners) if o == p]
-            if mine or not own:
+            if mine:
                 continue
             donor = max(held, key=len)
             if len(donor) < 2:
                 break
+            own = [s for s, o in enumerate(owners) if o == p]
+            if not own:
+                continue
             i = donor.pop()
             slots[i] = own[slot_of(blocks[i].key, len(own))]
             mine.append(i)
@@ -270,7 +273,8 @@ class Layout:
 
     @property
     def idle_pservers(self) -> tuple[int, ...]:
-        """The pservers that hold no element of the model (it has fewer rows than pservers)."""
+        """The pservers that hold no element of the model: it has fewer rows than
+        pservers, or (a hand-made map) the slot map gives them no slot."""
         busy = {self.pserver_of(i) for i, b in enumerate(self.blocks) if b.numel}
         return tuple(p for p in range(self.slot_map.num_pservers) if p not in busy)
 
@@ -283,7 +287,8 @@ class Layout:
         rows = sum(b.row_end - b.row_start for b in self.blocks if b.numel)
         m = self.slot_map.num_pservers
         if rows < m:
-            why = f"the model has {rows} row{'s' if rows != 1 else ''} with elements, and a row is never split; run it with at most {rows} pserver{'s' if rows != 1 else ''}"
+            fit = max(rows, 1)
+            why = f"the model has {rows} row{'s' if rows != 1 else ''} with elements, and a row is never split; run it with at most {fit} pserver{'s' if fit != 1 else ''}"
         else:
             why = "the slot map gives them no slot"
         return f"{len(idle)} of {m} pservers hold no part of the model (pserver {', '.join(map(str, idle))}): {why}"

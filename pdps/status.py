@@ -18,6 +18,7 @@ from typing import Any
 from pdps.core.audit import Attempt, Outcome, decode_attempts, record_counts
 from pdps.core.errors import CorruptRecord, NoSuchJob, NoSuchPass
 from pdps.core.job import JobConfig, Keys, decode_as, decode_json
+from pdps.core.slots import Layout, ParamSpec, SlotMap
 from pdps.ports.coordination import CoordinationStore
 from pdps.roles.master import decode_record, parse_queue_record
 
@@ -47,7 +48,11 @@ def job_status(store: CoordinationStore, job: str, *, now: float | None = None) 
     or null), ``epoch`` (the record of the last rollback: ``epoch``, ``checkpoint``,
     ``round``, ``reason``, ``time``; null if the job never rolled back) and ``waits``
     (one per role waiting longer than a few seconds: ``who``, ``what``, ``for``,
-    ``since``, and ``seconds`` it has waited as of ``now``, default the clock's time).
+    ``since``, and ``seconds`` it has waited as of ``now``, default the clock's time)
+    and ``layout`` (how the model is spread, once a trainer has published it, else
+    null: ``blocks``, ``pservers``, ``pservers_holding`` the ones holding part of the
+    model, ``idle`` the indices of the others, and ``warning``, why some are idle, or
+    null).
     """
     keys = Keys(job)
     config = job_config(store, job)
@@ -111,6 +116,27 @@ def job_status(store: CoordinationStore, job: str, *, now: float | None = None) 
         "checkpoint": decode_json(checkpoint_kv.value, keys.checkpoint) if checkpoint_kv else None,
         "epoch": decode_json(epoch_kv.value, keys.epoch) if epoch_kv else None,
         "waits": waits(store, keys, time.time() if now is None else now),
+        "layout": model_layout(store, keys, config),
+    }
+
+
+def model_layout(store: CoordinationStore, keys: Keys, config: JobConfig) -> dict[str, Any] | None:
+    """How the published model is spread over the pservers, computed as every role
+    computes it (from ``model``, ``slotmap`` and ``min_block``); None before a trainer
+    has published the model."""
+    model_kv, slots_kv = store.get(keys.model), store.get(keys.slotmap)
+    if model_kv is None or slots_kv is None:
+        return None
+    specs = decode_as(model_kv.value, keys.model, lambda ds: [ParamSpec.from_json(d) for d in ds])
+    layout = Layout.build(specs, decode_as(slots_kv.value, keys.slotmap, SlotMap.from_json), config.min_block)
+    idle = layout.idle_pservers
+    pservers = layout.slot_map.num_pservers
+    return {
+        "blocks": len(layout.blocks),
+        "pservers": pservers,
+        "pservers_holding": pservers - len(idle),
+        "idle": list(idle),
+        "warning": layout.spread_warning(),
     }
 
 
@@ -153,7 +179,10 @@ def format_status(status: dict[str, Any], url: str) -> str:
         + "".join(f"\n                {p['index']} at {p['address']}" for p in s["pservers"]),
         f"  checkpoint  {_pointer_text(s['checkpoint'])}",
         f"  epoch       {epoch_text(s.get('epoch'))}",
+        f"  layout      {layout_text(s.get('layout'))}",
     ]
+    if s.get("layout") and s["layout"]["warning"]:
+        lines.append(f"  WARNING: {s['layout']['warning']}")
     for q in s["quarantine"]:
         lines.append(f"  quarantined {q['key']}: {q['error']}")
     for key in s["corrupt"]:
@@ -176,6 +205,14 @@ def wait_text(w: dict[str, Any]) -> str:
         return f"{w['who']}: undecodable wait record ({w['error']})"
     whom = ", ".join(w["for"]) or "nobody known"
     return f"{w['who']} has waited {w['seconds']:.0f}s (since {clock(w['since'])}) for {whom} ({w['what']})"
+
+
+def layout_text(layout: dict[str, Any] | None) -> str:
+    """``20 blocks on 3 of 3 pservers``, or that no trainer has published the model yet."""
+    if layout is None:
+        return "none yet (no trainer has attached a model)"
+    n = layout["blocks"]
+    return f"{n} block{'s' if n != 1 else ''} on {layout['pservers_holding']} of {layout['pservers']} pservers"
 
 
 def _pointer_text(ptr: Any) -> str:

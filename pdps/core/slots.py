@@ -1,13 +1,16 @@
 """How the model's parameters are spread over the pservers.
 
-* A parameter is cut into *blocks* of whole rows (along dim 0), each at least
-  ``min_block`` elements; a parameter smaller than that is one block. The rows that
+* A parameter is cut into *blocks* of whole rows (along dim 0), each at least a
+  *floor* of elements; a parameter smaller than that is one block. The rows that
   do not fill a block join the previous one, so only a whole parameter is ever
-  smaller than ``min_block``.
+  smaller than the floor. The floor is ``min_block``, lowered for a model too small
+  to give every pserver several blocks of that size (:func:`block_floor`).
 * A block hashes (blake2b of ``"<name>@<first row>"``, never Python's salted ``hash``)
   into one of ``num_slots`` slots; a versioned :class:`SlotMap` assigns slots to
   pservers. Moving a slot later moves all its blocks, so elastic scaling re-places
-  slots, never individual rows.
+  slots, never individual rows. Where the hash leaves a pserver with no block, the
+  layout moves one block into that pserver's slots (:meth:`Layout.build`), so every
+  pserver holds a share whenever the model has at least one row per pserver.
 * :meth:`SlotMap.rebalance` to M pservers keeps the map balanced (pserver loads
   differ by at most one slot) and moves the fewest slots a balanced map allows.
 
@@ -27,6 +30,9 @@ from pdps.core.errors import ConfigError
 
 DEFAULT_NUM_SLOTS = 256
 DEFAULT_MIN_BLOCK = 4096
+#: A model smaller than this many blocks of ``min_block`` per pserver is cut finer:
+#: with several blocks each, the hash spreads a pserver's share over its slots.
+BLOCKS_PER_PSERVER = 8
 
 _DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
 
@@ -112,6 +118,28 @@ def cut_blocks(params: Sequence[ParamSpec], min_block: int = DEFAULT_MIN_BLOCK) 
             blocks.append(Block(p.name, index, a, b, offset + a * row_numel, n, shape, p.dtype))
         offset += p.numel
     return blocks
+
+
+def block_floor(params: Sequence[ParamSpec], num_pservers: int, min_block: int = DEFAULT_MIN_BLOCK) -> int:
+    """The fewest elements of a block (:func:`cut_blocks`) for this model on ``num_pservers``.
+
+    ``min_block`` for a model of at least ``BLOCKS_PER_PSERVER * num_pservers`` blocks
+    of that size, so a big model's blocks are those of ``min_block`` whatever the
+    pserver count. A smaller model is cut into about that many blocks, and finer
+    still (halving the floor, down to one element: one row per block) until it has a
+    block with elements for every pserver, or one per row when it has fewer rows
+    than pservers.
+    """
+    if num_pservers < 1:
+        raise ConfigError(f"a model is spread over at least one pserver, got {num_pservers}")
+    if min_block < 1:
+        raise ConfigError(f"min_block must be >= 1 element, got {min_block}")
+    total = sum(p.numel for p in params)
+    floor = min(min_block, max(1, -(-total // (BLOCKS_PER_PSERVER * num_pservers))))
+    want = min(num_pservers, sum(p.rows for p in params if p.numel))
+    while floor > 1 and sum(1 for b in cut_blocks(params, floor) if b.numel) < want:
+        floor //= 2
+    return floor
 
 
 def slot_of(block_key: str, num_slots: int) -> int:
@@ -211,11 +239,59 @@ class Layout:
 
     @classmethod
     def build(cls, params: Sequence[ParamSpec], slot_map: SlotMap, min_block: int = DEFAULT_MIN_BLOCK) -> Layout:
-        blocks = tuple(cut_blocks(params, min_block))
-        return cls(blocks, slot_map, tuple(slot_of(b.key, slot_map.num_slots) for b in blocks))
+        """Cut the model at its :func:`block_floor` and place each block in its hash slot.
+
+        Then, for each pserver left holding no element (lowest index first), the last
+        block of the pserver holding the most blocks (lowest index on a tie) moves to
+        one of the empty pserver's slots (chosen by the block's hash), as long as that
+        pserver keeps a block: every pserver holds a share when the model has at least
+        one row per pserver, and every process computes the same moves.
+        """
+        blocks = tuple(cut_blocks(params, block_floor(params, slot_map.num_pservers, min_block)))
+        slots = [slot_of(b.key, slot_map.num_slots) for b in blocks]
+        owners = slot_map.owners
+        held: list[list[int]] = [[] for _ in range(slot_map.num_pservers)]
+        for i, b in enumerate(blocks):
+            if b.numel:
+                held[owners[slots[i]]].append(i)
+        for p, mine in enumerate(held):
+            if mine:
+                continue
+            donor = max(held, key=len)
+            if len(donor) < 2:
+                break
+            own = [s for s, o in enumerate(owners) if o == p]
+            if not own:
+                continue
+            i = donor.pop()
+            slots[i] = own[slot_of(blocks[i].key, len(own))]
+            mine.append(i)
+        return cls(blocks, slot_map, tuple(slots))
 
     def pserver_of(self, i: int) -> int:
         return self.slot_map.owners[self.slots[i]]
+
+    @property
+    def idle_pservers(self) -> tuple[int, ...]:
+        """The pservers that hold no element of the model: it has fewer rows than
+        pservers, or (a hand-made map) the slot map gives them no slot."""
+        busy = {self.pserver_of(i) for i, b in enumerate(self.blocks) if b.numel}
+        return tuple(p for p in range(self.slot_map.num_pservers) if p not in busy)
+
+    def spread_warning(self) -> str | None:
+        """Why some pservers sit idle, in words for a log line and ``pdps status``; None
+        when every pserver holds a share."""
+        idle = self.idle_pservers
+        if not idle:
+            return None
+        rows = sum(b.row_end - b.row_start for b in self.blocks if b.numel)
+        m = self.slot_map.num_pservers
+        if rows < m:
+            fit = max(rows, 1)
+            why = f"the model has {rows} row{'s' if rows != 1 else ''} with elements, and a row is never split; run it with at most {fit} pserver{'s' if fit != 1 else ''}"
+        else:
+            why = "the slot map gives them no slot"
+        return f"{len(idle)} of {m} pservers hold no part of the model (pserver {', '.join(map(str, idle))}): {why}"
 
     def blocks_of(self, pserver: int) -> list[Block]:
         """The blocks a pserver holds, in model order (the order of every push and pull)."""

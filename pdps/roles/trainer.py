@@ -735,6 +735,9 @@ class TrainerContext:
         group = PserverGroup(self._store, self._transport, self.config, replica.specs, waits=self._waits, patience=self.patience)
         self._replica, self._group = replica, group
         if first:
+            spread = group.layout.spread_warning()
+            if spread is not None:  # said once, by the trainer that published the model; pdps status says it too
+                log.warning("trainer %s: %s", self.trainer_id, spread)
             for part in group.parts:
                 self._init_part(part)
             self._store.put(self._keys.initialized, json.dumps({"by": self.trainer_id, "time": time.time()}).encode())

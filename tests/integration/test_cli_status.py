@@ -62,6 +62,17 @@ def test_status_shows_queues_members_and_checkpoint(real_store, tmp_path):
         assert text.returncode == 0
         assert "todo 4, pending 1, done 1, failed 0, quarantined 0" in text.stdout
         assert "trainer-a, trainer-b" in text.stdout and "ckpt-000007" in text.stdout
+        assert status["layout"] is None and "layout      none yet" in text.stdout  # no trainer has attached
+
+        # a model of one row cannot be spread over the job's 2 pservers: status says so
+        real_store.put(keys.model, json.dumps([{"name": "bias", "shape": [1], "dtype": "float32"}]).encode())
+        status = json.loads(pdps_status(real_store.url, "--job", "shown", "--json").stdout)
+        assert FIELDS <= set(status)
+        layout = status["layout"]
+        assert {k: layout[k] for k in ("blocks", "pservers", "pservers_holding")} == {"blocks": 1, "pservers": 2, "pservers_holding": 1}
+        assert len(layout["idle"]) == 1 and "1 of 2 pservers hold no part of the model" in layout["warning"]
+        text = pdps_status(real_store.url, "--job", "shown")
+        assert "layout      1 block on 1 of 2 pservers" in text.stdout and f"WARNING: {layout['warning']}" in text.stdout
     finally:
         master.stop()
 

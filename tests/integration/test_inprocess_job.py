@@ -4,6 +4,7 @@ trainer, and bad input rejected before it changes anything."""
 from __future__ import annotations
 
 import json
+import logging
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ from pdps.adapters.parquet import ParquetSource, write_parquet_shards
 from pdps.core.errors import ConfigError, DatasetError, GradientRejected, UnknownSchemeError
 from pdps.core.job import Keys
 from pdps.core.sgd import Contribution
+from pdps.status import format_status, job_status
 
 K = 20  # steps
 B = 8  # batch per trainer
@@ -134,6 +136,78 @@ def test_three_pservers_really_split_the_model(tmp_path):
     specs = [ParamSpec(n, tuple(p.shape), "float64") for n, p in make_model(torch.float64).named_parameters()]
     layout = Layout.build(specs, SlotMap.initial(3, 64), 8)
     assert all(layout.blocks_of(i) for i in range(3))  # else the sharding test would prove little
+
+
+# --- every pserver holds a share of the model ----------------------------------------
+
+
+def wide_dataset(root, width: int, classes: int) -> ParquetSource:
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(120, width)).astype(np.float32)
+    y = np.abs(x[:, :classes]).argmax(axis=1).astype(np.int64)
+    write_parquet_shards({"x": x, "y": y}, f"{root}/w{width}", shards=2, row_group_size=30)
+    return ParquetSource(f"{root}/w{width}")
+
+
+def fit(make):
+    def train(ctx: pdps.TrainerContext) -> None:
+        torch.manual_seed(0)
+        model = ctx.attach(make())
+        for batch in ctx.batches():
+            ctx.step(F.cross_entropy(model(batch["x"]), batch["y"]))
+
+    return train
+
+
+def initialized(caplog) -> dict[int, int]:
+    """Pserver index -> how many blocks it was initialized with, from its own log line."""
+    return {r.args[0]: r.args[1] for r in caplog.records if r.name == "pdps.roles.pserver" and r.msg.startswith("pserver %s initialized")}
+
+
+@pytest.mark.parametrize(
+    "make,width,classes,pservers",
+    [(lambda: nn.Linear(20, 2), 20, 2, 2), (lambda: nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10)), 64, 10, 3)],
+    ids=["logistic-2", "mlp-3"],
+)
+def test_every_pserver_holds_a_share_of_a_small_model(tmp_path, caplog, make, width, classes, pservers):
+    store = pdps.open_store(f"memory://share-{pservers}")
+    with caplog.at_level(logging.INFO, logger="pdps.roles.pserver"):
+        pdps.simulate(fit(make), dataset=wide_dataset(tmp_path.as_uri(), width, classes), trainers=2, pservers=pservers,
+                      mode="sync", batch_size=10, store=store, name="share")  # fmt: skip
+    blocks = initialized(caplog)
+    assert sorted(blocks) == list(range(pservers)) and all(n > 0 for n in blocks.values())
+    layout = job_status(store, "share")["layout"]
+    assert layout["pservers"] == layout["pservers_holding"] == pservers
+    assert layout["idle"] == [] and layout["warning"] is None and layout["blocks"] >= pservers
+
+
+class Offset(nn.Module):
+    """A model of one element: a learned offset of the logits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bias = nn.Parameter(torch.zeros(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[:, :2] + self.bias
+
+
+def test_a_model_too_small_to_spread_is_warned_about_and_shown_in_status(tmp_path, caplog):
+    store = pdps.open_store("memory://too-small")
+    with caplog.at_level(logging.INFO):
+        result = pdps.simulate(fit(Offset), dataset=digits_like(tmp_path.as_uri()), trainers=1, pservers=3,
+                               mode="sync", batch_size=50, optimizer_args={"lr": 0.1}, store=store, name="small")  # fmt: skip
+    assert result.params["bias"].item() != 0.0  # it trained, on the one pserver that holds it
+    assert len(initialized(caplog)) == 1
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "hold no part of the model" in r.getMessage()]
+    assert len(warned) == 1 and "2 of 3 pservers" in warned[0] and "at most 1 pserver" in warned[0]
+    status = job_status(store, "small")
+    layout = status["layout"]
+    assert layout["blocks"] == 1 and layout["pservers"] == 3 and layout["pservers_holding"] == 1
+    assert len(layout["idle"]) == 2 and layout["idle"][0] not in initialized(caplog)
+    assert layout["warning"] == warned[0].split(": ", 1)[1]
+    text = format_status(status, store.url)
+    assert "layout      1 block on 1 of 3 pservers" in text and "WARNING: 2 of 3 pservers hold no part of the model" in text
 
 
 def digits_like(root, rows=600, parts=12):

@@ -20,6 +20,7 @@ from pdps.core.slots import (
     Layout,
     ParamSpec,
     SlotMap,
+    block_floor,
     cut_blocks,
     slot_of,
 )
@@ -298,7 +299,9 @@ def test_param_spec_json_round_trip(params):
 @given(params=models, min_block=st.integers(1, 20), old=slot_maps())
 def test_layout_blocks_of_partitions_all_blocks(params, min_block, old):
     layout = Layout.build(params, old, min_block)
-    assert layout.slots == tuple(slot_of(b.key, old.num_slots) for b in layout.blocks)
+    # each block sits in its hash slot, but for the few moved to pservers that had none
+    moved = [i for i, b in enumerate(layout.blocks) if layout.slots[i] != slot_of(b.key, old.num_slots)]
+    assert len(moved) < old.num_pservers
     per = [layout.blocks_of(p) for p in range(old.num_pservers)]
     assert sum(len(x) for x in per) == len(layout.blocks)
     seen = [b for x in per for b in x]
@@ -307,3 +310,88 @@ def test_layout_blocks_of_partitions_all_blocks(params, min_block, old):
         # model order, and each block on the pserver its slot maps to
         assert [b.offset for b in mine] == sorted(b.offset for b in mine)
         assert all(layout.pserver_of(layout.blocks.index(b)) == p for b in mine)
+
+
+# --- spreading a model over every pserver ----------------------------------------------
+
+
+def spec(*named_shapes: tuple[str, tuple[int, ...]]) -> list[ParamSpec]:
+    return [ParamSpec(name, shape, "float32") for name, shape in named_shapes]
+
+
+LOGISTIC = spec(("weight", (2, 20)), ("bias", (2,)))  # nn.Linear(20, 2)
+MLP = spec(("0.weight", (32, 64)), ("0.bias", (32,)), ("2.weight", (10, 32)), ("2.bias", (10,)))  # 64-32-10
+
+
+def holding(layout: Layout) -> list[int]:
+    """The pservers that hold at least one element of the model."""
+    return [p for p in range(layout.slot_map.num_pservers) if any(b.numel for b in layout.blocks_of(p))]
+
+
+@pytest.mark.parametrize("params,pservers", [(LOGISTIC, 2), (MLP, 3)], ids=["logistic-2", "mlp-3"])
+def test_a_small_model_gives_every_pserver_a_share(params, pservers):
+    layout = Layout.build(params, SlotMap.initial(pservers))  # the default min_block, 4096
+    assert holding(layout) == list(range(pservers))
+    assert layout.idle_pservers == () and layout.spread_warning() is None
+
+
+def test_a_model_with_fewer_rows_than_pservers_says_which_pservers_idle():
+    layout = Layout.build(spec(("bias", (1,))), SlotMap.initial(3))
+    assert len(layout.blocks) == 1 and len(holding(layout)) == 1
+    assert layout.idle_pservers == tuple(p for p in range(3) if p not in holding(layout))
+    warning = layout.spread_warning()
+    assert warning is not None and "2 of 3 pservers hold no part of the model" in warning
+    assert "1 row" in warning and "at most 1 pserver" in warning
+
+
+def test_a_big_model_keeps_the_blocks_of_min_block():
+    params = spec(("emb", (10000, 64)), ("fc.weight", (256, 64)), ("fc.bias", (256,)))
+    for pservers in (1, 4, 16):
+        layout = Layout.build(params, SlotMap.initial(pservers))
+        assert block_floor(params, pservers, 4096) == 4096
+        assert layout.blocks == tuple(cut_blocks(params, 4096))
+        assert layout.slots == tuple(slot_of(b.key, 256) for b in layout.blocks)
+        assert layout.idle_pservers == ()
+
+
+def test_block_floor_shrinks_for_a_small_model_and_never_passes_min_block():
+    assert block_floor(LOGISTIC, 1, 4096) == 6  # 42 elements in about 8 blocks
+    assert block_floor(MLP, 3, 4096) == 101  # 2410 elements in about 24 blocks
+    assert block_floor(MLP, 3, 50) == 50
+    assert block_floor(spec(("bias", (1,))), 3, 4096) == 1
+    with pytest.raises(ConfigError):
+        block_floor(MLP, 0, 4096)
+
+
+@st.composite
+def spread_cases(draw):
+    params = draw(
+        st.lists(st.lists(st.integers(0, 40), min_size=0, max_size=3).map(tuple), min_size=1, max_size=6).map(
+            lambda ss: [ParamSpec(f"p{i}", s, "float32") for i, s in enumerate(ss)]
+        )
+    )
+    return params, draw(slot_maps()), draw(st.integers(1, 5000))
+
+
+@settings(max_examples=300, deadline=None)
+@given(case=spread_cases())
+def test_every_pserver_gets_a_share_when_the_model_has_the_rows(case):
+    params, slot_map, min_block = case
+    layout = Layout.build(params, slot_map, min_block)
+    m = slot_map.num_pservers
+    rows = sum(p.rows for p in params if p.numel)
+    held = holding(layout)
+    assert len(held) == min(rows, m)
+    assert layout.idle_pservers == tuple(p for p in range(m) if p not in held)
+    assert (layout.spread_warning() is None) == (rows >= m)
+    # bounded: the blocks of min_block, or a few per pserver, plus a few per parameter
+    total = sum(p.numel for p in params)
+    assert len(layout.blocks) <= max(-(-total // min_block), 8 * m) + 3 * len(params)
+    # the same map from the same inputs
+    assert Layout.build(params, SlotMap.from_json(slot_map.to_json()), min_block) == layout
+
+
+def test_a_pserver_without_slots_is_named_idle_for_that_reason():
+    layout = Layout.build(MLP, SlotMap(version=1, num_pservers=3, owners=(0, 1, 0, 1)))
+    assert layout.idle_pservers == (2,) and holding(layout) == [0, 1]
+    assert layout.spread_warning() == "1 of 3 pservers hold no part of the model (pserver 2): the slot map gives them no slot"

@@ -29,6 +29,8 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
+from collections import deque
 from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType
@@ -48,6 +50,8 @@ LAUNCHER_PID = "_PDPS_LAUNCHER_PID"
 #: How often the launcher looks at its children and at the job.
 POLL = 0.2
 PROGRESS_EVERY = 1.0
+#: How many of a role's last stderr lines its error quotes (a traceback's end).
+LAST_LINES = 12
 
 
 @attrs.define
@@ -62,6 +66,7 @@ class Role:
     finished: bool = False  # exited 0 on its own (trainers: the job is done for them)
     result: dict | None = None  # a trainer's last stdout line
     threads: list[threading.Thread] = attrs.field(factory=list)
+    last_lines: deque[str] = attrs.field(factory=lambda: deque(maxlen=LAST_LINES))  # of stderr, this run
 
 
 def summary(result: Mapping[str, Any], evaluation: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -179,15 +184,22 @@ def _run_inproc(fn: Any, values: Mapping[str, Any], config: JobConfig, err: IO[s
     show = _progress_printer(config, err)
     fields = config.to_json()
     dataset = fields.pop("dataset")
-    result = pdps.simulate(
-        fn,
-        dataset=dataset,
-        store=values["store"],
-        transport="inproc",
-        progress=lambda p: show({**p, "tasks": p["todo"] + p["pending"] + p["done"] + p["failed"]}),
-        timeout=values["timeout"],
-        **fields,
-    )
+    try:
+        result = pdps.simulate(
+            fn,
+            dataset=dataset,
+            store=values["store"],
+            transport="inproc",
+            progress=lambda p: show({**p, "tasks": p["todo"] + p["pending"] + p["done"] + p["failed"]}),
+            timeout=values["timeout"],
+            **fields,
+        )
+    except PdpsError:
+        raise
+    except Exception as exc:
+        # as with trainer processes: the traceback goes to the log, the job ends with an error naming it
+        log.error("the training function %s raised", values["target"], exc_info=exc)
+        raise PdpsError(f"the training function {values['target']} raised " + "".join(traceback.format_exception_only(exc)).strip()) from exc
     return {
         "params": result.params,
         "mode": config.mode.value,
@@ -246,6 +258,7 @@ class Launcher:
             start_new_session=True,  # a terminal's Ctrl-C reaches the launcher, which stops the roles in order
         )
         role.finished = False
+        role.last_lines.clear()
         role.threads = [
             threading.Thread(target=self._relay, args=(role, role.proc.stderr), daemon=True, name=f"relay-{role.name}"),
             threading.Thread(target=self._collect, args=(role, role.proc.stdout), daemon=True, name=f"collect-{role.name}"),
@@ -256,6 +269,7 @@ class Launcher:
 
     def _relay(self, role: Role, stream: IO[str]) -> None:
         for line in stream:
+            role.last_lines.append(line.rstrip("\n"))
             with self._err_lock:
                 self._err.write(f"[{role.name}] {line}")
                 self._err.flush()
@@ -357,18 +371,28 @@ class Launcher:
 
     def _died(self, role: Role, code: int) -> None:
         how = f"signal {signal.Signals(-code).name}" if code < 0 else f"code {code}"
+        cap = self.values["max_restarts"]
         if self.values["restart"] != "on-failure":
-            raise PdpsError(f"{role.name} exited with {how}; not restarting it (--restart never)")
-        if role.restarts >= self.values["max_restarts"]:
-            raise PdpsError(f"{role.name} exited with {how} after {role.restarts} restarts (max_restarts); giving up")
+            raise PdpsError(f"{role.name} exited with {how}; not restarting it (--restart never){self._last_words(role)}")
+        if role.restarts >= cap:
+            # a deterministic bug fails every run: end the job rather than loop
+            raise PdpsError(f"{role.name} exited with {how} after {role.restarts} restarts; giving up (max_restarts is {cap}){self._last_words(role)}")
         role.restarts += 1
         self.restarts += 1
         if role.kind == "trainer":
             # a new id: the dead trainer's lease may still be live until its TTL runs out
             base = role.name
             role.argv = self._argv("trainer", "--trainer-id", f"{base}-r{role.restarts}", self.values["target"])
-        self._say(f"{role.name} exited with {how}; restarting it ({role.restarts}/{self.values['max_restarts']})")
+        self._say(f"{role.name} exited with {how}; restarting it ({role.restarts}/{cap})")
         self._start(role)
+
+    def _last_words(self, role: Role) -> str:
+        """The end of a dead role's stderr (its traceback, when it raised), for its error."""
+        for t in role.threads:
+            t.join(timeout=5)  # the pipe may still hold what it wrote before it exited
+        if not role.last_lines:
+            return ""
+        return "; its last lines:\n" + "\n".join(f"  {line}" for line in role.last_lines)
 
     def _result(self, store: Any, seconds: float) -> dict[str, Any]:
         from pdps.process import open_role_transport

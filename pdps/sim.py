@@ -107,7 +107,7 @@ def simulate(
     pservers = [Pserver(st, tr, compute, config) for _ in range(config.pservers)]
     contexts = [TrainerContext(st, tr, compute, source, config, trainer_id=f"trainer-{i}") for i in range(config.trainers)]
     results: dict[str, Any] = {}
-    errors: dict[str, BaseException] = {}
+    errors: list[tuple[str, BaseException]] = []  # in the order they happened
     killed: list[str] = []
     try:
         master.start()
@@ -126,9 +126,11 @@ def simulate(
             except Killed:
                 killed.append(ctx.trainer_id)
                 ctx.leave(crashed=True)
-            except BaseException as exc:  # reported after the join, with the trainer's name
-                errors[ctx.trainer_id] = exc
-                ctx.leave()
+            except BaseException as exc:  # the job is lost: stop it now, not after every pass
+                errors.append((ctx.trainer_id, exc))
+                for other in contexts:
+                    other.request_stop()
+                ctx.leave()  # a sync round stops waiting for this trainer
 
         start = time.monotonic()
         threads = [threading.Thread(target=run, args=(c,), name=c.trainer_id, daemon=True) for c in contexts]
@@ -147,8 +149,14 @@ def simulate(
                 progress({"pass": c.pass_no, "todo": c.todo, "pending": c.pending, "done": c.done, "failed": c.failed, "metrics": metrics})
         seconds = time.monotonic() - start
         if errors:
-            tid, exc = sorted(errors.items())[0]
-            raise PdpsError(f"trainer {tid} failed: {exc!r}") from exc
+            # the first to fail is the cause; the others' errors, if any, may be its echo
+            tid, exc = errors[0]
+            note = f"raised in {tid} of simulated job {config.name!r}; simulate stopped the job"
+            if hasattr(exc, "add_note"):  # Python 3.11+
+                exc.add_note(note)
+            else:
+                log.error("%s: %r", note, exc)
+            raise exc
         if not master.done.is_set():
             raise PdpsError(f"all trainers returned but job {config.name!r} is not done: {master.counts()}")
         params = fetch_parameters(st, tr, config)

@@ -1,10 +1,14 @@
 """Whole jobs through ``pdps.simulate``: the sync-SGD equivalence, sharding, a crashed
-trainer, and bad input rejected before it changes anything."""
+trainer, a training function that raises, and bad input rejected before it changes anything."""
 
 from __future__ import annotations
 
 import json
 import logging
+import sys
+import threading
+import time
+import traceback
 
 import numpy as np
 import pytest
@@ -240,6 +244,40 @@ def test_a_crashed_trainer_loses_no_task(tmp_path, mode):
     assert sum(v for v in result.trainers.values() if v is not None) == result.tasks_done - 0  # survivors did all
     # the crashed trainer's task came back through its lease (1 s), long before the 60 s timeout
     assert result.seconds < 30
+
+
+class Boom(Exception):
+    pass
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_training_function_that_raises_stops_the_job_with_its_error(tmp_path, mode):
+    """Trainer 1 raises at its 3rd step of a 100-pass job: the other trainers stop at once
+    (not after the job's 1,200 batches) and simulate raises that very exception."""
+    source = digits_like(tmp_path.as_uri(), rows=120)  # 12 tasks of 10 rows: 12 batches a pass
+    passes, steps = 100, []
+
+    def train(ctx: pdps.TrainerContext) -> None:
+        model = ctx.attach(nn.Sequential(nn.Linear(4, 2)))
+        for batch in ctx.batches():
+            ctx.step(F.cross_entropy(model(batch["x"]), batch["y"]))
+            steps.append(ctx.trainer_id)
+            if ctx.trainer_id == "trainer-1" and ctx.steps == 3:
+                raise Boom("trainer-1 trips at its 3rd step")
+
+    before = threading.active_count()
+    with pytest.raises(Boom, match="3rd step") as info:
+        pdps.simulate(train, dataset=source, trainers=3, pservers=2, mode=mode, batch_size=10, passes=passes, name=f"boom-{mode}")
+    assert len(steps) < passes * 12 // 10, f"{len(steps)} batches: the others trained on after trainer-1 failed"
+    raising = traceback.extract_tb(info.value.__traceback__)[-1]
+    assert (raising.name, raising.line) == ("train", 'raise Boom("trainer-1 trips at its 3rd step")')
+    if sys.version_info >= (3, 11):
+        assert any("trainer-1" in n and f"boom-{mode}" in n for n in info.value.__notes__), info.value.__notes__
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("trainer-")]
+    deadline = time.monotonic() + 5  # the pservers' and the master's threads wind down
+    while threading.active_count() > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert threading.active_count() <= before, [t.name for t in threading.enumerate()]
 
 
 def test_graceful_stop_gives_tasks_back_without_failures(tmp_path):

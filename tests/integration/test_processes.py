@@ -2,13 +2,16 @@
 
 ``pdps launch`` trains the digits example with 2 pserver and 3 trainer processes;
 roles started by hand shut down gracefully on SIGTERM; TLS and the token keep
-strangers out; the launcher restarts a crashed trainer.
+strangers out; the launcher restarts a crashed trainer, and ends the job with the
+error of a training function that raises (at once, or after ``max_restarts``).
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -19,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from pdps.core.job import Keys
-from pdps.core.errors import TransportError
+from pdps.core.errors import PdpsError, TransportError
 from pdps.ports.transport import Message
 from pdps.registry import open_store
 
@@ -237,15 +240,65 @@ def test_launch_restarts_a_crashed_trainer(etcd_server, tmp_path):
     assert summary["passes"] == 2 and summary["tasks_done"] == 2 * 36  # every task of both passes trained
 
 
-def test_launch_without_restarts_reports_the_failure(etcd_server, tmp_path):
+def test_launch_without_restarts_ends_the_job_with_the_trainers_error(etcd_server):
+    """trainer-1's function raises at its 3rd step of a 200-pass job: the launcher stops
+    the job (far from its end) and its error carries the exception trainer-1 raised."""
+    job = job_name()
     proc = run_pdps(
-        "launch", "--job", job_name(), "--trainers", "2", "--pservers", "1", "--store", etcd_server.url,
-        "--restart", "never", "--json", f"{TARGETS / 'slow.py'}:crash_once",
-        env={"CRASH_MARKER": str(tmp_path / "crashed")},
+        "launch", "--job", job, "--trainers", "2", "--pservers", "1", "--store", etcd_server.url, "--passes", "200",
+        "--restart", "never", "--json", f"{TARGETS / 'slow.py'}:fail_at_step_3",
+        env={"FAILING_TRAINER": "trainer-1"},
     )  # fmt: skip
-    assert proc.returncode == 2
-    assert "exited with code 17; not restarting it (--restart never)" in last_json(proc.stdout)["error"]
-    assert "pdps: error:" in proc.stderr
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    error = last_json(proc.stdout)["error"]
+    assert error.startswith("trainer-1 exited with code 1; not restarting it (--restart never)"), error
+    assert "RuntimeError: trainer-1 trips at its 3rd step" in error
+    assert "pdps: error: trainer-1 exited with code 1" in proc.stderr
+    store = open_store(etcd_server.url)
+    passes = len(store.range(Keys(job).passes))
+    store.close()
+    # stopped, not left to train its 200 passes (trainer-0 trains on while trainer-1's process exits)
+    assert passes < 40, passes
+
+
+def test_inproc_launch_ends_the_job_with_the_training_functions_error(monkeypatch, caplog):
+    """``--transport inproc`` (in this process, no role processes): the same error summary."""
+    from pdps.launch import launch
+    from pdps.process import load_target
+    from pdps.settings import resolve
+
+    target = f"{TARGETS / 'slow.py'}:fail_at_step_3"
+    monkeypatch.setenv("FAILING_TRAINER", "trainer-1")
+    flags = {"store": "memory://", "transport": "inproc", "trainers": 2, "pservers": 1, "passes": 50, "json": True, "target": target, "job": job_name()}
+    values = resolve("launch", flags, env={}, defaults=load_target(target)[1].JOB_DEFAULTS)
+    out, err = io.StringIO(), io.StringIO()
+    previous = signal.getsignal(signal.SIGTERM)  # launch() handles SIGTERM in the main thread
+    try:
+        with pytest.raises(PdpsError) as info:
+            launch(values, out=out, err=err)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert str(info.value).startswith(f"the training function {target} raised RuntimeError: trainer-1 trips at its 3rd step")
+    assert last_json(out.getvalue())["error"] == str(info.value)
+    logged = [r for r in caplog.records if r.exc_info and "trips at its 3rd step" in str(r.exc_info[1])]
+    assert logged, "the traceback goes to the log"
+
+
+def test_launch_gives_up_on_a_trainer_that_keeps_failing(etcd_server):
+    """With ``--max-restarts 2`` the failing trainer runs 3 times, then the job ends
+    with an error naming the role, the cap and the last run's exception."""
+    proc = run_pdps(
+        "launch", "--job", job_name(), "--trainers", "1", "--pservers", "1", "--store", etcd_server.url, "--passes", "50",
+        "--restart", "on-failure", "--max-restarts", "2", "--json", f"{TARGETS / 'slow.py'}:fail_at_step_3",
+        env={"FAILING_TRAINER": "trainer-0"},
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    runs = sorted(set(re.findall(r"RuntimeError: (\S+) trips at its 3rd step", proc.stderr)))
+    assert runs == ["trainer-0", "trainer-0-r1", "trainer-0-r2"], runs
+    assert "[launch] trainer-0 exited with code 1; restarting it (2/2)" in proc.stderr
+    error = last_json(proc.stdout)["error"]
+    assert error.startswith("trainer-0 exited with code 1 after 2 restarts; giving up (max_restarts is 2)"), error
+    assert "RuntimeError: trainer-0-r2 trips at its 3rd step" in error
 
 
 def test_bad_target_and_missing_store_are_clear_errors(etcd_server):

@@ -39,3 +39,15 @@ def dataset(root_url):
     from pdps.examples.digits import dataset as digits_dataset
 
     return digits_dataset(root_url)
+
+
+def fail_at_step_3(ctx):
+    """Raise at the 3rd step in the trainer named by FAILING_TRAINER and in each of its
+    restarts (``trainer-1-r1``, ...); every other trainer trains normally."""
+    failing = os.environ["FAILING_TRAINER"]
+    model = ctx.attach(make_model())
+    for batch in ctx.batches():
+        ctx.step(F.cross_entropy(model(batch["x"]), batch["y"]))
+        if ctx.steps == 3 and ctx.trainer_id.split("-r")[0] == failing:
+            raise RuntimeError(f"{ctx.trainer_id} trips at its 3rd step")
+    return {"steps": ctx.steps}

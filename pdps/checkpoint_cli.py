@@ -55,21 +55,37 @@ def open_job_storage(config: JobConfig, url: str | None = None) -> Storage | Non
 
 def list_checkpoints(store: CoordinationStore, storage: Storage | None, job: str) -> dict[str, Any]:
     """Every checkpoint of ``job``, newest first: ``job``, ``storage`` (its URL, or
-    null), ``epoch`` (the epoch record, or null before any rollback) and
-    ``checkpoints``, each with ``id``, ``epoch``, ``round``, ``state`` (latest,
-    committed, writing: announced in the store and not committed; orphan: files in
-    storage the store does not know), ``created`` (null for an orphan) and
-    ``in_storage`` (whether storage holds any of its files; null without storage).
+    null), ``epoch`` (the epoch record, or null before any rollback),
+    ``orphan_grace`` (the job's ``checkpoint_orphan_grace``) and ``checkpoints``,
+    each with ``id``, ``epoch``, ``round``, ``state`` (latest, committed, writing:
+    announced in the store and not committed; orphan: files in storage the store does
+    not know), ``created`` (null for an orphan), ``in_storage`` (whether storage holds
+    any of its files; null without storage) and ``leftovers`` (temporary files of
+    writes that never finished, or are still going on, in its folder: ``path``,
+    ``bytes``, ``modified`` in unix time and ``age`` in seconds since; null without
+    storage). A commit deletes the leftovers older than ``orphan_grace``.
     """
     keys = Keys(job)
-    job_config(store, job)  # NoSuchJob first
+    config = job_config(store, job)  # NoSuchJob first
     known = _known(store, keys)
     stored = set(files.list_ids(storage)) if storage is not None else set()
+    left: dict[str, list[dict[str, Any]]] = {}
+    now = time.time()
+    for t in files.leftovers(storage) if storage is not None else []:
+        entry = {"path": t.path, "bytes": t.bytes, "modified": t.modified, "age": max(0.0, now - t.modified)}
+        left.setdefault(t.path.split("/", 1)[0], []).append(entry)
     for ckpt_id in stored - set(known):
         epoch, round_no = _epoch_round(ckpt_id)
         known[ckpt_id] = {"id": ckpt_id, "epoch": epoch, "round": round_no, "state": "orphan", "created": None}
-    entries = [{**e, "in_storage": (e["id"] in stored) if storage is not None else None} for e in _newest_first(known.values())]
-    return {"job": job, "storage": storage.url if storage is not None else None, "epoch": _epoch_record(store, keys), "checkpoints": entries}
+    entries = [
+        {**e, "in_storage": e["id"] in stored, "leftovers": left.get(e["id"], [])} if storage is not None
+        else {**e, "in_storage": None, "leftovers": None}
+        for e in _newest_first(known.values())
+    ]  # fmt: skip
+    return {
+        "job": job, "storage": storage.url if storage is not None else None, "epoch": _epoch_record(store, keys),
+        "orphan_grace": config.checkpoint_orphan_grace, "checkpoints": entries,
+    }  # fmt: skip
 
 
 def inspect_checkpoint(store: CoordinationStore, storage: Storage | None, job: str, ckpt_id: str | None = None) -> dict[str, Any]:
@@ -126,7 +142,7 @@ def restore(store: CoordinationStore, storage: Storage | None, job: str, ckpt_id
     twice: once here, once by the rollback, which checks again what it starts from.
     """
     keys = Keys(job)
-    job_config(store, job)
+    config = job_config(store, job)
     if storage is None:
         raise RestoreRefused(f"job {job!r} has no checkpoint_url: it takes no checkpoints to restore")
     known = _known(store, keys)
@@ -155,7 +171,7 @@ def restore(store: CoordinationStore, storage: Storage | None, job: str, ckpt_id
         problems = files.verify(storage, manifest)
         if problems:
             raise RestoreRefused(f"checkpoint {ckpt_id} fails verification: {'; '.join(problems)}")
-    new = recovery.rollback(store, storage, keys, reason=RESTORE_REASON, checkpoint=manifest.id)
+    new = recovery.rollback(store, storage, keys, reason=RESTORE_REASON, checkpoint=manifest.id, grace=config.checkpoint_orphan_grace)
     if new.checkpoint != manifest.id or new.reason != RESTORE_REASON:
         # rollback() yields to a rollback that won the race (a restarting pserver's)
         raise RestoreRefused(
@@ -183,6 +199,14 @@ def format_list(listing: dict[str, Any], url: str) -> str:
         lines.append("  no checkpoints")
     else:
         lines += [f"  {r[0]:<{w[0]}}  {r[1]:>{w[1]}}  {r[2]:>{w[2]}}  {r[3]:<{w[3]}}  {r[4]:<{w[4]}}  {r[5]}" for r in rows]
+    left = [t for c in listing["checkpoints"] for t in c["leftovers"] or ()]
+    if left:
+        lines.append(
+            "  leftovers of writes that never finished (or still going on); a commit deletes those unmodified for "
+            f"checkpoint_orphan_grace ({listing['orphan_grace']:g} s):"
+        )
+        w = [max(len(t["path"]) for t in left), max(len(str(t["bytes"])) for t in left)]
+        lines += [f"    {t['path']:<{w[0]}}  {t['bytes']:>{w[1]}} bytes, modified {t['age']:.0f} s ago" for t in left]
     return "\n".join(lines)
 
 
@@ -239,7 +263,7 @@ def _orphan(storage: Storage | None, job: str, ckpt_id: str, known: dict[str, di
     """The entry of a checkpoint the store does not know: one storage holds files of."""
     if not files.is_checkpoint_id(ckpt_id):
         raise NoSuchCheckpoint(f"{ckpt_id!r} is not a checkpoint id (ckpt-<epoch>-<round>-<4 hex>){_known_text(known)}")
-    if storage is None or not storage.list(f"{ckpt_id}/"):
+    if storage is None or not (storage.list(f"{ckpt_id}/") or storage.leftovers(f"{ckpt_id}/")):
         where = f" or in {storage.url}" if storage is not None else ""
         raise NoSuchCheckpoint(f"job {job!r} has no checkpoint {ckpt_id} in the store{where}{_known_text(known)}")
     epoch, round_no = _epoch_round(ckpt_id)

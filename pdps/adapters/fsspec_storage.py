@@ -9,8 +9,9 @@ How ``put`` / ``put_chunks`` stay atomic:
 * local files: the chunks are written, straight from the caller's buffers, to a
   temporary name in the target's directory, fsynced, and renamed over the target
   (``os.replace``), so a reader or a crash sees the old file or the new one. A crash
-  can leave the temporary file behind; its name starts with ``.pdps-tmp-`` and
-  ``list`` never returns it.
+  can leave the temporary file behind; its name starts with ``.pdps-tmp-``, ``list``
+  never returns it and ``leftovers`` does, with its mtime, which every write pushes
+  forward.
 * S3: an object smaller than :data:`STREAM_ABOVE` goes in one ``pipe_file`` (one PUT);
   a bigger one streams as a multipart upload opened with ``autocommit=False``, which
   S3 publishes only when it is completed, and which is aborted if anything fails.
@@ -30,6 +31,7 @@ progress and their rename semantics vary, so the port's contract would not hold.
 
 from __future__ import annotations
 
+import errno
 import os
 import uuid
 from collections.abc import Iterable, Iterator
@@ -41,6 +43,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from pdps.core.errors import ConfigError, MissingExtraError, PdpsError, StorageError
+from pdps.ports.storage import Leftover
 
 #: Prefix of the temporary files ``put`` writes on local filesystems. Object paths may
 #: not start a component with it, so ``list`` can drop leftovers of crashed writers.
@@ -226,31 +229,60 @@ class FsspecStorage:
                 return False
 
     def list(self, prefix: str = "") -> list[str]:
+        return sorted(rel for rel in self._find(prefix) if not _is_temporary(rel))
+
+    def leftovers(self, prefix: str = "") -> list[Leftover]:
+        if not self._local:  # only local writes go through a temporary name
+            _check_prefix(prefix)
+            return []
+        found = self._find(prefix, detail=True)
+        return [
+            Leftover(rel, int(info["size"]), float(info["mtime"])) for rel, info in sorted(found.items()) if _is_temporary(rel)
+        ]
+
+    def _find(self, prefix: str, *, detail: bool = False) -> dict[str, dict]:
+        """Every file whose relative path starts with ``prefix``, temporary ones included
+        (with fsspec's info of each when ``detail``)."""
         _check_prefix(prefix)
         # Walk only the folder the prefix names; its last partial component is a filter.
         folder = prefix.rpartition("/")[0]
         start = self._full(folder) if folder else (self._root or "/")
         with self._translate("list", prefix):
-            found = self.fs.find(start, withdirs=False)
-        out = []
+            found = self.fs.find(start, withdirs=False, detail=detail)
+        out = {}
         for p in found:
             rel = self._relative(p)
-            if rel is None or not rel.startswith(prefix):
-                continue
-            if any(part.startswith(TEMP_PREFIX) for part in rel.split("/")):
-                continue
-            out.append(rel)
-        return sorted(out)
+            if rel is not None and rel.startswith(prefix):
+                out[rel] = found[p] if detail else {}
+        return out
 
     def delete(self, path: str) -> None:
-        full = self._full(_check_path(path))
-        with self._translate("delete", path):
+        self._delete_file(_check_path(path))
+
+    def delete_leftover(self, path: str) -> None:
+        self._delete_file(_check_leftover(path))
+
+    def _delete_file(self, rel: str) -> None:
+        with self._translate("delete", rel):
             try:
-                self.fs.rm_file(full)
+                self.fs.rm_file(self._full(rel))
             except (FileNotFoundError, IsADirectoryError):
                 # The contract: deleting what is not there is a no-op, and a folder is
                 # not an object (as on S3, where deleting a prefix's key removes nothing).
                 pass
+
+    def delete_folder(self, path: str) -> None:
+        full = self._full(_check_path(path))
+        if not self._local:  # object stores' folders are prefixes: gone with their last object
+            return
+        with self._translate("delete", path):
+            try:
+                os.rmdir(full)
+            except (FileNotFoundError, NotADirectoryError):
+                pass  # no such folder, or an object
+            except OSError as exc:
+                if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                    raise
 
     def _put_local(self, full: str, chunks: Iterable[memoryview]) -> int:
         parent, _, name = full.rpartition("/")
@@ -468,6 +500,21 @@ def _check_path(path: str) -> str:
         if not part:
             raise StorageError(f"storage path {path!r} has an empty component; use 'a/b', not 'a//b' or 'a/'")
     return path
+
+
+def _check_leftover(path: str) -> str:
+    if not isinstance(path, str):
+        raise StorageError(f"storage path must be a string, got {path!r}")
+    folder, slash, name = path.rpartition("/")
+    if not name.startswith(TEMP_PREFIX) or "\\" in name:
+        raise StorageError(f"storage path {path!r} names no leftover: their names start with {TEMP_PREFIX!r}")
+    if slash:
+        _check_path(folder)  # refuses '/x', '../x', 'a//x'
+    return path
+
+
+def _is_temporary(rel: str) -> bool:
+    return any(part.startswith(TEMP_PREFIX) for part in rel.split("/"))
 
 
 def _check_prefix(prefix: str) -> None:

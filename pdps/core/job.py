@@ -70,6 +70,9 @@ class JobConfig:
     checkpoint_every: int = 0  # sync: rounds; async: updates on pserver 0; 0 = not by count
     checkpoint_seconds: float = 0.0  # at most this long between checkpoints; 0 = not by time
     checkpoint_keep: int = attrs.field(default=3, validator=_positive("checkpoint_keep"))
+    # seconds a checkpoint write's temporary file must go unmodified before a clean-up
+    # takes it for a killed writer's leftover: far above any pause inside a live write
+    checkpoint_orphan_grace: float = attrs.field(default=3600.0, validator=_positive("checkpoint_orphan_grace"))
     restore: str = "job"  # on a pserver restart: "job" rolls everyone back; "lost" (async) restores only its slots
     keep_rounds: int = attrs.field(default=10000, validator=_positive("keep_rounds"))  # sync round records kept
     overlap: str = "auto"  # on: push each slot during backward, async: pull during the next forward; auto: see trainer

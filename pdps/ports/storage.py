@@ -16,7 +16,16 @@ Paths are relative to the root, ``/``-separated. Contract (every adapter passes
 * ``list(prefix)`` returns the relative paths of objects whose path starts with
   ``prefix`` as a string (as S3 does: ``list("a")`` finds ``a/1`` and ``ab``), sorted.
 * ``exists`` and ``delete`` concern objects, not folders; deleting a missing path is
-  a no-op.
+  a no-op. ``delete_folder`` removes a folder that holds nothing (no object, no
+  leftover), and does nothing otherwise: to a storage without real folders (S3) a
+  folder is a prefix, gone with its last object.
+* A writer killed in the middle of a write can leave a *leftover* (a local temporary
+  file; object stores publish an upload whole or not at all, so they have none).
+  Leftovers are never objects: ``list``, ``get`` and ``exists`` do not see them.
+  ``leftovers(prefix)`` lists them, with when each was last written to;
+  ``delete_leftover`` deletes one. A write in progress is listed too: it is the
+  caller who decides, by how long a leftover has gone unmodified, that its writer
+  is dead.
 * Paths with ``..``, ``.``, empty parts or a leading ``/`` are refused before any I/O.
 """
 
@@ -25,9 +34,22 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Protocol, runtime_checkable
 
+import attrs
+
 #: What ``put_chunks`` takes and ``read_into`` fills: bytes, bytearray, memoryview, a
 #: numpy array, ... (``read_into`` needs a writable one). Any C-contiguous buffer.
 Buffer = bytes | bytearray | memoryview
+
+
+@attrs.frozen
+class Leftover:
+    """What an unfinished write left behind: its path (relative, as objects' are, but
+    never an object's), its size, and when it was last written to (seconds since the
+    epoch, by the storage's clock: a live writer keeps pushing it forward)."""
+
+    path: str
+    bytes: int
+    modified: float
 
 
 @runtime_checkable
@@ -70,3 +92,17 @@ class Storage(Protocol):
     def list(self, prefix: str = "") -> list[str]: ...
 
     def delete(self, path: str) -> None: ...
+
+    def delete_folder(self, path: str) -> None:
+        """Remove the folder ``path`` if it holds nothing; else, or when there is no such
+        folder, or the storage has no real folders, do nothing."""
+        ...
+
+    def leftovers(self, prefix: str = "") -> list[Leftover]:
+        """The leftovers of unfinished writes whose path starts with ``prefix``, sorted by path."""
+        ...
+
+    def delete_leftover(self, path: str) -> None:
+        """Delete the leftover at ``path`` (one :meth:`leftovers` listed); a missing one is
+        a no-op. A path that cannot name a leftover (an object's) raises StorageError."""
+        ...

@@ -24,7 +24,10 @@ Rules:
   of dtype/shape/data_offsets padded with spaces to 8 bytes, raw little-endian data):
   any safetensors reader loads them, and nothing is ever unpickled.
 * Parts live under their checkpoint's folder, so ``delete`` of a checkpoint removes
-  all of it (the manifest first: a half-deleted checkpoint is never taken for whole).
+  all of it (the manifest first: a half-deleted checkpoint is never taken for whole),
+  the folder last.
+* A writer killed mid-write leaves a temporary file (a *leftover*) in the folder;
+  :func:`delete_leftovers` deletes those nobody has written to for a grace period.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import queue
 import re
 import secrets
 import threading
+import time
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -47,7 +51,7 @@ import attrs
 import torch
 
 from pdps.core.errors import ConfigError, CorruptCheckpoint, StorageError
-from pdps.ports.storage import Storage
+from pdps.ports.storage import Leftover, Storage
 
 try:  # ISA-L's crc32 (pip install 'pdps[isal]'): the same checksums, 24 GB/s here
     from isal.isal_zlib import crc32 as _crc32
@@ -404,27 +408,54 @@ def verify(storage: Storage, manifest: Manifest) -> list[str]:
 
 
 def list_ids(storage: Storage) -> list[str]:
-    """Ids of the checkpoints with any object in ``storage``, oldest (epoch, round) first.
+    """Ids of the checkpoints with any object or leftover in ``storage``, oldest (epoch,
+    round) first.
 
     Only folders named as :func:`checkpoint_id` names them count; whether a checkpoint
-    is complete is for :func:`read_manifest` and :func:`verify` to say.
+    is complete is for :func:`read_manifest` and :func:`verify` to say. A folder that
+    holds nothing but a killed writer's leftover counts, so that a clean-up finds it.
     """
-    found = {p.split("/", 1)[0] for p in storage.list() if "/" in p}
+    paths = storage.list() + [left.path for left in storage.leftovers()]
+    found = {p.split("/", 1)[0] for p in paths if "/" in p}
     ids = [i for i in found if is_checkpoint_id(i)]
     return sorted(ids, key=_sort_key)
 
 
+def leftovers(storage: Storage) -> list[Leftover]:
+    """The leftovers of unfinished writes inside checkpoints' folders, by path: a part or
+    a manifest whose writer was killed mid-write, or one still being written."""
+    return [left for left in storage.leftovers() if is_checkpoint_id(left.path.split("/", 1)[0])]
+
+
+def delete_leftovers(storage: Storage, *, older_than: float) -> list[Leftover]:
+    """Delete the leftovers inside checkpoints' folders that nobody has written to for
+    ``older_than`` seconds (their writers are dead); return them.
+
+    A live writer pushes its file's modification time forward with every write, so a
+    grace well above the longest pause inside one write never takes a live one.
+    """
+    now = time.time()
+    dead = [left for left in leftovers(storage) if now - left.modified > older_than]
+    for left in dead:
+        storage.delete_leftover(left.path)
+    return dead
+
+
 def delete(storage: Storage, ckpt_id: str) -> int:
-    """Delete every object under ``<ckpt_id>/``, the manifest first; return how many.
+    """Delete every object under ``<ckpt_id>/``, the manifest first, then the folder if
+    nothing is left in it; return how many objects.
 
     The manifest goes first so that a delete cut short leaves parts without a
-    manifest (garbage a later delete removes), never a manifest without its parts.
+    manifest (garbage a later delete removes), never a manifest without its parts. A
+    leftover of a writer that may still live keeps the folder (and the checkpoint's
+    id in :func:`list_ids`) until :func:`delete_leftovers` takes it.
     """
     prefix = f"{_check_id(ckpt_id)}/"
     paths = storage.list(prefix)
     paths.sort(key=lambda p: p != f"{prefix}{MANIFEST}")
     for p in paths:
         storage.delete(p)
+    storage.delete_folder(ckpt_id)
     return len(paths)
 
 

@@ -210,7 +210,7 @@ class Pserver:
             elif self.config.mode is Mode.ASYNC and self.config.restore == "lost":
                 self._restore_own_slots()
             else:
-                self._enter_epoch(recovery.rollback(self._store, self._storage, self._keys, f"pserver {self.index} restarted"))
+                self._enter_epoch(self._rollback(f"pserver {self.index} restarted"))
         except BaseException:
             self.stop()
             raise
@@ -611,9 +611,12 @@ class Pserver:
 
     # --- rollbacks --------------------------------------------------------------------
 
+    def _rollback(self, reason: str) -> recovery.Epoch:
+        return recovery.rollback(self._store, self._storage, self._keys, reason, grace=self.config.checkpoint_orphan_grace)
+
     def _request_rollback(self, reason: str) -> None:
         try:
-            recovery.rollback(self._store, self._storage, self._keys, reason)
+            self._rollback(reason)
         except PdpsError as exc:
             log.error("pserver %s could not start a rollback (%s): %s", self.index, reason, exc)
 

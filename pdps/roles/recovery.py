@@ -10,8 +10,10 @@ this module decides *which* checkpoint exists and which one the job runs from:
   part writes the manifest and then commits with one transaction: the ``checkpoint``
   pointer moves to the new id, compared against the pointer, the info record and the
   job's epoch as they were read. Only after that are older checkpoints beyond
-  ``checkpoint_keep``, and abandoned ones, deleted: a crash at any moment leaves the
-  previous pointer and its files intact.
+  ``checkpoint_keep``, and abandoned ones, deleted, folders included, with the
+  temporary files of writers killed mid-write (once unmodified for
+  ``checkpoint_orphan_grace``): a crash at any moment leaves the previous pointer
+  and its files intact.
 * **Rolling back.** A restarted pserver (or an operator: ``pdps checkpoint restore``)
   picks the newest committed checkpoint whose every part passes its checksum, falling
   back to older ones and saying so, and bumps the job's ``epoch`` record to
@@ -180,14 +182,20 @@ def try_commit(store: CoordinationStore, storage: Storage, config: JobConfig, ck
     if not ok:
         return False
     log.info("checkpoint %s committed: epoch %d, round %d, %d parts", ckpt_id, manifest.epoch, manifest.round, len(parts))
-    cleanup(store, storage, keys, keep=history, epoch=manifest.epoch)
+    cleanup(store, storage, keys, keep=history, epoch=manifest.epoch, grace=config.checkpoint_orphan_grace)
     return True
 
 
-def cleanup(store: CoordinationStore, storage: Storage, keys: Keys, *, keep: Iterable[str], epoch: int = 0) -> list[str]:
+def cleanup(
+    store: CoordinationStore, storage: Storage, keys: Keys, *, keep: Iterable[str], epoch: int = 0, grace: float | None = None
+) -> list[str]:
     """Delete every checkpoint that is not kept and either older than the newest kept
     one (beyond retention, or never committed) or from an epoch before ``epoch`` (a
-    rollback abandoned it). Newer ones of the current epoch may still be in flight."""
+    rollback abandoned it). Newer ones of the current epoch may still be in flight.
+
+    With a ``grace`` (seconds), first delete the leftovers of writes nobody has written
+    to for that long (killed writers'), in any checkpoint's folder, kept ones included:
+    the folder of a deleted checkpoint goes with it only once it is empty."""
     keep = list(keep)
     newest = max(keep) if keep else ""
 
@@ -203,6 +211,15 @@ def cleanup(store: CoordinationStore, storage: Storage, keys: Keys, *, keep: Ite
         log.warning("could not list checkpoints in %s: %s", storage.url, exc)
         in_storage = set()
     gone = sorted(i for i in (in_store | in_storage) if dead(i))
+    if grace is not None:
+        try:
+            stale = files.delete_leftovers(storage, older_than=grace)
+        except StorageError as exc:  # retried at the next commit
+            log.warning("could not delete leftovers of killed checkpoint writers in %s: %s", storage.url, exc)
+        else:
+            if stale:
+                log.info("deleted %d leftovers of killed checkpoint writers (%d bytes): %s",
+                         len(stale), sum(left.bytes for left in stale), [left.path for left in stale])  # fmt: skip
     for ckpt_id in gone:
         try:
             files.delete(storage, ckpt_id)
@@ -245,12 +262,17 @@ def choose(store: CoordinationStore, storage: Storage, keys: Keys, *, skip: Iter
     return None
 
 
-def rollback(store: CoordinationStore, storage: Storage | None, keys: Keys, reason: str, *, checkpoint: str | None = None) -> Epoch:
+def rollback(
+    store: CoordinationStore, storage: Storage | None, keys: Keys, reason: str, *,
+    checkpoint: str | None = None, grace: float | None = None,
+) -> Epoch:  # fmt: skip
     """Start a new epoch from the best checkpoint (or ``checkpoint``); returns it.
 
     Checkpoints being written are abandoned: their info records go in the same
     transaction, so none of them can commit into the new epoch. The pointer moves
-    to the chosen checkpoint, dropping any committed after it.
+    to the chosen checkpoint, dropping any committed after it. Their files are then
+    deleted by :func:`cleanup`, with leftovers older than ``grace`` (the job's
+    ``checkpoint_orphan_grace``; None leaves them to the next commit).
     """
     while True:
         current, kv = read_epoch(store, keys)
@@ -289,7 +311,7 @@ def rollback(store: CoordinationStore, storage: Storage | None, keys: Keys, reas
             log.warning("job %r rolls back to %s as epoch %d: %s", keys.job, where, new.epoch, reason)
             if storage is not None:  # what the old epoch left half-written can never commit now
                 try:  # passed-over committed ones stay until the next commit, for a look
-                    cleanup(store, storage, keys, keep=set(keep) | set(committed), epoch=new.epoch)
+                    cleanup(store, storage, keys, keep=set(keep) | set(committed), epoch=new.epoch, grace=grace)
                 except PdpsError as exc:
                     log.warning("could not clean up abandoned checkpoints: %s", exc)
             return new

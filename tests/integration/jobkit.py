@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 import attrs
 
 import pdps
+from pdps.adapters.fsspec_storage import TEMP_PREFIX
 from pdps.adapters.inproc import InprocTransport
 from pdps.adapters.memory_store import MemoryStore
 from pdps.adapters.torch_compute import TorchCompute
@@ -56,3 +59,16 @@ def start_job(source: Any, **settings: Any) -> LiveJob:
     for ps in servers:
         ps.start()
     return LiveJob(store, transport, compute, config, source, master, servers)
+
+
+def leftovers_on_disk(root: Path) -> list[str]:
+    """What a local checkpoint root holds that nothing will ever read, seen by walking
+    the directory itself (not through the storage adapter): temporary files of writes
+    that never finished, and empty folders (with a trailing ``/``). ``[]`` when clean."""
+    out = []
+    for folder, dirs, names in os.walk(root):
+        rel = Path(folder).relative_to(root)
+        if not dirs and not names and rel != Path("."):
+            out.append(f"{rel}/")
+        out += [str(rel / n) for n in names if n.startswith(TEMP_PREFIX)]
+    return sorted(out)

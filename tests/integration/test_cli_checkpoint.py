@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import pdps
+from pdps.adapters.fsspec_storage import TEMP_PREFIX
 from pdps.adapters.parquet import write_parquet_shards
 from pdps.core.job import Keys, decode_json
 from pdps.registry import open_storage
@@ -86,6 +87,12 @@ def test_list_shows_the_committed_history_newest_first_the_latest_marked_and_wha
     storage = open_storage(ckpt.as_uri())
     orphan = "ckpt-0000-0000000001-abcd"  # a crashed writer's leftover the store never heard of
     storage.put(f"{orphan}/ps-0.safetensors", b"half a part")
+    # pservers killed mid-write: one left only its temporary file, one left it in the latest checkpoint
+    killed = "ckpt-0000-0000000000-dead"
+    (ckpt / killed).mkdir()
+    (ckpt / killed / f"{TEMP_PREFIX}1-ps-1.safetensors").write_bytes(b"half")
+    stale = f"{pointer['id']}/{TEMP_PREFIX}2-manifest.json"
+    (ckpt / stale).write_bytes(b"{")
     rounds = [round_of(store, i) for i in pointer["history"]]
     assert rounds == sorted(rounds, reverse=True) and rounds[0] == pointer["round"]
     writing = f"ckpt-0000-{rounds[0] + 2:010d}-beef"  # announced, no part written yet
@@ -96,11 +103,15 @@ def test_list_shows_the_committed_history_newest_first_the_latest_marked_and_wha
     listing = as_json(out)
     assert (listing["job"], listing["storage"], listing["epoch"]) == (JOB, ckpt.as_uri(), None)
     rows = listing["checkpoints"]
-    assert [r["id"] for r in rows] == [writing, *pointer["history"], orphan]
-    assert [r["state"] for r in rows] == ["writing", "latest", "committed", "committed", "orphan"]
-    assert [r["in_storage"] for r in rows] == [False, True, True, True, True]
-    assert [r["round"] for r in rows] == [rounds[0] + 2, *rounds, 1] and all(r["epoch"] == 0 for r in rows)
+    assert [r["id"] for r in rows] == [writing, *pointer["history"], orphan, killed]
+    assert [r["state"] for r in rows] == ["writing", "latest", "committed", "committed", "orphan", "orphan"]
+    assert [r["in_storage"] for r in rows] == [False, True, True, True, True, True]
+    assert [r["round"] for r in rows] == [rounds[0] + 2, *rounds, 1, 0] and all(r["epoch"] == 0 for r in rows)
     assert rows[1]["created"] == pointer["created"] and rows[4]["created"] is None
+    assert [[t["path"] for t in r["leftovers"]] for r in rows] == [[], [stale], [], [], [], [f"{killed}/{TEMP_PREFIX}1-ps-1.safetensors"]]
+    left = rows[1]["leftovers"][0]
+    assert left["bytes"] == 1 and left["modified"] == (ckpt / stale).stat().st_mtime and 0 <= left["age"] < 600
+    assert listing["orphan_grace"] == pdps.JobConfig().checkpoint_orphan_grace
 
     text = pdps_checkpoint("list", store.url, "--job", JOB)  # the store as STORE_URL, as pdps status takes it
     assert text.returncode == 0, text.stderr
@@ -109,6 +120,9 @@ def test_list_shows_the_committed_history_newest_first_the_latest_marked_and_wha
     assert lines[3].split()[:4] == [writing, "0", str(rounds[0] + 2), "writing"] and lines[3].endswith("missing")
     assert lines[4].split()[:4] == [pointer["id"], "0", str(rounds[0]), "latest"] and lines[4].endswith("yes")
     assert lines[7].split()[:4] == [orphan, "0", "1", "orphan"]
+    assert lines[8].split()[:4] == [killed, "0", "0", "orphan"] and lines[8].endswith("yes")
+    assert "leftovers of writes that never finished" in lines[9] and "checkpoint_orphan_grace" in lines[9]
+    assert [line.split()[:2] for line in lines[10:]] == [[stale, "1"], [f"{killed}/{TEMP_PREFIX}1-ps-1.safetensors", "4"]]
 
 
 def test_inspect_verifies_every_part_and_exits_1_naming_a_checksum_mismatch(job):

@@ -28,6 +28,7 @@ from pdps.registry import open_storage, open_store
 from pdps.roles import checkpoint as files
 from pdps.roles import recovery
 from pdps.status import job_status, pass_audit
+from tests.integration.jobkit import leftovers_on_disk
 from tests.servers import EtcdServer
 
 pytestmark = pytest.mark.integration
@@ -212,6 +213,7 @@ def test_pserver_killed_while_writing_its_checkpoint_part(etcd_server, tmp_path)
         assert epoch.epoch == 1 and epoch.checkpoint != ckpt
         assert ckpt not in recovery.committed_ids(job.store, job.keys)
         assert ckpt not in files.list_ids(storage), "the half-written checkpoint's parts were cleaned up"
+        assert leftovers_on_disk(tmp_path / "ckpt") == [], "and its folder; no temporary file is left anywhere"
     finally:
         job.close()
 

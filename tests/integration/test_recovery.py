@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import pdps
+from pdps.adapters.fsspec_storage import TEMP_PREFIX
 from pdps.adapters.memory_store import MemoryStore
 from pdps.adapters.parquet import ParquetSource
 from pdps.core.job import Keys, decode_json
@@ -22,7 +24,7 @@ from pdps.registry import open_storage
 from pdps.roles import checkpoint as files
 from pdps.roles import recovery
 from pdps.roles.pserver import Pserver
-from tests.integration.jobkit import start_job
+from tests.integration.jobkit import leftovers_on_disk, start_job
 from tests.integration.test_inprocess_job import digits_like
 
 
@@ -79,6 +81,7 @@ def test_checkpoints_commit_by_pointer_keep_the_last_n_and_each_verifies(source,
     # older ones were deleted after the commits that superseded them; nothing in flight is left
     leftovers = set(files.list_ids(storage)) - set(ptr["history"])
     assert all(i > ptr["id"] for i in leftovers), leftovers
+    assert leftovers_on_disk(tmp_path / "ckpt") == [], "deleted checkpoints take their folders with them"
 
 
 @pytest.mark.parametrize("mode,restore", [("sync", "job"), ("async", "job"), ("async", "lost")])
@@ -135,26 +138,50 @@ def test_a_restarted_pserver_restores_and_the_job_finishes(source, tmp_path, mod
 
 
 def test_half_written_checkpoint_is_never_restored_and_its_parts_are_cleaned_up(source, tmp_path):
-    store, storage, job = checkpointed_job(source, tmp_path)
+    store, storage, job = checkpointed_job(source, tmp_path, checkpoint_orphan_grace=60.0)
     keys = Keys(job)
     latest = pointer(store, job)["id"]
-    # a checkpoint whose writers died between parts: ps-0 and the master wrote theirs, ps-1 never did
+    # a checkpoint whose writers died between parts: ps-0 and the master wrote theirs, ps-1
+    # was killed half-way through its part, and its temporary file stayed (a minute old)
     half = files.checkpoint_id(0, 10_000)
     store.put(keys.checkpoint_info(half), json.dumps({"id": half, "epoch": 0, "round": 10_000, "mode": "sync", "state": "writing", "started": time.time()}).encode())
     for name in ("ps-0", "master"):
         part = files.write_part(storage, f"{half}/{name}.safetensors", {"values": torch.ones(4)}, name=name)
         assert recovery.record_part(store, keys, half, part)
     config = pdps.JobConfig.decode(store.get(keys.config).value)
+    root = tmp_path / "ckpt"
+
+    def temp_file(ckpt_id: str, name: str, age: float) -> str:
+        path = root / ckpt_id / f"{TEMP_PREFIX}{ckpt_id[-4:]}-{name}"
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(b"half a part")
+        os.utime(path, (time.time() - age,) * 2)
+        return str(path.relative_to(root))
+
+    temp_file(half, "ps-1.safetensors", 61)
+    temp_file(latest, "manifest.json", 61)  # a second committer killed while writing the manifest
+    writing = temp_file(files.checkpoint_id(0, 10_001), "ps-0.safetensors", 0)  # a live writer's: kept
     assert not recovery.try_commit(store, storage, config, half)  # a part is missing: no commit
     assert pointer(store, job)["id"] == latest
-    epoch = recovery.rollback(store, storage, keys, "test")
+    epoch = recovery.rollback(store, storage, keys, "test", grace=config.checkpoint_orphan_grace)
     assert epoch.checkpoint == latest
     assert half not in files.list_ids(storage), "the abandoned checkpoint's parts are deleted"
     assert not store.range(f"{keys.checkpoints}{half}/"), "and so are its records"
+    assert leftovers_on_disk(root) == [writing], "dead writers' files and empty folders are gone, a live one's stays"
     # a writer of the old epoch that finishes late can neither record nor commit
     part = files.write_part(storage, f"{half}/ps-1.safetensors", {"values": torch.ones(4)}, name="ps-1")
     assert not recovery.record_part(store, keys, half, part)
     assert not recovery.try_commit(store, storage, config, half)
+    # the next commit, whose ps-1 was written again after a first attempt was killed,
+    # deletes that late part with its folder, and the killed attempt's file
+    after = files.checkpoint_id(1, 10_002)
+    assert store.commit((), (recovery.announce(keys, after, 1, 10_002, "sync"),)).succeeded
+    for name in ("ps-0", "ps-1", "master"):
+        part = files.write_part(storage, f"{after}/{name}.safetensors", {"values": torch.ones(4)}, name=name)
+        assert recovery.record_part(store, keys, after, part)
+    temp_file(after, "ps-1.safetensors", 61)
+    assert recovery.try_commit(store, storage, config, after)
+    assert leftovers_on_disk(root) == [writing] and half not in files.list_ids(storage)
 
 
 def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(source, tmp_path, caplog):

@@ -109,6 +109,26 @@ class StorageContract:
         storage.delete("d")
         assert storage.list() == ["d/x"]
 
+    def test_delete_folder_removes_only_an_empty_folder(self, storage):
+        storage.put("d/x", b"1")
+        storage.put("e/y", b"2")
+        storage.delete_folder("d")  # holds an object: stays
+        storage.delete_folder("e/y")  # an object, not a folder
+        storage.delete_folder("never/made")
+        assert storage.list() == ["d/x", "e/y"]
+        storage.delete("d/x")
+        storage.delete_folder("d")
+        storage.put("d/x", b"3")  # the path can be written again
+        assert storage.list() == ["d/x", "e/y"]
+
+    def test_writes_that_finished_or_failed_leave_no_leftovers(self, storage, monkeypatch):
+        storage.put("a/b", b"1")
+        storage.put_chunks("c", [b"2", b"3"])
+        self.break_next_put(storage, monkeypatch)
+        with pytest.raises(StorageError):
+            storage.put("a/d", b"4" * 100)
+        assert storage.leftovers() == [] and storage.leftovers("a/") == []
+
     @pytest.mark.parametrize("path", BAD_PATHS)
     def test_paths_outside_the_root_are_rejected(self, storage, path):
         with pytest.raises(StorageError):
@@ -125,12 +145,24 @@ class StorageContract:
             storage.exists(path)
         with pytest.raises(StorageError):
             storage.delete(path)
+        with pytest.raises(StorageError):
+            storage.delete_folder(path)
         assert storage.list() == []
+
+    def test_delete_leftover_refuses_what_names_no_leftover_inside_the_root(self, storage):
+        storage.put("blob", b"x")
+        storage.put("a/blob", b"y")
+        for path in [*BAD_PATHS, "blob", "a/blob", "../.pdps-tmp-x", "/.pdps-tmp-x", "a//.pdps-tmp-x", "a\\.pdps-tmp-x"]:
+            with pytest.raises(StorageError):
+                storage.delete_leftover(path)
+        assert storage.list() == ["a/blob", "blob"]
 
     @pytest.mark.parametrize("prefix", ["/", "../", "a/../../", "/etc/"])
     def test_prefixes_outside_the_root_are_rejected(self, storage, prefix):
         with pytest.raises(StorageError):
             storage.list(prefix)
+        with pytest.raises(StorageError):
+            storage.leftovers(prefix)
 
     def test_failed_put_keeps_the_old_object(self, storage, monkeypatch):
         storage.put("ckpt/part-0", b"old" * 1000)

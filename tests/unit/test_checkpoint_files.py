@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import time
 import uuid
 import zlib
 
@@ -16,7 +18,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from pdps.adapters.fsspec_storage import FsspecStorage
+from pdps.adapters.fsspec_storage import TEMP_PREFIX, FsspecStorage
 from pdps.core.errors import ConfigError, CorruptCheckpoint, StorageError
 from pdps.roles import checkpoint as ckpt
 
@@ -399,6 +401,30 @@ class TestOnFile(CheckpointFilesTests):
     @pytest.fixture
     def storage(self, tmp_path):
         return FsspecStorage(f"file://{tmp_path}/ckpts")
+
+    def test_dead_writers_leftovers_go_and_so_does_a_deleted_checkpoints_folder(self, storage, tmp_path):
+        root, now = tmp_path / "ckpts", time.time()
+        kept, gone, live = ckpt.checkpoint_id(0, 10), ckpt.checkpoint_id(0, 5), ckpt.checkpoint_id(0, 15)
+        self.write(storage, kept, a_state())
+        self.write(storage, gone, a_state())
+        (root / live).mkdir()
+
+        def leftover(folder: str, name: str, age: float) -> str:
+            path = root / folder / f"{TEMP_PREFIX}{uuid.uuid4().hex}-{name}"
+            path.write_bytes(b"half of it")
+            os.utime(path, (now - age, now - age))
+            return str(path.relative_to(root))
+
+        (root / "data").mkdir()
+        dead = {leftover(kept, "manifest.json", 600), leftover(gone, "ps-1.safetensors", 600)}
+        writing = leftover(live, "ps-0.safetensors", 1)
+        stranger = leftover("data", "shard-0", 600)  # not in a checkpoint's folder: not ours
+        assert ckpt.list_ids(storage) == [gone, kept, live]  # a folder holding only a leftover counts
+        assert {p.path for p in ckpt.leftovers(storage)} == dead | {writing}
+        assert {p.path for p in ckpt.delete_leftovers(storage, older_than=60)} == dead
+        assert ckpt.delete(storage, gone) == 1
+        on_disk = {str(p.relative_to(root)) for p in root.rglob("*")}
+        assert on_disk == {kept, f"{kept}/ps-0.safetensors", live, writing, "data", stranger}
 
     def test_safetensors_load_file_reads_our_file(self, storage, cid, tmp_path):
         state = a_state()

@@ -192,7 +192,7 @@ class TestFileStorage(_FsspecReaderContract):
             storage.put_chunks("a", chunks())
         assert sorted(os.listdir(tmp_path / "root")) == ["a"]
 
-    def test_crash_mid_write_keeps_old_content_and_hides_the_leftover(self, storage, tmp_path):
+    def test_crash_mid_write_keeps_old_content_and_lists_the_leftover_apart(self, storage, tmp_path):
         storage.put("ckpt/part-0", b"old" * 1000)
         # A killed process runs no cleanup, so the crash happens in a child that dies
         # with os._exit after half the new bytes reached the disk.
@@ -231,8 +231,25 @@ class TestFileStorage(_FsspecReaderContract):
         assert storage.get("ckpt/part-0") == b"old" * 1000
         assert storage.list() == ["ckpt/part-0"]
         assert storage.list("ckpt/") == ["ckpt/part-0"]
+        half = tmp_path / "root" / "ckpt" / leftovers[0]
+        [left] = storage.leftovers()
+        assert (left.path, left.bytes, left.modified) == (f"ckpt/{leftovers[0]}", 1500, half.stat().st_mtime)
+        assert storage.leftovers("ckpt/") == [left] and storage.leftovers("other/") == []
         storage.put("ckpt/part-0", b"next")  # and writing goes on
         assert storage.get("ckpt/part-0") == b"next"
+        storage.delete_leftover(left.path)
+        storage.delete_leftover(left.path)  # gone already: a no-op
+        assert os.listdir(tmp_path / "root" / "ckpt") == ["part-0"] and storage.leftovers() == []
+
+    def test_delete_folder_removes_an_empty_directory_and_keeps_one_holding_a_leftover(self, storage, tmp_path):
+        storage.put("a/x", b"1")
+        storage.put("b/x", b"2")
+        storage.delete("a/x")
+        storage.delete("b/x")
+        (tmp_path / "root" / "b" / f"{TEMP_PREFIX}0-x").write_bytes(b"a live writer's")
+        storage.delete_folder("a")
+        storage.delete_folder("b")
+        assert os.listdir(tmp_path / "root") == ["b"]
 
 
 class TestMemoryStorage(_FsspecReaderContract):

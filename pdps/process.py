@@ -87,6 +87,9 @@ def open_role_transport(values: Mapping[str, Any]) -> Any:
     options: dict[str, Any] = {"token": values.get("token"), "advertise_host": values.get("advertise"), "connect_timeout": 2.0}
     if values.get("bulk_port"):
         options["bulk_port"] = values["bulk_port"]
+    for name in ("handshake_timeout", "idle_timeout", "max_connections", "max_streams"):
+        if values.get(name) is not None:  # the trainer takes only idle_timeout
+            options[name] = values[name]
     if cert or ca:
         from pdps.adapters.grpc_transport import TlsConfig
 

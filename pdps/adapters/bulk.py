@@ -27,6 +27,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+from pdps.adapters.refusals import RefusalLog
+
 log = logging.getLogger(__name__)
 
 MAGIC = b"PDPSBULK"
@@ -48,18 +50,20 @@ _PREFIX = struct.Struct("!BI")
 #: SO_SNDBUF and SO_RCVBUF of every bulk socket: what net.core.[rw]mem_max allows on
 #: the development machine, and what the raw TCP baseline of bench/transport.py uses.
 SOCKET_BUFFER_BYTES = 4 << 20
-#: Connections one server serves at once (a thread each); more are refused (with
-#: HELLO_BUSY when plaintext) and their calls go over gRPC.
+#: Most connections one server serves at once (a thread each; the transport's
+#: ``max_connections`` may lower it); more are refused (with HELLO_BUSY when plaintext)
+#: and their calls go over gRPC.
 MAX_CONNECTIONS = 64
 #: Idle connections a client keeps per channel.
 POOLED_CONNECTIONS = 8
-#: Seconds a new connection gets for its TLS handshake and hello.
+#: Seconds a new connection gets for its TLS handshake and hello (the default of the
+#: transport's ``handshake_timeout``, which bounds gRPC's handshake too).
 HELLO_TIMEOUT = 10.0
 #: Seconds a peer may stall in the middle of a message before the server gives up on it.
 STALL_TIMEOUT = 60.0
-#: Seconds a server keeps an idle connection open; a client reuses one only for half that.
+#: Seconds a server keeps an idle connection open; a client reuses one only for half
+#: that (the default of the transport's ``idle_timeout``, for gRPC connections too).
 SERVER_IDLE = 120.0
-CLIENT_IDLE = SERVER_IDLE / 2
 #: Seconds a client waits for a bulk port to accept a connection (never past a call's deadline).
 CONNECT_TIMEOUT = 3.0
 #: Buffers one sendmsg takes (Linux allows 1024).
@@ -246,21 +250,23 @@ def _dial(host: str, port: int, timeout: float) -> socket.socket:
 
 
 class Pool:
-    """A channel's idle connections, most recently used first; thread-safe."""
+    """A channel's idle connections, most recently used first; thread-safe. A connection
+    is reused for half of ``server_idle``, the seconds servers keep one open."""
 
-    def __init__(self) -> None:
+    def __init__(self, server_idle: float = SERVER_IDLE) -> None:
+        self._reuse_for = server_idle / 2
         self._idle: list[Connection] = []
         self._lock = threading.Lock()
         self._closed = False
 
     def take(self, port: int) -> Connection | None:
-        """An idle connection to ``port`` used within CLIENT_IDLE seconds, if there is one."""
+        """An idle connection to ``port`` used recently enough, if there is one."""
         stale = []
         with self._lock:
             found = None
             while self._idle and found is None:
                 conn = self._idle.pop()
-                if conn.port == port and time.monotonic() - conn.idle_since < CLIENT_IDLE:
+                if conn.port == port and time.monotonic() - conn.idle_since < self._reuse_for:
                     found = conn
                 else:
                     stale.append(conn)
@@ -295,15 +301,37 @@ Serve = Callable[[Connection, int, int], bool]
 
 class Listener:
     """Accepts bulk connections on ``port`` of ``host`` (0: a free one), checks each
-    one's TLS and hello, and passes each call to ``serve`` on the connection's own thread."""
+    one's TLS and hello, and passes each call to ``serve`` on the connection's own thread.
 
-    def __init__(self, host: str, *, token: str | None, tls: ssl.SSLContext | None, serve: Serve, name: str, port: int = 0) -> None:
+    A connection has ``handshake_timeout`` seconds for its TLS handshake and hello, and
+    is closed after ``idle_timeout`` seconds without a call; at most ``max_connections``
+    (never more than MAX_CONNECTIONS) are served at once. Refusals go to ``refusals``.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        *,
+        token: str | None,
+        tls: ssl.SSLContext | None,
+        serve: Serve,
+        name: str,
+        refusals: RefusalLog,
+        port: int = 0,
+        handshake_timeout: float = HELLO_TIMEOUT,
+        idle_timeout: float = SERVER_IDLE,
+        max_connections: int = MAX_CONNECTIONS,
+    ) -> None:
         self._sock = _listen(host, port)
         self.port: int = self._sock.getsockname()[1]
         self._token = token.encode() if token is not None else None
         self._tls = tls
         self._serve = serve
         self._name = name
+        self._refusals = refusals
+        self._handshake_timeout = handshake_timeout
+        self._idle_timeout = idle_timeout
+        self._max_connections = min(max_connections, MAX_CONNECTIONS)
         self._lock = threading.Condition()
         self._conns: set[Connection] = set()
         self._closing = False
@@ -345,13 +373,13 @@ class Listener:
                 if self._closing:
                     conn.close()
                     return
-                full = len(self._conns) >= MAX_CONNECTIONS
+                full = len(self._conns) >= self._max_connections
                 if not full:
                     self._conns.add(conn)
             if full:
                 # Refused without a thread (so without TLS: the client sees the connection
                 # close during its handshake); either way its call goes over gRPC.
-                log.warning("refused a bulk connection from %s at %s: already %d connections", peer, self._name, MAX_CONNECTIONS)
+                self._refusals.refused("refused a bulk connection", peer, f"already {self._max_connections} connections")
                 if self._tls is None:
                     try:
                         sock.setblocking(False)
@@ -367,25 +395,25 @@ class Listener:
         conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if self._tls is None:
             return True
-        conn.sock.settimeout(HELLO_TIMEOUT)
+        conn.sock.settimeout(self._handshake_timeout)
         try:
             conn.start_tls(self._tls, server_side=True)
         except (ssl.SSLError, OSError) as exc:
-            log.warning("bulk connection from %s at %s failed its TLS handshake: %s", conn.peer, self._name, exc)
+            self._refusals.refused("refused a bulk connection", conn.peer, f"TLS handshake failed: {exc}")
             return False
         return True
 
     def _hello(self, conn: Connection) -> bool:
         """Read and check the hello; answer it. False: refused (and answered)."""
-        deadline = time.monotonic() + HELLO_TIMEOUT
+        deadline = time.monotonic() + self._handshake_timeout
         magic, version, size = _HELLO.unpack(conn.read_bytes(_HELLO.size, deadline=deadline))
         if magic != MAGIC or version != VERSION:
-            log.warning("refused a bulk connection from %s at %s: not a pdps bulk hello (version %d)", conn.peer, self._name, version)
+            self._refusals.refused("refused a bulk connection", conn.peer, f"not a pdps bulk hello (version {version})")
             conn.send_raw(bytes([HELLO_NOT_BULK]), deadline=deadline)
             return False
         sent = bytes(conn.read_bytes(size, deadline=deadline))
         if self._token is not None and not hmac.compare_digest(sent, self._token):
-            log.warning("refused a bulk connection from %s at %s: %s token", conn.peer, self._name, "wrong" if sent else "no")
+            self._refusals.refused("refused a bulk connection", conn.peer, f"{'wrong' if sent else 'no'} token")
             conn.send_raw(bytes([HELLO_BAD_TOKEN]), deadline=deadline)
             return False
         conn.send_raw(bytes([HELLO_OK]), deadline=deadline)
@@ -401,7 +429,7 @@ class Listener:
                     self._lock.notify_all()
                     if self._closing:
                         return
-                prefix = conn.read_prefix(stall=SERVER_IDLE, eof_ok=True)
+                prefix = conn.read_prefix(stall=self._idle_timeout, eof_ok=True)
                 if prefix is None:
                     return
                 with self._lock:

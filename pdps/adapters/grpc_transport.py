@@ -44,6 +44,7 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from pdps.adapters import bulk
+from pdps.adapters.refusals import RefusalLog
 from pdps.core.errors import (
     ConfigError,
     GradientRejected,
@@ -94,6 +95,15 @@ BULK_RETRY_AFTER = 60.0
 RETRY_FIRST = 0.05
 RETRY_MAX = 1.0
 
+#: Defaults of the server's connection limits (docs/transport.md, "Connections"): the
+#: handshake deadline and the idle time are the bulk channel's. Connections are capped
+#: far above the bulk channel's 64: a refused gRPC connection fails its calls, where a
+#: refused bulk connection only sends them over gRPC.
+DEFAULT_MAX_CONNECTIONS = 1024
+#: Concurrent calls per connection; more wait on the client's side. RFC 9113 asks for
+#: at least 100.
+DEFAULT_MAX_STREAMS = 100
+
 _OPTIONS = [
     ("grpc.max_receive_message_length", MAX_FRAME_BYTES),
     ("grpc.max_send_message_length", MAX_FRAME_BYTES),
@@ -109,6 +119,13 @@ _OPTIONS = [
 ]
 _SERVER_OPTIONS = _OPTIONS + [
     ("grpc.so_reuseport", 0),  # a port in use must fail to bind, not be shared silently
+    # A peer may ping without calls at most every 5 minutes; two pings sooner and its
+    # connection is closed (GOAWAY too_many_pings). grpc's defaults, pinned here.
+    ("grpc.keepalive_permit_without_calls", 0),
+    ("grpc.http2.min_ping_interval_without_data_ms", 300_000),
+    ("grpc.http2.max_ping_strikes", 2),
+    # The server's own pings go on while a call waits without data (a sync pull).
+    ("grpc.http2.max_pings_without_data", 0),
 ]
 _CLIENT_OPTIONS = _OPTIONS + [
     # While the channel backs off after a refused connection, calls fail at once with
@@ -117,6 +134,30 @@ _CLIENT_OPTIONS = _OPTIONS + [
     ("grpc.initial_reconnect_backoff_ms", int(RETRY_FIRST * 1000)),
     ("grpc.max_reconnect_backoff_ms", 250),
 ]
+
+
+def _server_options(transport: GrpcTransport) -> list[tuple[str, Any]]:
+    """The server's options with the transport's connection limits (verified by
+    tests/integration/test_transport_grpc.py against grpcio, whose core reads them)."""
+
+    def ms(seconds: float) -> int:
+        return max(1, round(seconds * 1000))
+
+    return _SERVER_OPTIONS + [
+        # The TLS handshake and, plaintext too, the client's HTTP/2 preface and SETTINGS:
+        # a socket that sends nothing, or dribbles, is closed after this.
+        ("grpc.server_handshake_timeout_ms", ms(transport.handshake_timeout)),
+        ("grpc.max_connection_idle_ms", ms(transport.idle_timeout)),  # no call for that long: GOAWAY, closed
+        # While a call is in flight, a ping every idle_timeout / 2 seconds that must be
+        # answered within handshake_timeout: a peer that vanished, or a socket holding a
+        # call open without speaking HTTP/2, is dropped and its handler's thread freed.
+        ("grpc.keepalive_time_ms", ms(transport.idle_timeout / 2)),
+        ("grpc.keepalive_timeout_ms", ms(transport.handshake_timeout)),
+        ("grpc.http2.ping_timeout_ms", ms(transport.handshake_timeout)),  # grpcio 1.85 enforces this one
+        ("grpc.max_allowed_incoming_connections", transport.max_connections),  # more are closed at once
+        ("grpc.max_concurrent_streams", transport.max_streams),
+    ]
+
 
 # ----------------------------------------------------------------------------------
 # dtypes: every non-quantized torch dtype, by its name without "torch."
@@ -744,7 +785,7 @@ class GrpcEndpoint:
         self._expected_auth = f"Bearer {transport.token}".encode() if transport.token is not None else None
         bulk_context = transport.tls.server_context() if transport.tls is not None and transport.bulk_threshold is not None else None
         self._executor = ThreadPoolExecutor(max_workers=transport.workers, thread_name_prefix="pdps-grpc")
-        self._server = grpc.server(self._executor, options=_SERVER_OPTIONS)
+        self._server = grpc.server(self._executor, options=_server_options(transport))
         call = grpc.stream_stream_rpc_method_handler(self._serve_call)  # raw bytes both ways
         self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"Call": call}),))
         self._health = health.HealthServicer()
@@ -765,12 +806,22 @@ class GrpcEndpoint:
             raise TransportError(f"cannot serve gRPC at {bind}: {reason}")
         self.port = port
         self.address = f"grpc://{_hostport(publish_host, port)}"
+        self._refusals = RefusalLog(log, self.address)  # of gRPC calls and bulk connections alike
         self._bulk: bulk.Listener | None = None
         self.bulk_port: int | None = None
         if transport.bulk_threshold is not None:
             try:
                 self._bulk = bulk.Listener(
-                    host, token=transport.token, tls=bulk_context, serve=self._serve_bulk, name=self.address, port=transport.bulk_port
+                    host,
+                    token=transport.token,
+                    tls=bulk_context,
+                    serve=self._serve_bulk,
+                    name=self.address,
+                    refusals=self._refusals,
+                    port=transport.bulk_port,
+                    handshake_timeout=transport.handshake_timeout,
+                    idle_timeout=transport.idle_timeout,
+                    max_connections=transport.max_connections,
                 )
             except OSError as exc:
                 self._server.stop(0)
@@ -799,6 +850,7 @@ class GrpcEndpoint:
             self._bulk.close(grace)  # at the same time as gRPC's grace
         stopped.wait(grace + 5.0)
         self._executor.shutdown(wait=False)
+        self._refusals.flush()
         log.info("stopped serving at %s", self.address)
 
     def _count(self, over_bulk: bool) -> None:
@@ -850,7 +902,7 @@ class GrpcEndpoint:
             handler = self._handler(header.method)
             tensors = _fill(inbound, requests)
         except _Rejected as exc:
-            log.warning("rejected a call from %s at %s: %s", context.peer(), self.address, exc.message)
+            self._refusals.refused("rejected a call", context.peer(), exc.message)
             context.abort(exc.status, exc.message)
         except grpc.RpcError:
             log.debug("caller %s went away before its request was whole", context.peer())
@@ -882,11 +934,11 @@ class GrpcEndpoint:
             handler = self._handler(header.method)
             tensors = inbound.read_from(lambda view: conn.read_into(view, stall=stall))
         except _Rejected as exc:
-            log.warning("rejected a bulk call from %s at %s: %s", conn.peer, self.address, exc.message)
+            self._refusals.refused("rejected a bulk call", conn.peer, exc.message)
             _send_bulk_error(conn, exc)
             return False  # the rest of the request, if any, is unread: the connection is done
         except bulk.PeerClosed as exc:
-            log.warning("rejected a bulk call from %s at %s: %s before the request was whole", conn.peer, self.address, exc)
+            self._refusals.refused("rejected a bulk call", conn.peer, f"{exc} before the request was whole")
             _send_bulk_error(conn, _Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"the request ended early: {exc}"))
             return False
         conn.send(bulk.ACCEPTED, b"", stall=stall)  # the client retries elsewhere only without it
@@ -955,7 +1007,7 @@ class GrpcChannel:
         self._metadata = (("authorization", f"Bearer {transport.token}"),) if transport.token is not None else None
         self._peer = transport._bulk_peer(address) if transport.bulk_threshold is not None else None
         self._bulk_tls = transport._bulk_client_context() if self._peer is not None else None
-        self._pool = bulk.Pool()
+        self._pool = bulk.Pool(transport.idle_timeout)
         self._closed = False
         self.stats: dict[str, float] = {"serialize": 0.0, "calls": 0.0, "bytes_sent": 0.0, "bytes_received": 0.0}
         self._stats_lock = threading.Lock()
@@ -1253,6 +1305,10 @@ class GrpcTransport:
         workers: int = 16,
         bulk_threshold: int | None = DEFAULT_BULK_THRESHOLD,
         bulk_port: int = 0,
+        handshake_timeout: float = bulk.HELLO_TIMEOUT,
+        idle_timeout: float = bulk.SERVER_IDLE,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        max_streams: int = DEFAULT_MAX_STREAMS,
     ) -> None:
         if token is not None and (not token or not token.isascii() or not token.isprintable()):
             raise ConfigError("the gRPC token must be a non-empty printable ASCII string")
@@ -1270,6 +1326,12 @@ class GrpcTransport:
             raise ConfigError(f"bulk_threshold={bulk_threshold!r} must be a byte count >= 0, or None to turn the bulk channel off")
         if not 0 <= bulk_port <= 65535:
             raise ConfigError(f"bulk_port={bulk_port} is not a TCP port (0 picks a free one)")
+        for name, seconds in (("handshake_timeout", handshake_timeout), ("idle_timeout", idle_timeout)):
+            if isinstance(seconds, bool) or not (isinstance(seconds, (int, float)) and 0 < seconds < math.inf):
+                raise ConfigError(f"{name}={seconds!r} must be a positive number of seconds")
+        for name, count in (("max_connections", max_connections), ("max_streams", max_streams)):
+            if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count < 1 << 31:
+                raise ConfigError(f"{name}={count!r} must be a whole number from 1 to 2**31 - 1")
         self.token = token
         self.tls = tls
         self.chunk_bytes = chunk_bytes
@@ -1279,6 +1341,10 @@ class GrpcTransport:
         self.workers = workers
         self.bulk_threshold = bulk_threshold
         self.bulk_port = bulk_port  # where servers listen for bulk connections (0: a free port)
+        self.handshake_timeout = float(handshake_timeout)  # connection limits of its servers (docs/transport.md)
+        self.idle_timeout = float(idle_timeout)
+        self.max_connections = max_connections
+        self.max_streams = max_streams
         self._bulk_lock = threading.Lock()
         self._bulk_peers: dict[str, _BulkPeer] = {}
         self._bulk_tls: ssl.SSLContext | None = None

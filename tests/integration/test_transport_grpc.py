@@ -5,6 +5,7 @@ health, published addresses, the bulk channel's routing, hello and failures)."""
 from __future__ import annotations
 
 import os
+import select
 import socket
 import ssl
 import subprocess
@@ -343,7 +344,19 @@ def test_token_required_wrong_and_right(serve):
 
 
 def test_bad_options_are_config_errors():
-    bad = ({"token": ""}, {"token": "two\nlines"}, {"chunk_bytes": 10}, {"workers": 0}, {"connect_timeout": 0}, {"bulk_threshold": -1}, {"bulk_threshold": 1.5})
+    bad = (
+        {"token": ""},
+        {"token": "two\nlines"},
+        {"chunk_bytes": 10},
+        {"workers": 0},
+        {"connect_timeout": 0},
+        {"bulk_threshold": -1},
+        {"bulk_threshold": 1.5},
+        {"handshake_timeout": 0},
+        {"idle_timeout": float("inf")},
+        {"max_connections": 0},
+        {"max_streams": 1.5},
+    )
     for kwargs in bad:
         with pytest.raises(ConfigError):
             GrpcTransport(**kwargs)
@@ -779,10 +792,10 @@ def test_endpoint_closed_with_idle_bulk_connections(serve):
     assert time.monotonic() - start < 5
 
 
-def test_a_connection_the_server_dropped_is_replaced_without_running_a_handler_twice(serve, monkeypatch):
+def test_a_connection_the_server_dropped_is_replaced_without_running_a_handler_twice(serve):
     runs = []
-    ep = serve({"echo": lambda req: runs.append(req.meta["n"]) or echo(req), "ping": ping})
-    monkeypatch.setattr(gt.bulk, "SERVER_IDLE", 0.2)  # the server closes idle connections fast
+    # The server closes idle connections fast; the client (120 s) still reuses them.
+    ep = serve({"echo": lambda req: runs.append(req.meta["n"]) or echo(req), "ping": ping}, GrpcTransport(idle_timeout=0.2))
     ch = over_bulk(ep)
     for n in range(3):
         assert ch.call("echo", Message({"n": n}, [torch.ones(3)])).meta["echo"]["n"] == n
@@ -835,23 +848,6 @@ def test_an_unreachable_bulk_port_sends_calls_over_grpc_and_is_logged_once(serve
     assert len(warnings) == 1 and ep.address in warnings[0].getMessage()
 
 
-def test_bulk_connections_beyond_the_limit_are_refused_and_their_calls_take_grpc(serve, monkeypatch):
-    monkeypatch.setattr(gt.bulk, "MAX_CONNECTIONS", 2)
-    ep = serve({"echo": echo, "ping": ping})
-    held = [bulk_socket(ep), bulk_socket(ep)]
-    try:
-        for sock in held:
-            assert sock.recv(1) == b"\x00"
-        with bulk_socket(ep) as third:
-            assert read_to_end(third) == b"\x03"  # busy
-        ch = over_bulk(ep)
-        assert ch.call("echo", Message({"n": 1}, [torch.ones(3)])).meta == {"echo": {"n": 1}}
-        assert (ep.grpc_calls, ep.bulk_calls) == (2, 0)
-    finally:
-        for sock in held:
-            sock.close()
-
-
 # --- client-side stats ---------------------------------------------------------------
 
 
@@ -891,3 +887,166 @@ def test_channel_stats_add_up_over_concurrent_calls(serve):
         assert 40 * 4000 < channel.stats[key] < 40 * 5000
         assert (channel.stats[key] - 40 * 4000) % 40 == 0
     channel.close()
+
+
+# --- connection hygiene: deadlines, caps, refusal warnings --------------------------------
+
+#: HTTP/2 as a client opens it: the preface, then an empty SETTINGS frame.
+H2_OPEN = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes.fromhex("000000040000000000")
+H2_PING = bytes.fromhex("000008060000000000") + bytes(8)
+
+
+def h2_call_headers(stream: int = 1) -> bytes:
+    """A HEADERS frame opening a call of the transport (HPACK literals, no compression)."""
+    fields = [(":method", "POST"), (":scheme", "http"), (":path", gt.CALL_PATH), (":authority", "x"), ("content-type", "application/grpc"), ("te", "trailers")]
+    block = b"".join(b"\x00" + bytes([len(n)]) + n.encode() + bytes([len(v)]) + v.encode() for n, v in fields)
+    return len(block).to_bytes(3, "big") + b"\x01\x04" + stream.to_bytes(4, "big") + block
+
+
+def raw_connection(port: int, first: bytes = b"") -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock.sendall(first)
+    sock.setblocking(False)
+    return sock
+
+
+def watch_until_closed(socks: dict[socket.socket, bytes], within: float, every: float = 0.2) -> dict[socket.socket, float]:
+    """Read (and discard) what the server sends on each socket until it closes it, for
+    at most ``within`` seconds; every ``every`` seconds, send the next byte of each
+    socket's drip (a slowloris). Returns the seconds after which each was closed."""
+    start = time.monotonic()
+    closed: dict[socket.socket, float] = {}
+    sent = 0
+    next_drip = start
+    while len(closed) < len(socks) and time.monotonic() - start < within:
+        ready, _, _ = select.select([s for s in socks if s not in closed], [], [], every / 2)
+        for sock in ready:
+            try:
+                data = sock.recv(65536)
+            except (ConnectionResetError, BlockingIOError) as exc:
+                data = b"" if isinstance(exc, ConnectionResetError) else b"-"
+            if not data:
+                closed[sock] = time.monotonic() - start
+        if time.monotonic() >= next_drip:
+            next_drip += every
+            for sock, drip in socks.items():
+                if sock not in closed and sent < len(drip):
+                    try:
+                        sock.send(drip[sent : sent + 1])
+                    except OSError:
+                        closed[sock] = time.monotonic() - start
+            sent += 1
+    return closed
+
+
+def test_idle_slow_and_silent_connections_are_closed_on_both_ports_while_calls_go_on(serve):
+    ep = serve({"echo": echo, "ping": ping}, GrpcTransport(handshake_timeout=1.0, idle_timeout=2.0))
+    ch = over_bulk(ep)
+    hello = b"PDPSBULK\x01\x00\x00"
+    peers = {
+        "grpc, never a byte": [(raw_connection(ep.port), b"") for _ in range(50)],
+        "grpc, a byte every 0.2 s": [(raw_connection(ep.port), H2_OPEN) for _ in range(5)],
+        "grpc, HTTP/2 open, then silent": [(raw_connection(ep.port, H2_OPEN), b"") for _ in range(3)],
+        "grpc, a call opened, then silent (ignores keepalive pings)": [(raw_connection(ep.port, H2_OPEN + h2_call_headers()), b"") for _ in range(2)],
+        "grpc, pings without calls": [(raw_connection(ep.port, H2_OPEN), H2_PING * 40) for _ in range(2)],
+        "bulk, never a byte": [(raw_connection(ep.bulk_port), b"") for _ in range(10)],
+        "bulk, a byte every 0.2 s": [(raw_connection(ep.bulk_port), hello) for _ in range(5)],
+        "bulk, hello, then silent": [(raw_connection(ep.bulk_port, hello), b"") for _ in range(3)],
+    }
+    try:
+        assert ch.call("echo", Message({"n": 1}, [torch.ones(3)]), timeout=10).meta["echo"]["n"] == 1
+        closed = watch_until_closed({s: drip for group in peers.values() for s, drip in group}, within=20.0)
+        left_open = {name: sum(s not in closed for s, _ in group) for name, group in peers.items()}
+        assert left_open == dict.fromkeys(peers, 0)
+        # the deadlines are 1 s (handshake, hello, a ping's answer) and 2 s (idle): nothing took long
+        assert max(closed.values()) < 10.0
+        assert ch.call("echo", Message({"n": 2}, [torch.ones(3)]), timeout=10).meta["echo"]["n"] == 2
+        assert ep.bulk_calls == 2
+    finally:
+        for group in peers.values():
+            for sock, _ in group:
+                sock.close()
+
+
+def test_connections_beyond_max_connections_are_closed_at_once_on_both_ports(serve):
+    ep = serve({"echo": echo, "ping": ping}, GrpcTransport(max_connections=2))
+    held = [raw_connection(ep.port, H2_OPEN) for _ in range(2)]
+    try:
+        extra = raw_connection(ep.port, H2_OPEN)
+        assert watch_until_closed({extra: b""}, within=5.0)  # closed at once, before any SETTINGS
+        extra.close()
+        with pytest.raises(TransportError, match="cannot reach"):
+            GrpcTransport(connect_timeout=0.5).connect(ep.address).call("echo", Message({}), timeout=5)
+    finally:
+        for sock in held:
+            sock.close()
+    ch = over_bulk(ep)  # the held connections are gone: there is room again
+    bulk_held = [bulk_socket(ep), bulk_socket(ep)]
+    try:
+        for sock in bulk_held:
+            assert sock.recv(1) == b"\x00"
+        with bulk_socket(ep) as third:
+            assert read_to_end(third) == b"\x03"  # busy
+        assert ch.call("echo", Message({"n": 1}, [torch.ones(3)])).meta == {"echo": {"n": 1}}
+        assert (ep.grpc_calls, ep.bulk_calls) == (2, 0)  # the bulk port was full: over gRPC
+    finally:
+        for sock in bulk_held:
+            sock.close()
+
+
+def test_calls_beyond_max_streams_on_one_connection_wait_their_turn(serve):
+    lock = threading.Lock()
+    running = [0, 0]  # now, most at once
+
+    def hold(req: Message) -> Message:
+        with lock:
+            running[0] += 1
+            running[1] = max(running)
+        time.sleep(0.3)
+        with lock:
+            running[0] -= 1
+        return Message({"n": req.meta["n"]})
+
+    ep = serve({"hold": hold}, GrpcTransport(max_streams=2, bulk_threshold=None))
+    ch = GrpcTransport(bulk_threshold=None).connect(ep.address)
+    replies: list[int] = []
+    threads = [threading.Thread(target=lambda n=n: replies.append(ch.call("hold", Message({"n": n}), timeout=30).meta["n"])) for n in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(replies) == list(range(6))  # none refused: the client queued them
+    assert running[1] <= 2
+
+
+def test_a_flood_of_refusals_logs_a_few_warnings_and_then_one_summary(serve, caplog):
+    ep = serve({"echo": echo, "ping": ping}, GrpcTransport(token="s3cret"))
+    intruder = GrpcTransport(token="guess", bulk_threshold=None).connect(ep.address)
+    with caplog.at_level("WARNING", logger="pdps"):
+        for _ in range(30):
+            with pytest.raises(TransportError, match="authentication failed"):
+                intruder.call("echo", Message({}))
+        for _ in range(30):
+            with bulk_socket(ep, "guess") as sock:
+                assert read_to_end(sock) == b"\x02"
+        ep.close()
+    lines = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert 2 <= len(lines) <= 10, lines
+    summaries = [line for line in lines if " more " in line]
+    assert len(summaries) == 1 and ep.address in summaries[0] and "127.0.0.1" in summaries[0], lines
+    told = len(lines) - 1 + int(summaries[0].split(" more ")[0].split()[-1])
+    assert told == 60  # each refusal is either told on its own or counted in the summary
+
+
+def test_a_tls_handshake_that_never_comes_is_given_up_on_both_ports(serve, tls):
+    server = TlsConfig(cert=tls["server_cert"], key=tls["server_key"], ca=tls["ca"])
+    ep = serve({"ping": ping}, GrpcTransport(tls=server, handshake_timeout=1.0))
+    silent = [raw_connection(port) for port in (ep.port, ep.bulk_port) for _ in range(5)]
+    try:
+        closed = watch_until_closed(dict.fromkeys(silent, b""), within=20.0)
+        assert len(closed) == len(silent) and max(closed.values()) < 5.0  # 10 s without the option, on both ports
+    finally:
+        for sock in silent:
+            sock.close()
+    client = TlsConfig(cert=tls["client_cert"], key=tls["client_key"], ca=tls["ca"])
+    assert GrpcTransport(tls=client).connect(ep.address).call("ping", Message({}), timeout=10).meta == {}

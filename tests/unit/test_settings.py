@@ -121,3 +121,22 @@ def test_load_target_module_and_file(tmp_path):
     ]:
         with pytest.raises(ConfigError, match=msg):
             load_target(bad)
+
+
+def test_connection_limits_reach_the_grpc_transport_and_the_launchers_children():
+    from pdps.process import open_role_transport
+
+    flags = {"store": "memory://", "handshake_timeout": 2.5, "idle_timeout": 30.0, "max_connections": 8, "max_streams": 4}
+    transport = open_role_transport(resolve("pserver", flags, {}))
+    assert (transport.handshake_timeout, transport.idle_timeout, transport.max_connections, transport.max_streams) == (2.5, 30.0, 8, 4)
+    trainer = open_role_transport(resolve("trainer", {"store": "memory://"}, {"PDPS_IDLE_TIMEOUT": "30", "PDPS_MAX_STREAMS": "4"}))
+    assert trainer.idle_timeout == 30.0 and trainer.max_streams == 100  # a trainer serves nothing: only its pool's idle time
+    env = role_env(resolve("launch", flags, {}))
+    assert (env["PDPS_HANDSHAKE_TIMEOUT"], env["PDPS_IDLE_TIMEOUT"], env["PDPS_MAX_CONNECTIONS"], env["PDPS_MAX_STREAMS"]) == ("2.5", "30.0", "8", "4")
+    from pdps.adapters.grpc_transport import GrpcTransport
+
+    defaults, built_in = open_role_transport(resolve("pserver", {"store": "memory://"}, {})), GrpcTransport()
+    for name in ("handshake_timeout", "idle_timeout", "max_connections", "max_streams"):
+        assert getattr(defaults, name) == getattr(built_in, name), name  # one default, stated twice
+    with pytest.raises(ConfigError, match="max_connections=0"):
+        open_role_transport(resolve("master", {"store": "memory://", "max_connections": 0}, {}))

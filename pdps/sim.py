@@ -105,7 +105,9 @@ def simulate(
     st = ResilientStore(st, deadline=config.store_outage_deadline)  # roles ride out outages up to the deadline
     master = Master(st, tr, source, config)
     pservers = [Pserver(st, tr, compute, config) for _ in range(config.pservers)]
-    contexts = [TrainerContext(st, tr, compute, source, config, trainer_id=f"trainer-{i}") for i in range(config.trainers)]
+    # trainer-0's model is the job's: the others attach after it, so a trainer with another
+    # model is refused the same way in every run
+    contexts = [TrainerContext(st, tr, compute, source, config, trainer_id=f"trainer-{i}", publisher="trainer-0") for i in range(config.trainers)]
     results: dict[str, Any] = {}
     errors: list[tuple[str, BaseException]] = []  # in the order they happened
     killed: list[str] = []

@@ -576,9 +576,14 @@ class TrainerContext:
         config: JobConfig,
         *,
         trainer_id: str | None = None,
+        publisher: str | None = None,
     ) -> None:
         self.config = config
         self.trainer_id = trainer_id or f"trainer-{uuid.uuid4().hex[:8]}"
+        #: the trainer whose model the job takes: others attach only after it has
+        #: published (or left), so which trainer a differing model refuses never depends
+        #: on timing. None: the first trainer to attach publishes.
+        self._publisher = publisher if publisher != self.trainer_id else None
         self._store = store
         self._transport = transport
         self._compute = compute
@@ -716,13 +721,18 @@ class TrainerContext:
     def attach(self, model: Any) -> Any:
         """Bind ``model`` to the job: publish its layout, initialize the pservers, pull.
 
-        The first trainer to attach publishes the model's layout and initial values;
-        every other trainer waits for the pservers and pulls. Returns the same model,
-        whose parameters now hold the job's current values.
+        The first trainer to attach publishes the model's layout and initial values
+        (one compare-and-set decides it once); every other trainer waits for the
+        pservers and pulls. A trainer whose model differs from the job's is refused
+        with :class:`ConfigError` naming the difference. Returns the same model, whose
+        parameters now hold the job's current values.
         """
         from pdps.roles import recovery
 
         self.register()
+        if self._publisher is not None:
+            publisher = self._keys.trainer(self._publisher)
+            wait_for_key(self._store, self._keys.model, f"trainer {self._publisher}'s model", unless=lambda: self._store.get(publisher) is None)
         replica = self._compute.replica(model)
         specs_json = json.dumps([s.to_json() for s in replica.specs]).encode()
         # The trainer that publishes the model initializes every pserver, so the initial

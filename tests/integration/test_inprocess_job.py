@@ -413,6 +413,27 @@ def test_initial_values_come_from_one_trainer(tmp_path):
     assert values.numel() == 1 and values.item() in (1.0, 2.0, 3.0)
 
 
+@pytest.mark.parametrize("late", [0.0, 0.3])
+def test_a_trainer_with_another_model_is_the_one_refused_whatever_the_timing(tmp_path, late):
+    """simulate takes trainer-0's model: trainer-1's differs and it is refused, with the
+    difference named, even when trainer-0 attaches last; the job then stops."""
+    source = digits_like(tmp_path.as_uri())
+
+    def train(ctx: pdps.TrainerContext) -> None:
+        hidden = 16 if ctx.trainer_id == "trainer-1" else 8
+        if ctx.trainer_id == "trainer-0":
+            time.sleep(late)  # trainer-0 comes last: it still decides the job's model
+        model = ctx.attach(nn.Sequential(nn.Linear(4, hidden), nn.ReLU(), nn.Linear(hidden, 2)))
+        for batch in ctx.batches():
+            ctx.step(F.cross_entropy(model(batch["x"]), batch["y"]))
+
+    with pytest.raises(pdps.ConfigError) as info:
+        pdps.simulate(train, dataset=source, trainers=2, pservers=2, mode="sync", passes=50)
+    message = str(info.value)
+    assert "trainer 'trainer-1'" in message and "does not match the job's" in message
+    assert "[8, 4]" in message and "[16, 4]" in message  # the shapes that differ
+
+
 def test_tasks_that_keep_failing_are_failed_and_the_pass_still_ends(tmp_path):
     """The last tasks of a pass failing must not stall it; failed tasks are retried next pass."""
     inner = digits_like(tmp_path.as_uri())

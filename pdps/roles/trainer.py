@@ -790,6 +790,16 @@ class TrainerContext:
         """Fetch the current parameters from every pserver into the model now."""
         self._pull_fresh()
 
+    def applied(self) -> dict[int, list[list[int]]]:
+        """What each pserver has applied in the current epoch: pserver index ->
+        ``[task, attempt, start, end]`` rows (records ``[start, end)`` of the task), to
+        check ``pdps status --pass N`` against. After :meth:`batches` has ended, every
+        step of the job is in it."""
+        if self._group is None:
+            raise ConfigError("call ctx.attach(model) before ctx.applied()")
+        meta = {"trainer": self.trainer_id, "epoch": self._epoch}
+        return {part.index: [list(r) for r in self._group.call(part, "applied", Message(meta)).meta["ledger"]] for part in self._group.parts}
+
     # --- data -------------------------------------------------------------------------
 
     def batches(self) -> Iterator[Batch]:

@@ -141,3 +141,75 @@ def test_a_sync_job_replays_in_one_process_from_its_history(dataset):
                 p -= 0.05 * u
     for (name, got), want in zip(result.params.items(), params):
         torch.testing.assert_close(got, want.detach(), rtol=0, atol=1e-12, msg=name)
+
+
+# --- the same over processes: gRPC, etcd, a trainer SIGKILLed mid-task ---------------
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("mode,seed", [("sync", 4), ("async", 5)])
+def test_a_sigkilled_trainer_process_leaves_every_record_applied_once(etcd_server, tmp_path, mode, seed):
+    """``pdps launch`` over gRPC and etcd; trainer 0 is SIGKILLed at a seeded point of pass
+    1 (``--restart on-failure`` starts another). The audit of every pass counts each
+    record exactly once, and so does every pserver's own account of what it applied
+    (written by each surviving trainer once the job is done)."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    import uuid
+    from pathlib import Path
+
+    from pdps.registry import open_store
+    from pdps.status import job_status
+    from tests.integration.test_faults import role_pid
+
+    name, out = f"x-{uuid.uuid4().hex[:8]}", tmp_path / "applied"
+    out.mkdir()
+    target = Path(__file__).parent / "targets" / "slow.py"
+    args = [
+        sys.executable, "-m", "pdps", "launch", "--store", etcd_server.url, "--job", name, "--trainers", "2",
+        "--pservers", "2", "--mode", mode, "--passes", "3", "--batch-size", "32", "--lease-ttl", "1",
+        "--task-timeout", "60", "--restart", "on-failure", "--timeout", "200", "--json", f"{target}:audited",
+    ]  # fmt: skip
+    log = (tmp_path / "launch.log").open("w")
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=log, text=True, env={**os.environ, "AUDIT_OUT": str(out)})
+    store = open_store(etcd_server.url)
+    try:
+        fraction = random.Random(seed).uniform(0.2, 0.7)
+        deadline = time.monotonic() + 180
+        while True:  # the seeded point: pass 1, that fraction of its tasks done
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "launch.log").read_text()[-3000:]
+            try:
+                st = job_status(store, name)
+            except Exception:  # the job is not there yet
+                st = None
+            if st and st.get("tasks") and (st["pass"] > 1 or (st["pass"] == 1 and st["done"] >= fraction * st["tasks"])):
+                break
+            time.sleep(0.02)
+        pid = role_pid(proc, "trainer-0")
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        stdout, _ = proc.communicate(timeout=240)
+        assert proc.returncode == 0, (tmp_path / "launch.log").read_text()[-4000:]
+        assert "trainer-0 exited with signal SIGKILL; restarting it" in (tmp_path / "launch.log").read_text()
+
+        views = [json.loads(p.read_text()) for p in out.glob("*.json")]
+        assert views, "no trainer wrote what the pservers applied"
+        applied = {int(k): v for k, v in views[-1].items()}
+        assert all({int(k): v for k, v in view.items()} == applied for view in views)  # the job was done: one account
+        for p in range(3):
+            audit = pass_audit(store, name, p)
+            attempts = {(e["task"], a["attempt"]) for e in audit["entries"] for a in e["attempts"]}
+            from_audit = counts_from_audit(audit)
+            for ps, tasks in counts_from_pservers(applied, attempts).items():
+                assert {t: +c for t, c in tasks.items()} == {t: c for t, c in from_audit.items() if c}, (p, ps)
+            assert all(e["record_counts"] == [[1, e["records"]]] for e in audit["entries"]), (p, audit["entries"])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        log.close()
+        store.close()

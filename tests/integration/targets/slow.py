@@ -51,3 +51,16 @@ def fail_at_step_3(ctx):
         if ctx.steps == 3 and ctx.trainer_id.split("-r")[0] == failing:
             raise RuntimeError(f"{ctx.trainer_id} trips at its 3rd step")
     return {"steps": ctx.steps}
+
+
+def audited(ctx):
+    """The digits loop; after it, write what every pserver applied to
+    ``$AUDIT_OUT/<trainer id>.json`` (the job is done: every step is in it)."""
+    import json
+
+    model = ctx.attach(make_model())
+    for batch in ctx.batches():
+        ctx.step(F.cross_entropy(model(batch["x"]), batch["y"]))
+    with open(os.path.join(os.environ["AUDIT_OUT"], f"{ctx.trainer_id}.json"), "w") as f:
+        json.dump({str(k): v for k, v in ctx.applied().items()}, f)
+    return {"steps": ctx.steps}

@@ -289,18 +289,45 @@ class Pserver:
                 shard.stage(trainer, req.tensors, indices)  # applied only if the round's record names it
                 return Message(self._reply(update_s=time.perf_counter() - began))
             indices = self._check_blocks(req.meta.get("blocks"), trainer, part)
-            shard.check(req.tensors, trainer, indices=indices)
             seen = _field(req, "version", int)
-            if not 0 <= seen <= self.version:
-                raise GradientRejected(f"push from trainer {trainer!r} was computed on version {seen}, which pserver {self.index} never served (now {self.version})")
-            check_staleness(seen, self.version, self.config.staleness)
-            shard.apply(req.tensors, indices)
-            # a gradient pushed slot by slot (overlapping the trainer's backward) counts as
-            # one update, at its last piece
-            if not part or _field(req, "final", bool, False):
-                self.version += 1
-                self._maybe_announce_async()
+            if not part:
+                shard.check(req.tensors, trainer, indices=indices)
+                self._check_version(seen, trainer)
+                shard.apply(req.tensors, indices)
+            elif not self._stage_piece(shard, req, trainer, indices, seen):
+                return Message(self._reply(update_s=time.perf_counter() - began))
+            self.version += 1
+            self._maybe_announce_async()
             return Message(self._reply(update_s=time.perf_counter() - began))
+
+    def _stage_piece(self, shard: ParameterShard, req: Message, trainer: str, indices: list[int] | None, seen: int) -> bool:
+        """Async, a step pushed slot by slot while the trainer's backward runs: stage each
+        piece, and apply the step only at its ``final`` message, which the trainer sends
+        once every pserver has accepted every piece. A step with a non-finite slot on any
+        pserver thus changes nothing anywhere. ``first`` opens a step, dropping what an
+        unfinished one staged; a refused piece voids the step here. True once applied."""
+        if _field(req, "first", bool, False):
+            shard.unstage(trainer)
+        final = _field(req, "final", bool, False)
+        try:
+            shard.check(req.tensors, trainer, indices=indices)
+            shard.stage(trainer, req.tensors, indices)
+            if not final:
+                return False
+            self._check_version(seen, trainer)
+        except (GradientRejected, StalePush):
+            shard.unstage(trainer)
+            raise
+        if not shard.apply_staged_step(trainer):
+            raise StalePush(f"pserver {self.index} holds no piece of the step trainer {trainer!r} ends (dropped meanwhile): pull and compute again")
+        return True
+
+    def _check_version(self, seen: int, trainer: str) -> None:
+        """Async: ``seen`` (the version a gradient was computed on) was served here and is
+        within the staleness bound."""
+        if not 0 <= seen <= self.version:
+            raise GradientRejected(f"push from trainer {trainer!r} was computed on version {seen}, which pserver {self.index} never served (now {self.version})")
+        check_staleness(seen, self.version, self.config.staleness)
 
     def _pull(self, req: Message) -> Message:
         after = _field(req, "after_round", int, None)
@@ -465,7 +492,10 @@ class Pserver:
         with self._cond:
             if event.type is EventType.DELETE:
                 self._members.discard(trainer)
-                self._gone.add(trainer)
+                if self.config.mode is Mode.SYNC:
+                    self._gone.add(trainer)  # its staged gradient goes once no round names it
+                elif self._shard is not None:
+                    self._shard.unstage(trainer, forget=True)  # a step it never ended
                 self._cond.notify_all()  # waiting pulls look again: the round may be ready now
             else:
                 self._members.add(trainer)

@@ -425,8 +425,10 @@ class TorchShard:
     steps those blocks only: torch's rules skip a parameter whose ``grad`` is None.
     Sync rounds stage each trainer's gradient in a buffer of its own (float32 when the
     blocks are half precision), reused round after round, and apply their weighted sum
-    from one reused buffer (``values.grad``). Callers run :meth:`check` before
-    :meth:`stage` and :meth:`apply`, which do not re-validate.
+    from one reused buffer (``values.grad``); an async step pushed in pieces is staged
+    the same way and stepped straight from its buffer (:meth:`apply_staged_step`).
+    Callers run :meth:`check` before :meth:`stage` and :meth:`apply`, which do not
+    re-validate.
     """
 
     def __init__(
@@ -530,7 +532,8 @@ class TorchShard:
     # --- transactional sync rounds: stage per trainer, apply what the round names --------
 
     def stage(self, key: str, tensors: Sequence[torch.Tensor], indices: Sequence[int] | None = None) -> None:
-        """Keep a copy of ``key``'s gradient for the open round (replacing an earlier one).
+        """Keep a copy of ``key``'s gradient (replacing an earlier one): for the open
+        sync round, or for an async step pushed in pieces.
 
         ``indices`` names the blocks ``tensors`` are for (default: all, in order); a key
         is staged once every block has been (:meth:`staged`). One buffer per key,
@@ -586,6 +589,23 @@ class TorchShard:
             acc_dtype = torch.float32 if self.dtype in (torch.float16, torch.bfloat16) else self.dtype
             self._acc = torch.zeros(self.numel, dtype=acc_dtype, device=self.device)
         return self._acc
+
+    def apply_staged_step(self, key: str) -> bool:
+        """One optimizer step of the blocks ``key`` has staged, with its staged gradient
+        as is; then ``key`` has nothing staged (other keys keep theirs). False if it has
+        staged nothing."""
+        self._ready()
+        indices = sorted(self._staged_blocks.pop(key, ()))
+        self._live.discard(key)
+        if not indices:
+            return False
+        grads = [self._staged[key][1][i] for i in indices]
+        if grads[0].dtype != self.dtype:  # half precision stages in float32: round once, here
+            views = [self._grad_views[i] for i in indices]
+            torch._foreach_copy_(views, grads)
+            grads = views
+        self._step(indices, grads)
+        return True
 
     def apply(self, tensors: Sequence[torch.Tensor], indices: Sequence[int] | None = None) -> None:
         """One optimizer step of the blocks at ``indices`` (default: all) with ``tensors``

@@ -97,10 +97,11 @@ class ParameterShard(Protocol):
         ...
 
     def stage(self, key: str, tensors: Sequence[Any], indices: Sequence[int] | None = None) -> None:
-        """Sync rounds: keep a copy of ``key``'s (a trainer's) gradient for the open round,
-        replacing one staged before; ``indices`` names the blocks of a push of some slots
-        (default all). ``key`` counts as staged once every block is. Nothing is applied
-        until :meth:`apply_staged`."""
+        """Keep a copy of ``key``'s (a trainer's) gradient, replacing one staged before:
+        for the open sync round, or for an async step pushed in pieces; ``indices`` names
+        the blocks of a push of some slots (default all). ``key`` counts as staged once
+        every block is. Nothing is applied until :meth:`apply_staged` or
+        :meth:`apply_staged_step`."""
         ...
 
     def staged(self) -> set[str]:
@@ -115,6 +116,13 @@ class ParameterShard(Protocol):
         """Close a sync round: one optimizer step with ``sum(w * staged[key])`` summed in
         the given order; then nothing is staged. Raises KeyError if a key is not staged.
         Not for an empty round: momentum rules would still move the parameters."""
+        ...
+
+    def apply_staged_step(self, key: str) -> bool:
+        """Async, a step pushed in pieces: one optimizer step of the blocks ``key`` has
+        staged, each with its staged gradient (the others do not move); then ``key`` has
+        nothing staged, and other keys keep theirs. False (nothing applied) if ``key``
+        has staged nothing."""
         ...
 
     def apply(self, tensors: Sequence[Any], indices: Sequence[int] | None = None) -> None:

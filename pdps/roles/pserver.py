@@ -309,26 +309,65 @@ class Pserver:
                 shard.stage(trainer, req.tensors, indices)  # applied only if the round's record names it
                 return Message(self._reply(update_s=time.perf_counter() - began))
             indices = self._check_blocks(req.meta.get("blocks"), trainer, part)
-            shard.check(req.tensors, trainer, indices=indices)
             seen = _field(req, "version", int)
-            if not 0 <= seen <= self.version:
-                raise GradientRejected(f"push from trainer {trainer!r} was computed on version {seen}, which pserver {self.index} never served (now {self.version})")
-            check_staleness(seen, self.version, self.config.staleness)
             records = _records_field(req)
-            if records is not None and self._last_records.get(records[:2]) == records[3:]:
-                # these records were applied here already (the push of an attempt that died
-                # before recording its progress, sent again by the next one): once is enough
-                return Message(self._reply(update_s=time.perf_counter() - began, duplicate=True))
-            shard.apply(req.tensors, indices)
-            # a gradient pushed slot by slot (overlapping the trainer's backward) counts as
-            # one update, at its last piece
-            if not part or _field(req, "final", bool, False):
-                self.version += 1
-                if records is not None:
-                    self._last_records[records[:2]] = records[3:]
-                    self._note_applied(records[1], records[2], records[3], records[4])
-                self._maybe_announce_async()
+            if not part:
+                shard.check(req.tensors, trainer, indices=indices)
+                self._check_version(seen, trainer)
+                if self._applied_already(records):
+                    return Message(self._reply(update_s=time.perf_counter() - began, duplicate=True))
+                shard.apply(req.tensors, indices)
+            else:
+                outcome = self._stage_piece(shard, req, trainer, indices, seen, records)
+                if outcome != "applied":
+                    return Message(self._reply(update_s=time.perf_counter() - began, **({"duplicate": True} if outcome == "duplicate" else {})))
+            self.version += 1
+            if records is not None:
+                self._last_records[records[:2]] = records[3:]
+                self._note_applied(records[1], records[2], records[3], records[4])
+            self._maybe_announce_async()
             return Message(self._reply(update_s=time.perf_counter() - began))
+
+    def _applied_already(self, records: tuple[int, int, int, int, int] | None) -> bool:
+        """These records of this (pass, task) were applied here already: the push of an
+        attempt that died before recording its progress, sent again by the next one (or
+        a call retried). Once is enough."""
+        return records is not None and self._last_records.get(records[:2]) == records[3:]
+
+    def _stage_piece(
+        self, shard: ParameterShard, req: Message, trainer: str, indices: list[int] | None, seen: int, records: tuple[int, int, int, int, int] | None
+    ) -> str:
+        """Async, a step pushed slot by slot while the trainer's backward runs: stage each
+        piece, and apply the step only at its ``final`` message, which the trainer sends
+        once every pserver has accepted every piece. A step with a non-finite slot on any
+        pserver thus changes nothing anywhere. ``first`` opens a step, dropping what an
+        unfinished one staged; a refused piece voids the step here. Returns "staged",
+        "applied", or "duplicate" (a final whose records were applied here already)."""
+        if _field(req, "first", bool, False):
+            shard.unstage(trainer)
+        final = _field(req, "final", bool, False)
+        try:
+            shard.check(req.tensors, trainer, indices=indices)
+            shard.stage(trainer, req.tensors, indices)
+            if not final:
+                return "staged"
+            self._check_version(seen, trainer)
+        except (GradientRejected, StalePush):
+            shard.unstage(trainer)
+            raise
+        if self._applied_already(records):
+            shard.unstage(trainer)
+            return "duplicate"
+        if not shard.apply_staged_step(trainer):
+            raise StalePush(f"pserver {self.index} holds no piece of the step trainer {trainer!r} ends (dropped meanwhile): pull and compute again")
+        return "applied"
+
+    def _check_version(self, seen: int, trainer: str) -> None:
+        """Async: ``seen`` (the version a gradient was computed on) was served here and is
+        within the staleness bound."""
+        if not 0 <= seen <= self.version:
+            raise GradientRejected(f"push from trainer {trainer!r} was computed on version {seen}, which pserver {self.index} never served (now {self.version})")
+        check_staleness(seen, self.version, self.config.staleness)
 
     def _note_applied(self, task: int, attempt: int, start: int, end: int) -> None:
         ranges = self._ledger.setdefault((task, attempt), [])
@@ -518,7 +557,10 @@ class Pserver:
         with self._cond:
             if event.type is EventType.DELETE:
                 self._members.discard(trainer)
-                self._gone.add(trainer)
+                if self.config.mode is Mode.SYNC:
+                    self._gone.add(trainer)  # its staged gradient goes once no round names it
+                elif self._shard is not None:
+                    self._shard.unstage(trainer, forget=True)  # a step it never ended
                 self._cond.notify_all()  # waiting pulls look again: the round may be ready now
             else:
                 self._members.add(trainer)

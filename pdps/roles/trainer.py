@@ -43,6 +43,7 @@ from pdps.core.errors import (
     CorruptRecord,
     EpochChanged,
     FencingError,
+    GradientRejected,
     LeaseExpired,
     NotInitialized,
     NotReady,
@@ -371,11 +372,12 @@ class _Pipeline:
     A push-step arms it: as backward accumulates each parameter's gradient, a hook adds
     that parameter's blocks of each pserver to the pserver's bucket; a bucket of
     :data:`BUCKET_NUMEL` elements goes to the pserver's worker thread, which pushes it
-    (``"part": true``; the last push of a step carries ``"final"``, so an async pserver
-    counts the step once) and then zeroes those blocks. The pservers check each piece
-    is finite: the trainer makes no pass of its own over the gradient. Async, once the
-    pushes are in, the pull goes out bucket by bucket in forward order and :meth:`need`
-    (a forward pre-hook) waits for a module's own parameters only.
+    (``"part": true``) and then zeroes those blocks. The pservers check each piece is
+    finite (the trainer makes no pass of its own over the gradient) and stage it; an
+    async step is applied by a last ``"final"`` message once every piece was accepted
+    everywhere. Async, once the pushes are in, the pull goes out bucket by bucket in
+    forward order and :meth:`need` (a forward pre-hook) waits for a module's own
+    parameters only.
     """
 
     def __init__(self, ctx: TrainerContext) -> None:
@@ -413,7 +415,10 @@ class _Pipeline:
 
     def push(self, loss: Any, metas: list[dict]) -> list[Message | StalePush]:
         """``loss.backward()`` with each slot pushed as soon as it is ready; one reply
-        (the last piece's) or StalePush per part, once every piece has been answered."""
+        per part (StalePush if it dropped the step), once every piece has been answered.
+        Async, only then, and only if no piece was refused anywhere, does each pserver
+        get the step's ``final`` message, which applies what it staged: a refused piece
+        raises here and the step changes no parameter anywhere."""
         self._meta, self._sent, self._pushes = metas, set(), []
         self._bucket = [[] for _ in self._workers]
         error: BaseException | None = None
@@ -424,17 +429,30 @@ class _Pipeline:
             for i in sorted(set(self._pieces) - self._sent):  # parameters this loss does not reach
                 self._ready(i)
             for pi, bucket in enumerate(self._bucket):
-                self._send(pi, bucket, final=True)
+                self._send(pi, bucket)
         except BaseException as exc:  # backward failed: nothing more goes out
             error = exc
         finally:
             self._meta = None
-        t0 = time.perf_counter()
-        results: list[Message | StalePush] = [Message({})] * len(self._workers)
         # (the workers zero each piece once pushed: the caller must not zero the buffer
         # again, and parameters no piece covers hold no gradient anyone reads)
+        results = self._replies(self._pushes)
+        if error is not None:
+            raise error
+        if self._ctx.config.mode is Mode.ASYNC:
+            ends = [(pi, self._workers[pi].submit(self._call, part, "push", Message({**metas[pi], "blocks": [], "part": True, "final": True})))
+                    for pi, part in enumerate(self._group.parts) if not isinstance(results[pi], StalePush)]
+            results = self._replies(ends, results)
+        return results
+
+    def _replies(self, calls: list[tuple[int, Future]], results: list[Message | StalePush] | None = None) -> list[Message | StalePush]:
+        """Wait for every call (part position, its reply); a part's result is its last
+        reply, or StalePush if any was; the first error (an EpochChanged first) is raised
+        once all have ended."""
+        t0 = time.perf_counter()
+        results = [Message({})] * len(self._workers) if results is None else list(results)
         failures: list[BaseException] = []
-        for pi, fut in self._pushes:
+        for pi, fut in calls:
             exc = fut.exception()
             if exc is None:
                 reply = fut.result()
@@ -443,8 +461,6 @@ class _Pipeline:
             else:
                 failures.append(exc)
         self._ctx._time("wait", time.perf_counter() - t0)
-        if error is not None:
-            raise error
         if failures:
             raise next((e for e in failures if isinstance(e, EpochChanged)), failures[0])
         return results
@@ -459,19 +475,21 @@ class _Pipeline:
             bucket.extend(positions)
             blocks = self._group.parts[pi].blocks
             if sum(blocks[j].numel for j in bucket) >= BUCKET_NUMEL:
-                self._send(pi, bucket, final=False)
+                self._send(pi, bucket)
                 self._bucket[pi] = []
 
-    def _send(self, pi: int, positions: list[int], *, final: bool) -> None:
-        """Push these blocks of part ``pi`` (in the pserver's order). An empty final push
-        only tells an async pserver the step is complete; sync needs none."""
+    def _send(self, pi: int, positions: list[int]) -> None:
+        """Push these blocks of part ``pi`` (in the pserver's order); the step's first
+        push to a pserver says so (``first``: an async pserver drops what an unfinished
+        step of ours staged)."""
         assert self._meta is not None
-        if not positions and (not final or self._ctx.config.mode is Mode.SYNC):
+        if not positions:
             return
         part = self._group.parts[pi]
         blocks = [part.blocks[j] for j in sorted(positions)]
         tensors = self._replica.grad_blocks(blocks)
-        meta = {**self._meta[pi], "blocks": [b.key for b in blocks], "part": True, "final": final}
+        first = not any(p == pi for p, _ in self._pushes)
+        meta = {**self._meta[pi], "blocks": [b.key for b in blocks], "part": True, "first": first}
         self._pushes.append((pi, self._workers[pi].submit(self._push_piece, part, Message(meta, tensors), blocks)))
 
     def _push_piece(self, part: _Part, request: Message, blocks: list[Block]) -> Message | StalePush:
@@ -968,49 +986,60 @@ class TrainerContext:
         log.warning("trainer %s: %s", self.trainer_id, exc)
         self._resync()
 
-    def _contribution(self, samples: int) -> Contribution:
-        b = self._batch
-        if b is None or not samples:
+    @staticmethod
+    def _contribution(samples: int, batch: Batch | None) -> Contribution:
+        """What we commit to a round: ``samples`` of ``batch`` (None: no batch; zero
+        samples of a batch: it was consumed, and its refused gradient applies nowhere)."""
+        if batch is None:
             return Contribution(samples)
-        return Contribution(samples, b.task.id, b.attempt, b.start + b.size, b.last, start=b.start)
+        return Contribution(samples, batch.task.id, batch.attempt, batch.start + batch.size, batch.last, start=batch.start)
 
     def _sync_round(self, samples: int, loss: Any = None) -> None:
         """Push to every pserver (staged there), commit the contribution to the round's
         record, then pull the round's result: the step applies everywhere or nowhere.
-        With ``loss`` (overlap), its backward runs here, each slot pushed when ready."""
+        With ``loss`` (overlap), its backward runs here, each slot pushed when ready.
+        A refused gradient (not finite) is committed as zero samples, so the round need
+        not wait for us and applies none of it; then GradientRejected is raised."""
         assert self._replica is not None and self._group is not None
         if self._pipeline is not None:
             self._pipeline.drain()
         round_no = max(p.round_no for p in self._group.parts)
         stale = False
+        refused: GradientRejected | None = None
         if samples:
             meta = {"trainer": self.trainer_id, "round": round_no, "samples": samples, "epoch": self._epoch}
-            if loss is not None and self._pipeline is not None:
-                # a slot its pserver refused (not finite) raises here, before the commit
-                # below: what the others staged is never applied
-                replies = self._pipeline.push(loss, [meta] * len(self._group.parts))
-            else:
-                self._replica.check_finite(self.trainer_id)  # all pservers or none: fail before the first push
-                requests = [(part, Message({**meta, "blocks": part.keys}, self._replica.grads(part.blocks))) for part in self._group.parts]
-                replies = self._call_each("push", requests)
+            try:
+                if loss is not None and self._pipeline is not None:
+                    replies = self._pipeline.push(loss, [meta] * len(self._group.parts))
+                else:
+                    self._replica.check_finite(self.trainer_id)  # all pservers or none: fail before the first push
+                    requests = [(part, Message({**meta, "blocks": part.keys}, self._replica.grads(part.blocks))) for part in self._group.parts]
+                    replies = self._call_each("push", requests)
+            except GradientRejected as exc:
+                refused, replies = exc, []
             for part, reply in zip(self._group.parts, replies):
                 if isinstance(reply, StalePush):
                     stale = True
                     log.warning("trainer %s: push to pserver %d was stale (%s); pulling", self.trainer_id, part.index, reply)
         if not stale:
             began = time.perf_counter()
-            stale = not self._commit(round_no, self._contribution(samples))
+            batch = self._batch if samples else None
+            stale = not self._commit(round_no, self._contribution(0 if refused else samples, batch))
             self._time("barrier", time.perf_counter() - began)
-        if stale:
+        if refused is None and stale:
             self.stale_pushes += 1
-        elif samples:
+        elif refused is None and samples:
             self.pushes += len(self._group.parts)
         if loss is None or self._pipeline is None:
-            self._replica.zero_grad()  # (the pipeline's workers zeroed each piece they pushed)
+            # pushed or refused, the next step starts clean (the pipeline's workers zeroed
+            # each piece they pushed, refused or not)
+            self._replica.zero_grad()
         if stale:
             self._pull_fresh()
         else:
             self._pull_round(round_no)
+        if refused is not None:
+            raise refused
 
     def _commit(self, round_no: int, contribution: Contribution) -> bool:
         """Add our contribution to round ``round_no``'s record; False if it had closed.
@@ -1117,23 +1146,28 @@ class TrainerContext:
 
     def _async_push(self, loss: Any = None) -> bool:
         """Push the summed gradients to every pserver; True if one of them said pull.
-        With ``loss`` (overlap), its backward runs here, each slot pushed when ready: a
-        non-finite slot is refused by its pserver while the others are applied."""
+        With ``loss`` (overlap), its backward runs here, each slot pushed when ready. A
+        refused gradient (not finite) applies nowhere and is dropped, the whole sum since
+        the last push: the next step starts clean; GradientRejected is raised."""
         assert self._replica is not None and self._group is not None
         if self._pipeline is not None:
             self._pipeline.drain()
         held, acc = self._attempt, self._acc
+        self._acc = None  # these records leave with this push, or are dropped with it if it is refused
         records = None if held is None or acc is None else [held.pass_no, held.task, held.attempt, acc[0], acc[1]]
         metas = [
             {"trainer": self.trainer_id, "version": part.version, "blocks": part.keys, "epoch": self._epoch, "incarnation": part.incarnation, "records": records}
             for part in self._group.parts
         ]
         if loss is not None and self._pipeline is not None:
-            replies = self._pipeline.push(loss, metas)
+            replies = self._pipeline.push(loss, metas)  # (its workers zero each piece once pushed, refused or not)
         else:
-            self._replica.check_finite(self.trainer_id)
-            requests = [(part, Message(meta, self._replica.grads(part.blocks))) for part, meta in zip(self._group.parts, metas)]
-            replies = self._call_each("push", requests)
+            try:
+                self._replica.check_finite(self.trainer_id)
+                requests = [(part, Message(meta, self._replica.grads(part.blocks))) for part, meta in zip(self._group.parts, metas)]
+                replies = self._call_each("push", requests)
+            finally:
+                self._replica.zero_grad()  # pushed or refused: the next step starts clean
         stale = False
         for part, reply in zip(self._group.parts, replies):
             if isinstance(reply, StalePush):
@@ -1142,9 +1176,6 @@ class TrainerContext:
                 log.info("trainer %s: pserver %d dropped a stale push: %s", self.trainer_id, part.index, reply)
             else:
                 self.pushes += 1
-        if loss is None or self._pipeline is None:
-            self._replica.zero_grad()  # (the pipeline's workers zeroed each piece they pushed)
-        self._acc = None
         if held is not None and acc is not None:
             self._record_progress(held, acc)
         return stale
@@ -1173,6 +1204,8 @@ class TrainerContext:
                 self._async_push()
             except EpochChanged:
                 self._resync()
+            except GradientRejected as exc:  # the loop has ended: nobody is left to catch it
+                log.error("trainer %s drops the gradient of its last %d batches: %s", self.trainer_id, self._batch_no % self.config.push_every, exc)
             self._batch_no = 0
 
     def _pull_round(self, round_no: int) -> None:

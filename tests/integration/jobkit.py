@@ -13,6 +13,7 @@ from pdps.adapters.fsspec_storage import TEMP_PREFIX
 from pdps.adapters.inproc import InprocTransport
 from pdps.adapters.memory_store import MemoryStore
 from pdps.adapters.torch_compute import TorchCompute
+from pdps.ports.transport import Transport
 from pdps.roles.master import Master
 from pdps.roles.pserver import Pserver
 
@@ -20,7 +21,7 @@ from pdps.roles.pserver import Pserver
 @attrs.define
 class LiveJob:
     store: MemoryStore
-    transport: InprocTransport
+    transport: Transport
     compute: TorchCompute
     config: pdps.JobConfig
     source: Any
@@ -46,16 +47,18 @@ class LiveJob:
         self.store.close()
 
 
-def start_job(source: Any, **settings: Any) -> LiveJob:
-    """A master and ``pservers`` pservers on a fresh memory store; SGD(lr=0.1) unless told."""
+def start_job(source: Any, *, transport: Transport | None = None, address: str = "inproc://", **settings: Any) -> LiveJob:
+    """A master and ``pservers`` pservers on a fresh memory store; SGD(lr=0.1) unless told.
+    ``transport``: in-process unless told (then ``address`` says where the roles serve)."""
     settings.setdefault("name", "live")
     settings.setdefault("optimizer", "SGD")
     settings.setdefault("optimizer_args", {"lr": 0.1})
-    store, transport, compute = MemoryStore(), InprocTransport(), TorchCompute("cpu")
+    store, compute = MemoryStore(), TorchCompute("cpu")
+    transport = transport or InprocTransport()
     config = pdps.JobConfig(dataset=source.url, **settings)
-    master = Master(store, transport, source, config)
+    master = Master(store, transport, source, config, address=address)
     master.start()
-    servers = [Pserver(store, transport, compute, config) for _ in range(config.pservers)]
+    servers = [Pserver(store, transport, compute, config, address=address) for _ in range(config.pservers)]
     for ps in servers:
         ps.start()
     return LiveJob(store, transport, compute, config, source, master, servers)

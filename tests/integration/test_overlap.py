@@ -14,7 +14,7 @@ from torch import nn
 
 import pdps
 from pdps.adapters.parquet import ParquetSource, write_parquet_shards
-from pdps.core.errors import GradientRejected
+from pdps.core.errors import GradientRejected, StalePush
 from pdps.ports.transport import Message
 from pdps.roles.trainer import TIMINGS
 from tests.integration.jobkit import start_job
@@ -80,7 +80,8 @@ class _Probe(torch.autograd.Function):
 @pytest.mark.parametrize("overlap", ["on", "off"])
 def test_the_last_layers_slots_reach_the_pserver_while_backward_still_runs(source, overlap, monkeypatch):
     """Async, one pserver: when backward reaches the first layer, the last layer's
-    update has (overlap) or has not (no overlap) been applied on the pserver already.
+    slots have (overlap) or have not (no overlap) reached the pserver already; either
+    way the pserver applies nothing before the step is whole (it stages the pieces).
     (Buckets of one element: each parameter's slots go as soon as they are ready.)"""
     monkeypatch.setattr("pdps.roles.trainer.BUCKET_NUMEL", 1)
     job = start_job(source, name=f"probe-{overlap}", mode="async", overlap=overlap, min_block=1024)
@@ -88,18 +89,18 @@ def test_the_last_layers_slots_reach_the_pserver_while_backward_still_runs(sourc
         ctx = job.trainer("t0")
         model = ctx.attach(make_model())
         shard = job.ps._shard
+        stats = ctx._group.parts[0].channel.stats
         last = [i for i, b in enumerate(shard.blocks) if b.param.startswith("4.")]
         before = [shard.views()[i].clone() for i in last]
+        sent = stats["bytes_sent"]
         seen = []
 
         def check():
             deadline = time.monotonic() + (5.0 if overlap == "on" else 0.5)  # bounded: no overlap never gets there
-            while time.monotonic() < deadline:
-                if any(not torch.equal(shard.views()[i], b) for i, b in zip(last, before)):
-                    seen.append(True)
-                    return
+            while time.monotonic() < deadline and stats["bytes_sent"] == sent:
                 time.sleep(0.005)
-            seen.append(False)
+            applied = any(not torch.equal(shard.views()[i], b) for i, b in zip(last, before))
+            seen.append((stats["bytes_sent"] > sent, applied))
 
         batches = ctx.batches()
         batch = next(batches)
@@ -107,8 +108,9 @@ def test_the_last_layers_slots_reach_the_pserver_while_backward_still_runs(sourc
         out = model[4](model[3](model[2](_Probe.apply(hidden, check))))
         ctx.step(F.mse_loss(out, batch["y"]))
         assert ctx.overlapping == (overlap == "on")
-        assert seen == [overlap == "on"]
+        assert seen == [(overlap == "on", False)]
         assert job.ps.version == 1  # one update, however many pieces it came in
+        assert all(not torch.equal(shard.views()[i], b) for i, b in zip(last, before))
         batches.close()
     finally:
         job.close()
@@ -138,6 +140,38 @@ def test_pserver_takes_pushes_of_some_slots_in_order_only(source):
         with pytest.raises(GradientRejected, match="2 tensors for 1 blocks"):
             _push(job, ctx, [blocks[0].key], [zeros[0], zeros[1]], final=False)
         assert job.ps.version == 1
+    finally:
+        job.close()
+
+
+def test_async_pserver_applies_a_step_of_pieces_at_its_final_only(source):
+    """Pieces are staged; the final message applies them; a refused piece voids the
+    step (its final finds nothing); a step's first piece drops an unfinished one."""
+    job = start_job(source, name="staged-pieces", mode="async", min_block=16)
+    try:
+        ctx = job.trainer("t0")
+        ctx.attach(make_model())
+        shard = job.ps._shard
+        ones = [torch.ones(b.shape, dtype=torch.float64) for b in shard.blocks]
+        keys = [b.key for b in shard.blocks]
+
+        def moved() -> list[int]:
+            return [i for i, (v, b) in enumerate(zip(shard.views(), before)) if not torch.equal(v, b)]
+
+        before = [v.clone() for v in shard.views()]
+        _push(job, ctx, keys[:1], ones[:1], first=True)
+        assert moved() == []  # staged, not applied
+        bad = ones[1].clone()
+        bad.view(-1)[0] = float("nan")
+        with pytest.raises(GradientRejected, match="not finite"):
+            _push(job, ctx, keys[1:2], [bad])
+        with pytest.raises(StalePush, match="holds no piece"):
+            _push(job, ctx, [], [], final=True)
+        assert moved() == [] and job.ps.version == 0
+        _push(job, ctx, keys[:1], ones[:1], first=True)  # a step never ended...
+        _push(job, ctx, keys[1:2], ones[1:2], first=True)  # ...is dropped when the next opens
+        _push(job, ctx, [], [], final=True)
+        assert moved() == [1] and job.ps.version == 1
     finally:
         job.close()
 
@@ -190,11 +224,12 @@ def test_overlap_setting_is_checked():
         pdps.JobConfig(overlap="yes")
 
 
-@pytest.mark.parametrize("bucket,calls", [(1 << 20, 3), (1, 14)])
+@pytest.mark.parametrize("bucket,calls", [(1 << 20, 4), (1, 14)])
 def test_slots_go_in_buckets(source, monkeypatch, bucket, calls):
-    """A small model's slots gather into one push (the step's final) and one pull per
-    pserver and step; with one-element buckets each of its 6 parameters goes on its
-    own: 6 pushes, an empty final one, 6 pulls. Then one plain pull (ctx.pull())."""
+    """A small model's slots gather into one push, then the step's (empty) final one,
+    and one pull per pserver and step; with one-element buckets each of its 6
+    parameters goes on its own: 6 pushes, the final, 6 pulls. Then one plain pull
+    (ctx.pull())."""
     monkeypatch.setattr("pdps.roles.trainer.BUCKET_NUMEL", bucket)
     job = start_job(source, name=f"buckets-{bucket}", mode="async", overlap="on")
     try:

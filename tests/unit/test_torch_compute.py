@@ -441,6 +441,31 @@ class TestShard:
         shard.unstage("b", forget=True)
         assert "b" not in shard._staged
 
+    @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+    def test_apply_staged_step_steps_one_keys_staged_blocks_only(self, dtype):
+        """An async step staged in pieces: applying it is one step of those blocks with
+        those gradients (as :meth:`apply` of them); another trainer's pieces stay staged."""
+        blocks = cut_blocks(TorchReplica(make_model(dtype=dtype), "cpu").specs, min_block=4)
+        shard, twin = TorchShard(blocks, "Adam", {"lr": 0.1}), TorchShard(blocks, "Adam", {"lr": 0.1})
+        start = [torch.randn(b.shape).to(dtype) for b in blocks]
+        shard.initialize(start, "t0")
+        twin.initialize(start, "t0")
+        grads = [torch.randn(b.shape).to(dtype) for b in blocks]
+        assert shard.apply_staged_step("a") is False  # nothing staged: nothing moves
+        shard.stage("a", [grads[2]], [2])
+        shard.stage("a", [grads[0]], [0])
+        shard.stage("b", [grads[1]], [1])
+        pushed = grads[0].clone()
+        grads[0].zero_()  # staging copied: the trainer may zero its buffer at once
+        assert shard.apply_staged_step("a") is True
+        twin.apply([pushed, grads[2]], [0, 2])
+        assert torch.equal(shard.values, twin.values)
+        assert torch.equal(shard.views()[1], start[1])  # b's block: not a's step
+        assert shard.apply_staged_step("a") is False  # a step is applied once
+        assert shard.apply_staged_step("b") is True
+        twin.apply([grads[1]], [1])
+        assert torch.equal(shard.values, twin.values)
+
     def test_apply_staged_reuses_one_gradient_buffer(self):
         shard, _, grads = shard_and_grads()
         buffer = shard.values.grad

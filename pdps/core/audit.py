@@ -83,7 +83,7 @@ class Attempt:
         """The records ``[start, end)`` of a task of ``records`` records whose gradients
         this attempt put into the parameters (empty while it is pending: its progress is
         in its progress record until it ends)."""
-        if self.outcome in (Outcome.PENDING, Outcome.ROLLED_BACK):
+        if self.outcome is Outcome.PENDING or (self.outcome is Outcome.ROLLED_BACK and self.applied is None):
             return (self.offset, self.offset)
         if self.applied is not None:
             return (self.offset, max(self.offset, self.applied))
@@ -92,9 +92,11 @@ class Attempt:
     @property
     def trained(self) -> bool:
         """It put records into the parameters and no rollback undid them."""
-        if self.outcome in (Outcome.PENDING, Outcome.ROLLED_BACK):
+        if self.outcome is Outcome.PENDING:
             return False
-        return self.applied > self.offset if self.applied is not None else self.outcome is Outcome.DONE
+        if self.applied is not None:
+            return self.applied > self.offset
+        return self.outcome is Outcome.DONE
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {"attempt": self.attempt, "trainer": self.trainer, "outcome": self.outcome.value}
@@ -159,7 +161,7 @@ def roll_back_attempts(attempts: Sequence[Attempt], after: int = 0) -> tuple[Att
     earlier ones as read from the store.
     """
     return tuple(
-        attrs.evolve(a, outcome=Outcome.ROLLED_BACK)
+        attrs.evolve(a, outcome=Outcome.ROLLED_BACK, applied=None)
         if a.attempt > after and (a.trained or a.outcome is Outcome.PENDING or a.late_finish) and a.outcome is not Outcome.ROLLED_BACK
         else a
         for a in attempts
@@ -221,14 +223,19 @@ class AuditLog:
                 self._logs.clear()
         return list(out.values())
 
-    def roll_back(self, records: Iterable[TaskRecord], *, finished: Iterable[int] = ()) -> list[AuditEntry]:
+    def roll_back(
+        self, records: Iterable[TaskRecord], *, finished: Iterable[int] = (), kept: Mapping[int, int] | None = None
+    ) -> list[AuditEntry]:
         """The queue was rolled back to a checkpoint holding ``records`` (the task
         records as the checkpoint saved them): every attempt of this pass the
         checkpoint does not keep (:func:`kept_by_checkpoint`) and that trained or was
         training becomes ``rolled_back``. ``finished`` names the tasks pending in the
         checkpoint whose attempt had trained their last record by then (the rollback
         counts them done): that attempt is kept, and marked ``done`` if it was not.
-        Returns the entries that changed, to persist.
+        ``kept`` maps the other tasks pending in the checkpoint to the record their
+        attempt had trained up to by then: that attempt is ``rolled_back`` with those
+        records still counted (``applied``), since the checkpoint holds them and the task
+        resumes after them. Returns the entries that changed, to persist.
 
         A checkpoint of an earlier pass keeps nothing of this one. The shell then also
         rolls back the persisted entries of the passes in between (:func:`roll_back_attempts`
@@ -246,6 +253,10 @@ class AuditLog:
                 i = _find(new, keep)
                 if i is not None and new[i].outcome is not Outcome.DONE:
                     new[i] = attrs.evolve(new[i], outcome=Outcome.DONE)
+            elif kept and tid in kept and rec is not None and rec.state is State.PENDING and rec.pass_no == self.pass_no:
+                i = _find(new, rec.attempt)
+                if i is not None and new[i].outcome is Outcome.ROLLED_BACK:
+                    new[i] = attrs.evolve(new[i], applied=kept[tid])
             if new != log:
                 self._logs[tid] = new
                 changed.append(self._entry(tid))

@@ -49,7 +49,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from pdps.core.audit import (
     AuditEntry,
@@ -611,17 +611,21 @@ class Master:
         """The write of one audit entry, for the transaction of the change that made it."""
         return Put(self._keys.audit_entry(entry.pass_no, entry.task_id), entry.encode())
 
-    def _roll_back_audit(self, snapshot: Sequence[TaskRecord], pass_no: int, finished: Iterable[int] = ()) -> list[TxnOp]:
+    def _roll_back_audit(
+        self, snapshot: Sequence[TaskRecord], pass_no: int, finished: Iterable[int] = (), kept: Mapping[int, int] | None = None
+    ) -> list[TxnOp]:
         """The audit's part of a rollback to a checkpoint that saved ``snapshot`` at pass
         ``pass_no`` (lock held): the writes that mark ``rolled_back`` what the checkpoint
         does not keep, in the current pass, the passes in between and the checkpoint's
         own; the log then follows the checkpoint's pass. ``finished``: tasks pending in
         the snapshot whose attempt had trained their last record (the rollback counts
-        them done). Idempotent, so a rollback redone by the next master redoes it too.
+        them done); ``kept``: the other tasks pending in it, with the record their attempt
+        had trained up to (still counted). Idempotent, so a rollback redone by the next
+        master redoes it too.
         """
         assert self._queue is not None
         finished = set(finished)
-        ops: list[TxnOp] = [self._audit_put(e) for e in self._audit.roll_back(snapshot, finished=finished)]
+        ops: list[TxnOp] = [self._audit_put(e) for e in self._audit.roll_back(snapshot, finished=finished, kept=kept)]
         if pass_no == self._audit.pass_no:
             return ops
         for p in range(pass_no + 1, self._audit.pass_no):
@@ -634,7 +638,7 @@ class Master:
                 if undone != attempts:
                     ops.append(Put(kv.key, encode_attempts(undone)))
         self._audit = self._restore_audit(pass_no, {s.id for s in self._queue.specs()})
-        ops += [self._audit_put(e) for e in self._audit.roll_back(snapshot, finished=finished)]
+        ops += [self._audit_put(e) for e in self._audit.roll_back(snapshot, finished=finished, kept=kept)]
         return ops
 
     # --- handlers ---------------------------------------------------------------------
@@ -900,7 +904,11 @@ class Master:
             r.id for r in snapshot
             if r.state is TaskState.PENDING and r.id in progress and progress[r.id][0] == r.attempt and progress[r.id][2]
         ]
-        ops.extend(self._roll_back_audit(snapshot, pass_no, finished))
+        kept = {
+            r.id: progress[r.id][1] for r in snapshot
+            if r.state is TaskState.PENDING and r.id in progress and progress[r.id][0] == r.attempt and r.id not in finished
+        }  # fmt: skip
+        ops.extend(self._roll_back_audit(snapshot, pass_no, finished, kept))
         for i in range(0, len(ops), 100):
             self._write(ops[i : i + 100])
         self._write([Put(self._keys.state, json.dumps({"state": "running", "epoch": epoch.epoch}).encode())])

@@ -262,6 +262,26 @@ def test_a_task_whose_attempt_had_trained_its_last_record_by_the_checkpoint_keep
     assert kept_by_checkpoint(checkpoint[0], 0, finished=True) == 1
 
 
+def test_what_a_rolled_back_attempt_had_trained_by_the_checkpoint_still_counts():
+    """A task pending in the checkpoint resumes after the records its attempt had
+    trained by then (the checkpoint holds them): those records count once, the ones the
+    attempt trained after the checkpoint do not (the rollback undid them)."""
+    au = Audited(1)
+    a = au.dispatch("t")
+    checkpoint = au.q.records()  # pending; its progress at the checkpoint: records 0..5
+    au.feed(au.q.expire(now=100.0, applied={0: 9}))  # after it, it got to 9 and timed out
+    changed = au.log.roll_back(checkpoint, kept={a.task.id: 6})
+    # records 6..8 were undone by the rollback; 0..5 are in the checkpoint
+    assert {e.task_id: e.attempts for e in changed} == {0: (A(1, "t", "rolled_back", applied=6),)}
+    au2 = Audited(1)
+    b = au2.dispatch("t")
+    checkpoint = au2.q.records()
+    changed = au2.log.roll_back(checkpoint, kept={b.task.id: 6})
+    assert {e.task_id: e.attempts for e in changed} == {0: (A(1, "t", "rolled_back", applied=6),)}
+    records = au2.q.spec(0).records
+    assert record_counts(au2.log.attempts(0), records) == [[1, 6], [0, records - 6]]  # the next attempt starts at 6
+
+
 def test_a_rollback_to_an_earlier_pass_undoes_the_whole_current_pass():
     au = Audited(1)
     a = au.dispatch("t")

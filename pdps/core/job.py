@@ -7,6 +7,7 @@ once, in one place. All fields are JSON-safe.
 from __future__ import annotations
 
 import difflib
+import inspect
 import json
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
@@ -122,6 +123,7 @@ class JobConfig:
     overlap: str = attrs.field(default="auto", validator=_text)
 
     def __init__(self, **settings: Any) -> None:
+        # attrs' own __init__ would let an unknown name through as a TypeError
         check_setting_names(settings)
         self.__attrs_init__(**settings)
 
@@ -172,6 +174,10 @@ class JobConfig:
             return cls.from_json(d)
         except (ConfigError, TypeError, ValueError) as exc:
             raise CorruptRecord(f"{key} holds no valid job config: {exc}", key) from exc
+
+
+# help(JobConfig) and editors show the fields, not **settings
+JobConfig.__init__.__signature__ = inspect.signature(JobConfig.__attrs_init__)
 
 
 def check_setting_names(settings: Mapping[str, Any]) -> None:

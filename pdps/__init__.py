@@ -8,22 +8,37 @@ The public surface:
 * ``open_store`` / ``open_transport`` / ``open_storage`` / ``open_data_source`` pick
   adapters by URL;
 * every error pdps raises on purpose derives from :class:`PdpsError`.
+
+``import pdps`` loads only the core: the names that run a job (``simulate``,
+``TrainerContext``, ...) import their modules on first use (PEP 562), so the command
+line answers ``--help`` without loading torch.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from pdps.core.errors import (
     ConfigError,
     CorruptCheckpoint,
+    CorruptRecord,
     DatasetError,
+    EpochChanged,
     FencingError,
     GradientRejected,
     InvalidTransition,
     LeaseExpired,
     MissingExtraError,
+    NoSuchJob,
+    NoSuchPass,
+    NotInitialized,
     NotReady,
     PdpsError,
     StalePush,
     StorageError,
     StoreError,
+    StoreUnavailable,
     Timeout,
     TransportError,
     UnknownSchemeError,
@@ -32,15 +47,42 @@ from pdps.core.errors import (
 from pdps.core.job import DEFAULT_JOB, JobConfig
 from pdps.core.sgd import Mode
 from pdps.registry import open_data_source, open_storage, open_store, open_transport
-from pdps.roles.trainer import Batch, Killed, StepRecord, TrainerContext
-from pdps.sim import SimulationResult, fetch_parameters, simulate
+
+if TYPE_CHECKING:
+    from pdps.roles.trainer import Batch, Killed, StepRecord, TrainerContext
+    from pdps.sim import SimulationResult, fetch_parameters, simulate
 
 __version__ = "0.1.0"
 
+# name -> the module that defines it, imported on first access
+_LAZY = {
+    "Batch": "pdps.roles.trainer",
+    "Killed": "pdps.roles.trainer",
+    "TrainerContext": "pdps.roles.trainer",
+    "StepRecord": "pdps.roles.trainer",
+    "SimulationResult": "pdps.sim",
+    "fetch_parameters": "pdps.sim",
+    "simulate": "pdps.sim",
+}
+
 __all__ = [
-    "DEFAULT_JOB", "Batch", "ConfigError", "CorruptCheckpoint", "DatasetError", "FencingError", "GradientRejected",
-    "InvalidTransition", "JobConfig", "Killed", "LeaseExpired", "MissingExtraError", "Mode",
-    "NotReady", "PdpsError", "SimulationResult", "StalePush", "StepRecord", "StorageError", "StoreError",
-    "Timeout", "TrainerContext", "TransportError", "UnknownSchemeError", "UnknownTaskError",
+    "DEFAULT_JOB", "Batch", "ConfigError", "CorruptCheckpoint", "CorruptRecord", "DatasetError", "EpochChanged",
+    "FencingError", "GradientRejected", "InvalidTransition", "JobConfig", "Killed", "LeaseExpired",
+    "MissingExtraError", "Mode", "NoSuchJob", "NoSuchPass", "NotInitialized", "NotReady", "PdpsError",
+    "SimulationResult", "StalePush", "StepRecord", "StorageError", "StoreError", "StoreUnavailable", "Timeout",
+    "TrainerContext", "TransportError", "UnknownSchemeError", "UnknownTaskError",
     "fetch_parameters", "open_data_source", "open_storage", "open_store", "open_transport", "simulate",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pdps' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

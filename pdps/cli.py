@@ -27,13 +27,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from pdps.core.errors import ConfigError, NoSuchJob, PdpsError
+from pdps.core.errors import ConfigError, CorruptCheckpoint, NoSuchJob, PdpsError, StorageError
 from pdps.core.job import DEFAULT_JOB
 
 from pdps.examples.digits import JOB_DEFAULTS as DEMO_DEFAULTS
@@ -64,7 +65,9 @@ def _version() -> str:
     return __version__
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: Sequence[str] = (), env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+    """The parser of ``argv`` in ``env`` (os.environ by default), which decide whether the
+    role commands require ``--store`` and TARGET on the command line."""
     parser = argparse.ArgumentParser(prog="pdps", description="Parameter-server distributed training for torch.")
     parser.add_argument("--version", action="version", version=f"pdps {_version()}")
     parser.add_argument(
@@ -102,7 +105,6 @@ def build_parser() -> argparse.ArgumentParser:
         description="Read a job's state from its coordination store: queue counts, pass, live trainers "
         "and pservers, the latest checkpoint, and quarantined task records; with --pass N, the audit of "
         "that pass instead. No master needs to run.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     _add_store_arguments(status)
     status.add_argument(
@@ -167,13 +169,28 @@ def build_parser() -> argparse.ArgumentParser:
         "launch": ("run a whole job on this machine, one process per role", "Create the job, start a master, M pservers and "
                    "N trainers running TARGET as processes, restart roles that die, and report how the job ended."),
     }
+    required = _required_on_command_line(argv, os.environ if env is None else env)
     for name, (short, long) in roles.items():
         p = sub.add_parser(name, help=short, description=long + " Settings: TOML file < PDPS_* environment < flags.")
-        settings.add_flags(p, name, skip=("target",))
+        settings.add_flags(p, name, skip=("target",), required=required)
         if name in ("trainer", "launch"):
-            p.add_argument("target", metavar="TARGET", nargs="?", default=argparse.SUPPRESS, help="module:function or path/to/file.py:function")
+            optional = {} if "target" in required else {"nargs": "?", "default": argparse.SUPPRESS}
+            p.add_argument("target", metavar="TARGET", help="module:function or path/to/file.py:function", **optional)
         p.set_defaults(func=globals()[f"cmd_{name}"], role=True)
     return parser
+
+
+def _required_on_command_line(argv: Sequence[str], env: Mapping[str, str]) -> set[str]:
+    """The role settings argparse must find on the command line: ``store`` and ``target``,
+    unless a ``PDPS_*`` variable or a settings file may give them (``settings.resolve``
+    then checks that one did)."""
+    from pdps import settings
+
+    # --config as argparse reads it: --config FILE, --config=FILE, or --conf..., the prefixes no other flag shares
+    flags = {a.split("=", 1)[0] for a in argv}
+    if settings.ENV_PREFIX + "CONFIG" in env or any(f.startswith("--conf") and "--config".startswith(f) for f in flags):
+        return set()
+    return {name for name in ("store", "target") if settings.BY_NAME[name].env not in env}
 
 
 def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
@@ -266,10 +283,10 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    url = _store_url(args)  # before the imports below, which load torch
     from pdps.roles.resilient import connect_store
     from pdps.status import format_pass_audit, format_status, job_status, pass_audit
 
-    url = _store_url(args)
     store = connect_store(url, timeout=args.connect_timeout)
     try:
         if args.pass_no is None:
@@ -289,17 +306,16 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_checkpoint(args: argparse.Namespace) -> int:
-    from pdps import checkpoint_cli as ckpt
-    from pdps.core.errors import CorruptCheckpoint, StorageError
-    from pdps.roles.resilient import connect_store
-    from pdps.status import job_config
-
     if args.action != "list" and args.store and "://" not in args.store:
         # one positional that is no URL is the ID: `inspect ID --store URL`
         if args.ckpt_id is not None:
             args.parser.error(f"STORE_URL {args.store!r} is not a URL (etcd://host:port, redis://host:port/db)")
         args.store, args.ckpt_id = None, args.store
-    url = _store_url(args)
+    url = _store_url(args)  # before the imports below, which load torch
+    from pdps import checkpoint_cli as ckpt
+    from pdps.roles.resilient import connect_store
+    from pdps.status import job_config
+
     store = connect_store(url, timeout=args.connect_timeout)
     storage = None
     try:
@@ -400,9 +416,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)  # as typed, for reports (pdps bench)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(argv).parse_args(argv)
+    args.argv = argv  # as typed, for reports (pdps bench)
     fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
     try:
         if getattr(args, "role", False):

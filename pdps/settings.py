@@ -21,7 +21,7 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -151,14 +151,19 @@ def for_command(command: str) -> list[Setting]:
     return [s for s in SETTINGS if command in s.commands]
 
 
-def add_flags(parser: argparse.ArgumentParser, command: str, *, skip: Sequence[str] = ()) -> None:
-    """Add ``--config`` and one flag per setting of ``command``; unset flags stay absent."""
+def add_flags(
+    parser: argparse.ArgumentParser, command: str, *, skip: Sequence[str] = (), required: Collection[str] = ()
+) -> None:
+    """Add ``--config`` and one flag per setting of ``command``; unset flags stay absent.
+    Flags named in ``required`` must be given (nothing else can supply them)."""
     parser.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS, help=f"TOML file of settings (env {ENV_PREFIX}CONFIG)")
     for s in for_command(command):
         if s.name in skip:
             continue
-        default = "" if s.default is None else f" (default: {s.default})"
+        default = "" if s.default in (None, "") else f" (default: {s.default})"  # the help says what unset means
         kw: dict[str, Any] = {"dest": s.name, "default": argparse.SUPPRESS, "help": f"{s.help}{default}; env {s.env}"}
+        if s.name in required:
+            kw["required"] = True
         if s.parse is _bool:
             kw["action"] = "store_true"
         else:

@@ -18,7 +18,7 @@ from typing import Any
 import attrs
 
 from pdps.core.errors import ConfigError, PdpsError, Timeout
-from pdps.core.job import JobConfig, Keys, decode_as, decode_json
+from pdps.core.job import JobConfig, Keys, decode_as, decode_json, require_seconds, require_whole_number, shown
 from pdps.core.slots import ParamSpec
 from pdps.ports.compute import Compute
 from pdps.ports.coordination import CoordinationStore
@@ -79,14 +79,15 @@ def simulate(
     from pdps.registry import open_data_source, open_transport
     from pdps.roles.resilient import ResilientStore, connect_store
 
+    _check_arguments(train, dataset, kill, store, transport, compute, timeout, progress)
     settings.setdefault("name", f"sim-{uuid.uuid4().hex[:8]}")
     settings.setdefault("lease_ttl", 2.0)
-    source = open_data_source(dataset) if isinstance(dataset, str) else dataset
-    config = JobConfig(dataset=getattr(source, "url", str(dataset)), **settings)
+    config = JobConfig(dataset=dataset if isinstance(dataset, str) else dataset.url, **settings)
     kill = dict(kill or {})
     bad = [i for i in kill if not 0 <= i < config.trainers]
     if bad:
         raise ConfigError(f"kill names trainers {bad}, but the job has trainers 0..{config.trainers - 1}")
+    source = open_data_source(dataset) if isinstance(dataset, str) else dataset
     if compute is None:
         from pdps.adapters.torch_compute import TorchCompute
 
@@ -185,6 +186,30 @@ def simulate(
         master.stop()
         if own_store:
             st.close()
+
+
+def _check_arguments(
+    train: Any, dataset: Any, kill: Any, store: Any, transport: Any, compute: Any, timeout: Any, progress: Any
+) -> None:
+    """ConfigError, naming the argument and its value, for an argument of :func:`simulate`
+    that cannot work (the settings are JobConfig's to check)."""
+    kinds = [
+        ("train", train, callable(train), "a callable (the training function)"),
+        ("dataset", dataset, isinstance(dataset, (str, DataSource)), "a URL (str) or a DataSource"),
+        ("store", store, isinstance(store, (str, CoordinationStore)), "a URL (str) or a CoordinationStore"),
+        ("transport", transport, isinstance(transport, (str, Transport)), "a URL (str) or a Transport"),
+        ("compute", compute, compute is None or isinstance(compute, Compute), "a Compute or None"),
+        ("progress", progress, progress is None or callable(progress), "a callable or None"),
+        ("kill", kill, kill is None or isinstance(kill, Mapping), "a dict of trainer index -> steps"),
+    ]
+    for name, value, ok, what in kinds:
+        if not ok:
+            raise ConfigError(f"{name} must be {what}, got {shown(value)}")
+    for index, steps in (kill or {}).items():
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise ConfigError(f"kill must be a dict of trainer index -> steps: trainer index {shown(index)} is not a whole number")
+        require_whole_number(f"kill[{index}]", steps, 0)
+    require_seconds("timeout", timeout)
 
 
 def fetch_parameters(store: CoordinationStore, transport: Transport, config: JobConfig) -> dict[str, Any]:

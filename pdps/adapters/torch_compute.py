@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import difflib
 import functools
 import importlib
 import inspect
@@ -154,11 +155,31 @@ def _with_kernel_choice(cls: type, kwargs: dict[str, Any], device: torch.device)
     return kwargs
 
 
-def _build(cls: type[torch.optim.Optimizer], name: str, params: Sequence[torch.Tensor], kwargs: dict[str, Any]) -> torch.optim.Optimizer:
+def _check_argument_names(cls: type, name: str, given: Mapping[str, Any]) -> None:
+    """ConfigError for an argument the rule does not take, with the nearest one it does."""
+    try:
+        params = inspect.signature(cls.__init__).parameters
+    except (TypeError, ValueError):
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return  # the rule takes any name: it judges its arguments itself
+    known = [n for n in params if n not in ("self", "params")]
+    for key in given:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"it takes {', '.join(known)}"
+            raise ConfigError(f"optimizer {name!r} takes no argument {key!r} ({hint}); optimizer_args given: {dict(given)}")
+
+
+def _build(
+    cls: type[torch.optim.Optimizer], name: str, params: Sequence[torch.Tensor], kwargs: dict[str, Any], given: Mapping[str, Any]
+) -> torch.optim.Optimizer:
+    """``cls(params, **kwargs)``; a refusal is a ConfigError showing the arguments the user ``given``
+    (``kwargs`` adds the kernel choice)."""
     try:
         return cls(list(params), **kwargs)
     except (TypeError, ValueError, RuntimeError) as exc:
-        raise ConfigError(f"optimizer {name!r} refused its arguments {kwargs}: {exc}") from exc
+        raise ConfigError(f"optimizer {name!r} refused its arguments {dict(given)}: {exc}") from exc
 
 
 # --- dtypes and devices -------------------------------------------------------------------
@@ -208,14 +229,16 @@ class TorchCompute:
         only checks when stepping are caught here too.
         """
         cls = resolve_optimizer(name)
-        args = _with_kernel_choice(cls, optimizer_kwargs(kwargs), torch.device(self.device))
+        given = optimizer_kwargs(kwargs)
+        _check_argument_names(cls, name, given)
+        args = _with_kernel_choice(cls, given, torch.device(self.device))
         dummy = torch.zeros(1, device=self.device)
         dummy.grad = torch.zeros_like(dummy)
-        opt = _build(cls, name, [dummy], args)
+        opt = _build(cls, name, [dummy], args, given)
         try:
             opt.step()
         except (TypeError, ValueError, RuntimeError) as exc:
-            raise ConfigError(f"optimizer {name!r} failed a step with arguments {args}: {exc}") from exc
+            raise ConfigError(f"optimizer {name!r} failed a step with arguments {given}: {exc}") from exc
 
     def replica(self, module: torch.nn.Module) -> TorchReplica:
         return TorchReplica(module, self.device)
@@ -460,12 +483,13 @@ class TorchShard:
         self._grad_views = self._views_of(self._grad)
         self.optimizer_name = optimizer
         cls = resolve_optimizer(optimizer)
-        self.optimizer_args = _with_kernel_choice(cls, optimizer_kwargs(optimizer_args), torch.device(self.device))
+        given = optimizer_kwargs(optimizer_args)
+        self.optimizer_args = _with_kernel_choice(cls, given, torch.device(self.device))
         self._all = tuple(range(len(self.blocks)))
         self._staged_blocks: dict[str, set[int]] = {}
         # a pserver holding no blocks still builds its rule (over the empty tensor), so
         # a bad optimizer is refused the same way everywhere
-        self.optimizer = _build(cls, optimizer, self._value_views or [self.values], self.optimizer_args)
+        self.optimizer = _build(cls, optimizer, self._value_views or [self.values], self.optimizer_args, given)
         self.initialized = False
         log.debug("shard of %d blocks (%d elements) on %s with %s(%r)", len(self.blocks), self.numel, self.device, optimizer, self.optimizer_args)
 

@@ -6,6 +6,8 @@ once, in one place. All fields are JSON-safe.
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import json
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
@@ -21,12 +23,42 @@ DEFAULT_JOB = "default"
 T = TypeVar("T")
 
 
-def _positive(name: str):
-    def check(_inst: object, _attr: object, value: float) -> None:
-        if not value > 0:
-            raise ConfigError(f"{name} must be > 0, got {value!r}")
+def shown(value: Any) -> str:
+    """A value as an error message shows it: its repr and, unless it is None, its type
+    (``'3' (str)``, so a string that looks like a number is told apart)."""
+    return "None" if value is None else f"{value!r} ({type(value).__name__})"
 
-    return check
+
+def require_whole_number(name: str, value: Any, minimum: int, *, optional: bool = False) -> None:
+    """ConfigError unless ``value`` is an int of at least ``minimum`` (``None`` too if
+    ``optional``). A bool is refused (``True`` is no count), and so is a float, even a
+    whole one like 3.0."""
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        none = " or None" if optional else ""
+        raise ConfigError(f"{name} must be a whole number >= {minimum}{none}, got {shown(value)}")
+
+
+def require_seconds(name: str, value: Any, *, zero: bool = False) -> None:
+    """ConfigError unless ``value`` is a number of seconds, an int or a float (not a bool,
+    not NaN), > 0 (>= 0 if ``zero``, where 0 turns something off)."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not (number and (value >= 0 if zero else value > 0)):  # NaN fails both comparisons
+        raise ConfigError(f"{name} must be a number of seconds {'>=' if zero else '>'} 0, got {shown(value)}")
+
+
+def _whole_number(minimum: int, *, optional: bool = False) -> Callable[[Any, attrs.Attribute, Any], None]:
+    return lambda _inst, attr, value: require_whole_number(attr.name, value, minimum, optional=optional)
+
+
+def _seconds(*, zero: bool = False) -> Callable[[Any, attrs.Attribute, Any], None]:
+    return lambda _inst, attr, value: require_seconds(attr.name, value, zero=zero)
+
+
+def _text(_inst: object, attr: attrs.Attribute, value: Any) -> None:
+    if not isinstance(value, str):
+        raise ConfigError(f"{attr.name} must be a string, got {shown(value)}")
 
 
 def _json_safe(_inst: object, attr: attrs.Attribute, value: Any) -> None:
@@ -39,61 +71,78 @@ def _json_safe(_inst: object, attr: attrs.Attribute, value: Any) -> None:
 
 
 def _optimizer_args(value: Mapping[str, Any] | None) -> dict[str, Any]:
+    if value is not None and not isinstance(value, Mapping):
+        raise ConfigError(f"optimizer_args must be a dict of the optimizer's keyword arguments, got {shown(value)}")
     # tuples (Adam's betas) arrive as lists after a JSON round trip; take lists from the start
     return {k: list(v) if isinstance(v, tuple) else v for k, v in dict(value or {}).items()}
 
 
-@attrs.frozen(kw_only=True)
-class JobConfig:
-    """What a training job is. Defaults are the ones ``pdps demo --help`` shows."""
+# Names users pass as settings that are the optimizer's arguments, not the job's.
+_OPTIMIZER_ARGUMENTS = ("lr", "momentum", "weight_decay", "betas", "eps", "nesterov")
 
-    name: str = DEFAULT_JOB
-    dataset: str = ""
+
+@attrs.frozen(kw_only=True, init=False)
+class JobConfig:
+    """What a training job is. Defaults are the ones ``pdps demo --help`` shows.
+
+    Every field is checked when a JobConfig is made: a misspelt name, a value of the
+    wrong type (a bool or a float where a whole number goes) or out of range raises
+    :class:`ConfigError` naming the setting, the value and what it should be.
+    """
+
+    name: str = attrs.field(default=DEFAULT_JOB, validator=_text)
+    dataset: str = attrs.field(default="", validator=_text)
     mode: Mode = attrs.field(default=Mode.SYNC, converter=Mode.parse)
-    trainers: int = attrs.field(default=1, validator=_positive("trainers"))
-    pservers: int = attrs.field(default=1, validator=_positive("pservers"))
-    optimizer: str = "SGD"
+    trainers: int = attrs.field(default=1, validator=_whole_number(1))
+    pservers: int = attrs.field(default=1, validator=_whole_number(1))
+    optimizer: str = attrs.field(default="SGD", validator=_text)
     optimizer_args: dict[str, Any] = attrs.field(factory=lambda: {"lr": 0.01}, converter=_optimizer_args, validator=_json_safe)
-    batch_size: int = attrs.field(default=32, validator=_positive("batch_size"))
-    passes: int = attrs.field(default=1, validator=_positive("passes"))
-    push_every: int = attrs.field(default=1, validator=_positive("push_every"))
-    pull_every: int = attrs.field(default=1, validator=_positive("pull_every"))
-    staleness: int | None = None
-    failure_max: int = 3
-    task_timeout: float = attrs.field(default=60.0, validator=_positive("task_timeout"))
-    max_in_flight: int = attrs.field(default=1, validator=_positive("max_in_flight"))
-    lease_ttl: float = attrs.field(default=10.0, validator=_positive("lease_ttl"))
-    num_slots: int = attrs.field(default=DEFAULT_NUM_SLOTS, validator=_positive("num_slots"))
-    min_block: int = attrs.field(default=DEFAULT_MIN_BLOCK, validator=_positive("min_block"))
-    store_outage_deadline: float = attrs.field(default=60.0, validator=_positive("store_outage_deadline"))
-    checkpoint_url: str = ""  # storage root for checkpoints (file://, s3://, memory://); "" = none
-    checkpoint_every: int = 0  # sync: rounds; async: updates on pserver 0; 0 = not by count
-    checkpoint_seconds: float = 0.0  # at most this long between checkpoints; 0 = not by time
-    checkpoint_keep: int = attrs.field(default=3, validator=_positive("checkpoint_keep"))
+    batch_size: int = attrs.field(default=32, validator=_whole_number(1))
+    passes: int = attrs.field(default=1, validator=_whole_number(1))
+    push_every: int = attrs.field(default=1, validator=_whole_number(1))
+    pull_every: int = attrs.field(default=1, validator=_whole_number(1))
+    staleness: int | None = attrs.field(default=None, validator=_whole_number(0, optional=True))
+    failure_max: int = attrs.field(default=3, validator=_whole_number(0))
+    task_timeout: float = attrs.field(default=60.0, validator=_seconds())
+    max_in_flight: int = attrs.field(default=1, validator=_whole_number(1))
+    lease_ttl: float = attrs.field(default=10.0, validator=_seconds())
+    num_slots: int = attrs.field(default=DEFAULT_NUM_SLOTS, validator=_whole_number(1))
+    min_block: int = attrs.field(default=DEFAULT_MIN_BLOCK, validator=_whole_number(1))
+    store_outage_deadline: float = attrs.field(default=60.0, validator=_seconds())
+    # storage root for checkpoints (file://, s3://, memory://); "" = none
+    checkpoint_url: str = attrs.field(default="", validator=_text)
+    # sync: rounds; async: updates on pserver 0; 0 = not by count
+    checkpoint_every: int = attrs.field(default=0, validator=_whole_number(0))
+    # at most this long between checkpoints; 0 = not by time
+    checkpoint_seconds: float = attrs.field(default=0.0, validator=_seconds(zero=True))
+    checkpoint_keep: int = attrs.field(default=3, validator=_whole_number(1))
     # seconds a checkpoint write's temporary file must go unmodified before a clean-up
     # takes it for a killed writer's leftover: far above any pause inside a live write
-    checkpoint_orphan_grace: float = attrs.field(default=3600.0, validator=_positive("checkpoint_orphan_grace"))
-    restore: str = "job"  # on a pserver restart: "job" rolls everyone back; "lost" (async) restores only its slots
-    keep_rounds: int = attrs.field(default=10000, validator=_positive("keep_rounds"))  # sync round records kept
-    overlap: str = "auto"  # on: push each slot during backward, async: pull during the next forward; auto: see trainer
+    checkpoint_orphan_grace: float = attrs.field(default=3600.0, validator=_seconds())
+    # on a pserver restart: "job" rolls everyone back; "lost" (async) restores only its slots
+    restore: str = attrs.field(default="job", validator=_text)
+    keep_rounds: int = attrs.field(default=10000, validator=_whole_number(1))  # sync round records kept
+    # on: push each slot during backward, async: pull during the next forward; auto: see trainer
+    overlap: str = attrs.field(default="auto", validator=_text)
+
+    def __init__(self, **settings: Any) -> None:
+        # attrs' own __init__ would let an unknown name through as a TypeError
+        check_setting_names(settings)
+        self.__attrs_init__(**settings)
 
     def __attrs_post_init__(self) -> None:
         if not self.name or "/" in self.name:
             raise ConfigError(f"job name must be non-empty and contain no '/', got {self.name!r}")
         if self.mode is Mode.SYNC and (self.push_every != 1 or self.pull_every != 1):
             raise ConfigError("sync mode pushes and pulls every mini-batch; push_every/pull_every are for async mode")
-        if self.staleness is not None and (self.mode is Mode.SYNC or self.staleness < 0):
+        if self.staleness is not None and self.mode is Mode.SYNC:
             raise ConfigError("staleness is a bound >= 0 for async mode only")
-        if self.failure_max < 0:
-            raise ConfigError(f"failure_max must be >= 0, got {self.failure_max}")
         if self.overlap not in ("auto", "on", "off"):
             raise ConfigError(f"overlap must be 'auto', 'on' or 'off', got {self.overlap!r}")
         if self.restore not in ("job", "lost"):
             raise ConfigError(f"restore must be 'job' or 'lost', got {self.restore!r}")
         if self.restore == "lost" and self.mode is Mode.SYNC:
             raise ConfigError("restore='lost' is for async mode; a sync job rolls back as a whole so every step stays atomic")
-        if self.checkpoint_every < 0 or self.checkpoint_seconds < 0:
-            raise ConfigError("checkpoint_every and checkpoint_seconds must be >= 0 (0 turns that trigger off)")
         if (self.checkpoint_every or self.checkpoint_seconds) and not self.checkpoint_url:
             raise ConfigError("checkpoint_every/checkpoint_seconds need a checkpoint_url to write to")
         if self.num_slots < self.pservers:
@@ -115,10 +164,6 @@ class JobConfig:
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> JobConfig:
-        names = {a.name for a in attrs.fields(cls)}
-        unknown = set(d) - names
-        if unknown:
-            raise ConfigError(f"unknown job settings: {sorted(unknown)}")
         return cls(**d)
 
     def encode(self) -> bytes:
@@ -132,6 +177,27 @@ class JobConfig:
             return cls.from_json(d)
         except (ConfigError, TypeError, ValueError) as exc:
             raise CorruptRecord(f"{key} holds no valid job config: {exc}", key) from exc
+
+
+# help(JobConfig) and editors show the fields, not **settings
+JobConfig.__init__.__signature__ = inspect.signature(JobConfig.__attrs_init__)
+
+
+def check_setting_names(settings: Mapping[str, Any]) -> None:
+    """ConfigError unless every name in ``settings`` is a JobConfig field, with a
+    suggestion for a misspelt one and a pointer to ``optimizer_args`` for ``lr``."""
+    names = sorted(a.name for a in attrs.fields(JobConfig))
+    for name, value in settings.items():
+        if name in names:
+            continue
+        close = difflib.get_close_matches(name, names, n=1)
+        if name in _OPTIMIZER_ARGUMENTS:
+            hint = f"an optimizer's arguments go in optimizer_args, e.g. optimizer_args={{{name!r}: {value!r}}}"
+        elif close:
+            hint = f"did you mean {close[0]!r}?"
+        else:
+            hint = f"the settings are: {', '.join(names)}"
+        raise ConfigError(f"unknown setting {name}={value!r}; {hint}")
 
 
 def decode_as(raw: bytes, key: str, parse: Callable[[Any], T]) -> T:

@@ -26,7 +26,7 @@ import json
 import logging
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -34,7 +34,11 @@ from pdps.core.errors import CorruptRecord, PdpsError, StorageError
 from pdps.core.job import JobConfig, Keys, decode_json
 from pdps.ports.coordination import Compare, CoordinationStore, Delete, KeyValue, Op, Put, TxnOp
 from pdps.ports.storage import Storage
-from pdps.roles import checkpoint as files
+
+# The files module imports torch (its tensor parts): imported where a checkpoint is
+# written or read, so a master and `pdps status` that take none start without torch.
+if TYPE_CHECKING:
+    from pdps.roles import checkpoint as files
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +139,8 @@ def record_part(store: CoordinationStore, keys: Keys, ckpt_id: str, part: files.
 
 def try_commit(store: CoordinationStore, storage: Storage, config: JobConfig, ckpt_id: str) -> bool:
     """Commit ``ckpt_id`` if every part is recorded; True if this call committed it."""
+    from pdps.roles import checkpoint as files
+
     keys = Keys(config.name)
     info_kv = store.get(keys.checkpoint_info(ckpt_id))
     if info_kv is None:
@@ -188,6 +194,8 @@ def cleanup(store: CoordinationStore, storage: Storage, keys: Keys, *, keep: Ite
     """Delete every checkpoint that is not kept and either older than the newest kept
     one (beyond retention, or never committed) or from an epoch before ``epoch`` (a
     rollback abandoned it). Newer ones of the current epoch may still be in flight."""
+    from pdps.roles import checkpoint as files
+
     keep = list(keep)
     newest = max(keep) if keep else ""
 
@@ -224,6 +232,8 @@ def choose(store: CoordinationStore, storage: Storage, keys: Keys, *, skip: Iter
     A corrupt one (a checksum mismatch, a missing part, no manifest) is passed over
     with an error naming what is wrong and which checkpoint is used instead.
     """
+    from pdps.roles import checkpoint as files
+
     skip = set(skip)
     bad: list[str] = []
     for ckpt_id in committed_ids(store, keys):
@@ -252,6 +262,8 @@ def rollback(store: CoordinationStore, storage: Storage | None, keys: Keys, reas
     transaction, so none of them can commit into the new epoch. The pointer moves
     to the chosen checkpoint, dropping any committed after it.
     """
+    from pdps.roles import checkpoint as files
+
     while True:
         current, kv = read_epoch(store, keys)
         if checkpoint is not None:

@@ -28,7 +28,7 @@ import json
 import logging
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -36,7 +36,11 @@ from pdps.core.errors import CorruptRecord, PdpsError, StorageError
 from pdps.core.job import JobConfig, Keys, decode_json
 from pdps.ports.coordination import Compare, CoordinationStore, Delete, KeyValue, Op, Put, TxnOp
 from pdps.ports.storage import Storage
-from pdps.roles import checkpoint as files
+
+# The files module imports torch (its tensor parts): imported where a checkpoint is
+# written or read, so a master and `pdps status` that take none start without torch.
+if TYPE_CHECKING:
+    from pdps.roles import checkpoint as files
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +141,8 @@ def record_part(store: CoordinationStore, keys: Keys, ckpt_id: str, part: files.
 
 def try_commit(store: CoordinationStore, storage: Storage, config: JobConfig, ckpt_id: str) -> bool:
     """Commit ``ckpt_id`` if every part is recorded; True if this call committed it."""
+    from pdps.roles import checkpoint as files
+
     keys = Keys(config.name)
     info_kv = store.get(keys.checkpoint_info(ckpt_id))
     if info_kv is None:
@@ -196,6 +202,8 @@ def cleanup(
     With a ``grace`` (seconds), first delete the leftovers of writes nobody has written
     to for that long (killed writers'), in any checkpoint's folder, kept ones included:
     the folder of a deleted checkpoint goes with it only once it is empty."""
+    from pdps.roles import checkpoint as files
+
     keep = list(keep)
     newest = max(keep) if keep else ""
 
@@ -241,6 +249,8 @@ def choose(store: CoordinationStore, storage: Storage, keys: Keys, *, skip: Iter
     A corrupt one (a checksum mismatch, a missing part, no manifest) is passed over
     with an error naming what is wrong and which checkpoint is used instead.
     """
+    from pdps.roles import checkpoint as files
+
     skip = set(skip)
     bad: list[str] = []
     for ckpt_id in committed_ids(store, keys):
@@ -274,6 +284,8 @@ def rollback(
     deleted by :func:`cleanup`, with leftovers older than ``grace`` (the job's
     ``checkpoint_orphan_grace``; None leaves them to the next commit).
     """
+    from pdps.roles import checkpoint as files
+
     while True:
         current, kv = read_epoch(store, keys)
         if checkpoint is not None:

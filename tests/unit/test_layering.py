@@ -68,3 +68,66 @@ def test_missing_extra_is_named():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "pip install 'pdps[parquet]'" in proc.stdout, proc.stdout + proc.stderr
+
+
+def imported_on_load(path: Path) -> set[str]:
+    """What loading the module imports at once: its top-level imports (in ``if`` and
+    ``try`` blocks too), not those inside functions or under ``if TYPE_CHECKING``.
+    ``from a import b`` counts ``a`` and ``a.b`` (b may be a module)."""
+    names: set[str] = set()
+
+    def visit(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, ast.Import):
+                names.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names.add(node.module)
+                names.update(f"{node.module}.{a.name}" for a in node.names)
+            elif isinstance(node, ast.If) and not (isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"):
+                visit(node.body)
+                visit(node.orelse)
+            elif isinstance(node, ast.Try):
+                visit(node.body)
+                for handler in node.handlers:
+                    visit(handler.body)
+                visit(node.orelse)
+                visit(node.finalbody)
+
+    visit(ast.parse(path.read_text()).body)
+    return names
+
+
+def source_of(module: str) -> Path | None:
+    parts = module.split(".")[1:]
+    if not parts:
+        return None  # the package root
+    for path in (PKG.joinpath(*parts[:-1], parts[-1] + ".py"), PKG.joinpath(*parts, "__init__.py")):
+        if path.is_file():
+            return path
+    return None  # a name imported from a module
+
+
+def test_the_master_and_status_load_without_torch():
+    """``pdps master`` computes nothing and ``pdps status`` only reads the store: the
+    modules they run import torch nowhere on load (every multi-process job starts a
+    master, and torch takes a second or two of CPU to import). The package root is
+    left out: what ``import pdps`` loads is test_import_pdps_needs_only_the_core_dependencies's."""
+    for root in ("pdps.process", "pdps.roles.master", "pdps.status"):
+        via: dict[str, str | None] = {root: None}  # module -> the module that loads it
+        todo = [root]
+        while todo:
+            module = todo.pop()
+            parts = module.split(".")
+            path = source_of(module)
+            found = [".".join(parts[:i]) for i in range(2, len(parts))]  # parent packages load first
+            if path is not None:
+                found += [name for name in imported_on_load(path) if name.split(".")[0] in ("pdps", "torch")]
+            for name in found:
+                if name not in via:
+                    via[name] = module
+                    todo.append(name)
+        torch = next((m for m in via if m.split(".")[0] == "torch"), None)
+        chain = [torch]
+        while chain[-1] is not None and via[chain[-1]] is not None:
+            chain.append(via[chain[-1]])
+        assert torch is None, f"{root} loads torch: {' <- '.join(chain)}"

@@ -162,10 +162,10 @@ class Pserver:
         self._round_checkpoint: tuple[int, str] | None = None  # (round, checkpoint taken after it)
         self._waiting: set[str] = set()
         self._gone: set[str] = set()  # trainers whose key went: their staging buffers can go
-        #: async: the records [start, end) of each (pass, task) last applied here: the same
-        #: records pushed again (a re-queued task's first push, a retried call) are not
-        #: applied twice
-        self._last_records: dict[tuple[int, int], tuple[int, int]] = {}
+        #: async: the records [start, end) of each task last applied here, and their pass:
+        #: the same records pushed again (a re-queued task's first push, a retried call)
+        #: are not applied twice
+        self._last_records: dict[int, tuple[int, int, int]] = {}  # task -> (pass, start, end)
         #: (task, attempt) -> the records applied here, as merged [start, end) ranges (the
         #: ``applied`` call; the newest LEDGER_ATTEMPTS attempts of this epoch)
         self._ledger: OrderedDict[tuple[int, int], list[list[int]]] = OrderedDict()
@@ -323,7 +323,7 @@ class Pserver:
                     return Message(self._reply(update_s=time.perf_counter() - began, **({"duplicate": True} if outcome == "duplicate" else {})))
             self.version += 1
             if records is not None:
-                self._last_records[records[:2]] = records[3:]
+                self._last_records[records[1]] = (records[0], records[3], records[4])
                 self._note_applied(records[1], records[2], records[3], records[4])
             self._maybe_announce_async()
             return Message(self._reply(update_s=time.perf_counter() - began))
@@ -332,7 +332,7 @@ class Pserver:
         """These records of this (pass, task) were applied here already: the push of an
         attempt that died before recording its progress, sent again by the next one (or
         a call retried). Once is enough."""
-        return records is not None and self._last_records.get(records[:2]) == records[3:]
+        return records is not None and self._last_records.get(records[1]) == (records[0], records[3], records[4])
 
     def _stage_piece(
         self, shard: ParameterShard, req: Message, trainer: str, indices: list[int] | None, seen: int, records: tuple[int, int, int, int, int] | None

@@ -213,3 +213,37 @@ def test_a_sigkilled_trainer_process_leaves_every_record_applied_once(etcd_serve
             proc.wait(timeout=30)
         log.close()
         store.close()
+
+
+def test_a_pserver_applies_the_same_records_of_a_task_once(dataset):
+    """The push of an attempt that died before recording its progress may have reached a
+    pserver; the next attempt sends the same records again. The pserver applies them
+    once (and a push of other records, or the same records in the next pass, as usual)."""
+    from pdps.adapters.parquet import ParquetSource
+    from pdps.ports.transport import Message
+    from tests.integration.jobkit import start_job
+
+    job = start_job(ParquetSource(dataset), mode="async", pservers=1)
+    try:
+        ctx = job.trainer("t")
+        ctx.attach(make_model())
+        part = ctx._group.parts[0]
+        grads = [torch.ones_like(t) for t in ctx._replica.grads(part.blocks)]
+
+        def push(records: list[int], attempt_trainer: str = "t") -> Message:
+            meta = {"trainer": attempt_trainer, "version": job.ps.version, "blocks": part.keys, "records": records}
+            return ctx._group.call(part, "push", Message(meta, grads))
+
+        push([0, 3, 1, 0, 8])
+        assert job.ps.version == 1
+        before = pdps.fetch_parameters(job.store, job.transport, job.config)
+        reply = push([0, 3, 2, 0, 8], "u")  # attempt 2 of task 3 sends records 0..7 again
+        assert reply.meta.get("duplicate") is True and job.ps.version == 1
+        after = pdps.fetch_parameters(job.store, job.transport, job.config)
+        assert all(torch.equal(before[k], after[k]) for k in before)
+        push([0, 3, 2, 8, 16], "u")  # the next records
+        push([1, 3, 5, 0, 8])  # the same records in the next pass
+        assert job.ps.version == 3
+        assert sorted(map(tuple, job.ps.applied())) == [(3, 1, 0, 8), (3, 2, 8, 16), (3, 5, 0, 8)]
+    finally:
+        job.close()

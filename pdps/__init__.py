@@ -50,7 +50,7 @@ from pdps.registry import open_data_source, open_storage, open_store, open_trans
 
 if TYPE_CHECKING:
     from pdps.roles.trainer import Batch, Killed, StepRecord, TrainerContext
-    from pdps.sim import SimulationResult, fetch_parameters, simulate
+    from pdps.shell.sim import SimulationResult, fetch_parameters, simulate
 
 __version__ = "0.1.0"
 
@@ -60,9 +60,9 @@ _LAZY = {
     "Killed": "pdps.roles.trainer",
     "TrainerContext": "pdps.roles.trainer",
     "StepRecord": "pdps.roles.trainer",
-    "SimulationResult": "pdps.sim",
-    "fetch_parameters": "pdps.sim",
-    "simulate": "pdps.sim",
+    "SimulationResult": "pdps.shell.sim",
+    "fetch_parameters": "pdps.shell.sim",
+    "simulate": "pdps.shell.sim",
 }
 
 __all__ = [

@@ -1,5 +1,5 @@
 import sys
 
-from pdps.cli import main
+from pdps.shell.cli import main
 
 sys.exit(main())

@@ -41,7 +41,7 @@ import contextlib, io, json, sys
 out, err = io.StringIO(), io.StringIO()
 with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
     try:
-        from pdps.cli import main
+        from pdps.shell.cli import main
         code = main(sys.argv[1:])
     except SystemExit as exc:
         code = exc.code

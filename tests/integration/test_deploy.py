@@ -18,7 +18,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from pdps import settings
+from pdps.shell import settings
 from pdps.core.errors import ConfigError
 
 if sys.version_info >= (3, 11):

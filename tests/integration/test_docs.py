@@ -32,7 +32,7 @@ def test_user_guide_lists_every_job_setting():
 
 
 def test_operations_guide_lists_every_role_setting():
-    from pdps.settings import SETTINGS
+    from pdps.shell.settings import SETTINGS
 
     text = (DOCS / "operations.md").read_text()
     missing = []

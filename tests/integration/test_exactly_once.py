@@ -18,7 +18,7 @@ from torch import nn
 import pdps
 from pdps.adapters.memory_store import MemoryStore
 from pdps.adapters.parquet import write_parquet_shards
-from pdps.status import pass_audit
+from pdps.shell.status import pass_audit
 
 # 12 tasks of 40 records, batches of 8: a kill after k steps lands inside a task
 ROWS, ROW_GROUP, BATCH = 480, 40, 8
@@ -163,7 +163,7 @@ def test_a_sigkilled_trainer_process_leaves_every_record_applied_once(etcd_serve
     from pathlib import Path
 
     from pdps.registry import open_store
-    from pdps.status import job_status
+    from pdps.shell.status import job_status
     from tests.integration.test_faults import role_pid
 
     name, out = f"x-{uuid.uuid4().hex[:8]}", tmp_path / "applied"

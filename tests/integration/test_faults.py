@@ -27,7 +27,7 @@ from pdps.core.job import Keys, decode_json
 from pdps.registry import open_storage, open_store
 from pdps.roles import checkpoint as files
 from pdps.roles import recovery
-from pdps.status import job_status, pass_audit
+from pdps.shell.status import job_status, pass_audit
 from tests.integration.jobkit import leftovers_on_disk
 from tests.servers import EtcdServer
 

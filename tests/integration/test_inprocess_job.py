@@ -21,7 +21,7 @@ from pdps.adapters.parquet import ParquetSource, write_parquet_shards
 from pdps.core.errors import ConfigError, DatasetError, GradientRejected, UnknownSchemeError
 from pdps.core.job import Keys
 from pdps.core.sgd import Contribution
-from pdps.status import format_status, job_status
+from pdps.shell.status import format_status, job_status
 
 K = 20  # steps
 B = 8  # batch per trainer

@@ -25,7 +25,7 @@ from pdps.core.job import JobConfig, Keys
 from pdps.ports.transport import Message
 from pdps.roles.lease import LeaseKeeper
 from pdps.roles.master import Master, publish_job
-from pdps.status import job_status
+from pdps.shell.status import job_status
 
 pytestmark = pytest.mark.integration
 

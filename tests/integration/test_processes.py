@@ -268,9 +268,9 @@ def test_launch_without_restarts_ends_the_job_with_the_trainers_error(etcd_serve
 
 def test_inproc_launch_ends_the_job_with_the_training_functions_error(monkeypatch, caplog):
     """``--transport inproc`` (in this process, no role processes): the same error summary."""
-    from pdps.launch import launch
-    from pdps.process import load_target
-    from pdps.settings import resolve
+    from pdps.shell.launch import launch
+    from pdps.shell.process import load_target
+    from pdps.shell.settings import resolve
 
     target = f"{TARGETS / 'slow.py'}:fail_at_step_3"
     monkeypatch.setenv("FAILING_TRAINER", "trainer-1")

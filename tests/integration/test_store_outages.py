@@ -21,7 +21,7 @@ import pdps
 from pdps.adapters.parquet import write_parquet_shards
 from pdps.core.errors import PdpsError, StoreUnavailable
 from pdps.roles.resilient import connect_store
-from pdps.status import job_status
+from pdps.shell.status import job_status
 from tests.servers import EtcdServer, RedisServer, free_port
 
 pytestmark = pytest.mark.integration

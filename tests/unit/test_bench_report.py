@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from pdps.benchmark import report as rp
-from pdps.benchmark import targets as tg
-from pdps.benchmark.runner import run_bench
-from pdps.benchmark.suites import SUITE_SPECS, bench_dir, parse_json_line, run_suite
+from pdps.shell.benchmark import report as rp
+from pdps.shell.benchmark import targets as tg
+from pdps.shell.benchmark.runner import run_bench
+from pdps.shell.benchmark.suites import SUITE_SPECS, bench_dir, parse_json_line, run_suite
 
 REPO = Path(__file__).resolve().parents[2]
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -417,6 +417,6 @@ def test_run_bench_rejects_unknown_suites_before_running(tmp_path):
 def test_import_pdps_does_not_import_matplotlib():
     import subprocess
 
-    code = "import pdps, pdps.cli, pdps.benchmark.report, pdps.benchmark.runner, sys; print('matplotlib' in sys.modules)"
+    code = "import pdps, pdps.shell.cli, pdps.shell.benchmark.report, pdps.shell.benchmark.runner, sys; print('matplotlib' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "False", out.stderr

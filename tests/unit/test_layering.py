@@ -112,7 +112,7 @@ def test_the_master_and_status_load_without_torch():
     modules they run import torch nowhere on load (every multi-process job starts a
     master, and torch takes a second or two of CPU to import). The package root is
     left out: what ``import pdps`` loads is test_import_pdps_needs_only_the_core_dependencies's."""
-    for root in ("pdps.process", "pdps.roles.master", "pdps.status"):
+    for root in ("pdps.shell.process", "pdps.roles.master", "pdps.shell.status"):
         via: dict[str, str | None] = {root: None}  # module -> the module that loads it
         todo = [root]
         while todo:

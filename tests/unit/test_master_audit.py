@@ -14,14 +14,14 @@ import pytest
 
 from pdps.adapters.inproc import InprocTransport
 from pdps.adapters.memory_store import MemoryStore
-from pdps.cli import build_parser
+from pdps.shell.cli import build_parser
 from pdps.core.errors import ConfigError, NoSuchJob, NoSuchPass
 from pdps.core.job import JobConfig, Keys
 from pdps.core.tasks import TaskSpec
 from pdps.ports.transport import Message
 from tests.unit.test_master_state import Clock
 from pdps.roles.master import Master
-from pdps.status import format_pass_audit, job_status, pass_audit
+from pdps.shell.status import format_pass_audit, job_status, pass_audit
 
 KEYS = Keys("job")
 

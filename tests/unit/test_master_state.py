@@ -18,7 +18,7 @@ from pdps.core.tasks import TaskSpec
 from pdps.ports.coordination import Put
 from pdps.ports.transport import Message
 from pdps.roles.master import Master
-from pdps.status import job_status
+from pdps.shell.status import job_status
 
 
 class Tasks:

@@ -6,8 +6,8 @@ import pytest
 
 from pdps.core.errors import ConfigError
 from pdps.core.sgd import Mode
-from pdps.process import load_target
-from pdps.settings import BY_NAME, SETTINGS, job_config, resolve, role_env
+from pdps.shell.process import load_target
+from pdps.shell.settings import BY_NAME, SETTINGS, job_config, resolve, role_env
 
 
 def write(tmp_path, text: str) -> str:
@@ -124,7 +124,7 @@ def test_load_target_module_and_file(tmp_path):
 
 
 def test_connection_limits_reach_the_grpc_transport_and_the_launchers_children():
-    from pdps.process import open_role_transport
+    from pdps.shell.process import open_role_transport
 
     flags = {"store": "memory://", "handshake_timeout": 2.5, "idle_timeout": 30.0, "max_connections": 8, "max_streams": 4}
     transport = open_role_transport(resolve("pserver", flags, {}))

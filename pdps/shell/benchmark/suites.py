@@ -27,7 +27,7 @@ from typing import Any, TextIO
 
 import attrs
 
-from pdps.benchmark.targets import SUITES, BenchError, SuiteOutputError
+from pdps.shell.benchmark.targets import SUITES, BenchError, SuiteOutputError
 
 STDERR_TAIL_LINES = 40
 SUITE_TIMEOUT_S = 1800.0  # one run of one suite

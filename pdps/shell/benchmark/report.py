@@ -1,7 +1,7 @@
 """What ``pdps bench`` writes: the results JSON, ``docs/performance.md``, the ``--check`` lines.
 
 All three are made from one results dict (:func:`assemble`), whose verdicts come from
-:func:`pdps.benchmark.targets.evaluate`. The markdown is a pure function of the
+:func:`pdps.shell.benchmark.targets.evaluate`. The markdown is a pure function of the
 results and the hand-written notes of ``bench/notes.toml`` (target id -> markdown,
 shown under that target when it is missed).
 """
@@ -14,8 +14,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from pdps.benchmark import targets as tg
-from pdps.benchmark.suites import SUITE_SPECS, suite_config
+from pdps.shell.benchmark import targets as tg
+from pdps.shell.benchmark.suites import SUITE_SPECS, suite_config
 
 SCHEMA = 1
 DOC = Path("docs") / "performance.md"
@@ -59,7 +59,7 @@ def assemble(
 ) -> dict[str, Any]:
     """The results dict: the run's settings, each suite's runs and figures, the verdicts.
 
-    ``suite_runs[suite]`` holds what :func:`pdps.benchmark.suites.run_suite` returned
+    ``suite_runs[suite]`` holds what :func:`pdps.shell.benchmark.suites.run_suite` returned
     for each run, in order.
     """
     suites: dict[str, Any] = {}
@@ -295,7 +295,7 @@ def _plot_name(suite: str) -> str:
 
 def write_docs(results: dict[str, Any], root: Path, notes: Mapping[str, str], *, results_link: str = "") -> list[Path]:
     """Draw every suite's plot into docs/performance/ and write docs/performance.md; returns the paths."""
-    from pdps.benchmark.plots import plot_suite
+    from pdps.shell.benchmark.plots import plot_suite
 
     written = []
     plots: dict[str, str] = {}

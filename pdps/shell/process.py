@@ -3,7 +3,7 @@
 
 Each role needs only the store URL and the job name: it reads the job's
 configuration from the store and finds the others there. Its own settings (how
-to serve, TLS, token) come from :mod:`pdps.settings`.
+to serve, TLS, token) come from :mod:`pdps.shell.settings`.
 
 Shutdown: SIGTERM (or SIGINT) asks the role to stop gracefully — a trainer
 finishes its mini-batch and gives its tasks back, a pserver stops serving once
@@ -177,7 +177,7 @@ def run_master(values: Mapping[str, Any]) -> int:
     """Serve the job's task queue until the job is done (or SIGTERM). Exit code."""
     from pdps.registry import open_data_source
     from pdps.roles.master import Master
-    from pdps.settings import job_config
+    from pdps.shell.settings import job_config
 
     store = _connect(values)
     try:

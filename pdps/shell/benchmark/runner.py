@@ -13,9 +13,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from pdps.benchmark import report as rp
-from pdps.benchmark.suites import SUITE_SPECS, SUITE_TIMEOUT_S, bench_dir, command_of, display_command, run_suite
-from pdps.benchmark.targets import SUITES, BenchError
+from pdps.shell.benchmark import report as rp
+from pdps.shell.benchmark.suites import SUITE_SPECS, SUITE_TIMEOUT_S, bench_dir, command_of, display_command, run_suite
+from pdps.shell.benchmark.targets import SUITES, BenchError
 
 VERSION_TIMEOUT_S = 10.0
 
@@ -89,7 +89,7 @@ def run_bench(
     out_dir = out_dir if out_dir is not None else root / ("docs/performance" if docs else "bench-results")
     notes = rp.load_notes(bench / "notes.toml")  # a bad notes file fails now, not after the runs
     if docs:
-        from pdps.benchmark.plots import _pyplot
+        from pdps.shell.benchmark.plots import _pyplot
 
         _pyplot()  # a missing matplotlib fails now, not after the runs
     order = list(dict.fromkeys(suites))

@@ -94,7 +94,7 @@ def describe(s: Mapping[str, Any]) -> str:
 
 def prepare(values: dict[str, Any], module: ModuleType, workdir: Path) -> JobConfig:
     """Fill in the dataset from the module's hook if none is set; the job's config."""
-    from pdps.settings import job_config
+    from pdps.shell.settings import job_config
 
     if not values.get("dataset"):
         hook = getattr(module, "dataset", None)
@@ -134,7 +134,7 @@ def _on_sigterm(signum: int, _frame: object) -> None:
 
 def launch(values: dict[str, Any], *, out: IO[str] = sys.stdout, err: IO[str] = sys.stderr) -> int:
     """Run the job the settings describe; print the summary; the exit code."""
-    from pdps.process import load_target
+    from pdps.shell.process import load_target
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _on_sigterm)  # unwinds through the launcher's cleanup
@@ -217,7 +217,7 @@ class Launcher:
     """Starts, watches and restarts the role processes of one job."""
 
     def __init__(self, values: Mapping[str, Any], config: JobConfig, err: IO[str]) -> None:
-        from pdps.settings import role_env
+        from pdps.shell.settings import role_env
 
         self.values = values
         self.config = config
@@ -335,7 +335,7 @@ class Launcher:
             store.close()
 
     def _watch(self, store: Any, start: float) -> None:
-        from pdps.status import job_status
+        from pdps.shell.status import job_status
 
         show = _progress_printer(self.config, self._err)
         last_progress = 0.0
@@ -395,8 +395,8 @@ class Launcher:
         return "; its last lines:\n" + "\n".join(f"  {line}" for line in role.last_lines)
 
     def _result(self, store: Any, seconds: float) -> dict[str, Any]:
-        from pdps.process import open_role_transport
-        from pdps.sim import fetch_model, pass_totals
+        from pdps.shell.process import open_role_transport
+        from pdps.shell.sim import fetch_model, pass_totals
 
         transport = open_role_transport(self.values)
         params, steps = fetch_model(store, transport, self.config)

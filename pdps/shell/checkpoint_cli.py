@@ -25,7 +25,7 @@ from pdps.ports.coordination import CoordinationStore
 from pdps.ports.storage import Storage
 from pdps.roles import checkpoint as files
 from pdps.roles import recovery
-from pdps.status import epoch_text, job_config, job_state
+from pdps.shell.status import epoch_text, job_config, job_state
 
 #: The reason a restore gives in the epoch record (and the roles' logs).
 RESTORE_REASON = "operator: pdps checkpoint restore"

@@ -7,14 +7,14 @@ Progress goes to stderr; with ``--json`` the last line of stdout is one JSON obj
 ``--pass N``, the audit of pass N (every attempt at every task and its outcome).
 
 ``pdps checkpoint list|inspect|restore`` lists a job's checkpoints, verifies one
-part by part, or rolls the running job back to one (:mod:`pdps.checkpoint_cli`).
+part by part, or rolls the running job back to one (:mod:`pdps.shell.checkpoint_cli`).
 
 ``pdps bench`` runs the benchmark programs of the source checkout's ``bench/``, checks
-the performance targets and regenerates ``docs/performance.md`` (:mod:`pdps.benchmark`).
+the performance targets and regenerates ``docs/performance.md`` (:mod:`pdps.shell.benchmark`).
 
 ``pdps master``, ``pdps pserver`` and ``pdps trainer TARGET`` run one role as this
 process; ``pdps launch TARGET`` runs a whole job on this machine. Their settings
-come from a TOML file, ``PDPS_*`` variables and flags (:mod:`pdps.settings`).
+come from a TOML file, ``PDPS_*`` variables and flags (:mod:`pdps.shell.settings`).
 
 Exit codes: 0 success, 1 the job (or, with ``--pass``, that pass) does not exist
 (status, checkpoint), the checkpoint does not exist, fails verification (checkpoint
@@ -156,7 +156,7 @@ def build_parser(argv: Sequence[str] = (), env: Mapping[str, str] | None = None)
 
     _add_bench_parser(sub)
 
-    from pdps import settings
+    from pdps.shell import settings
 
     roles = {
         "master": ("serve a job's task queue (creates the job if the store has none)", "Serve the job's task queue: "
@@ -184,7 +184,7 @@ def _required_on_command_line(argv: Sequence[str], env: Mapping[str, str]) -> se
     """The role settings argparse must find on the command line: ``store`` and ``target``,
     unless a ``PDPS_*`` variable or a settings file may give them (``settings.resolve``
     then checks that one did)."""
-    from pdps import settings
+    from pdps.shell import settings
 
     # --config as argparse reads it: --config FILE, --config=FILE, or --conf..., the prefixes no other flag shares
     flags = {a.split("=", 1)[0] for a in argv}
@@ -194,7 +194,7 @@ def _required_on_command_line(argv: Sequence[str], env: Mapping[str, str]) -> se
 
 
 def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    from pdps.benchmark.targets import SUITES
+    from pdps.shell.benchmark.targets import SUITES
 
     bench = sub.add_parser(
         "bench",
@@ -244,33 +244,33 @@ def _store_url(args: argparse.Namespace) -> str:
 
 
 def _settings(args: argparse.Namespace, defaults: dict | None = None) -> dict:
-    from pdps import settings
+    from pdps.shell import settings
 
     given = {k: v for k, v in vars(args).items() if k in settings.BY_NAME or k == "config"}
     return settings.resolve(args.command, given, defaults=defaults)
 
 
 def cmd_master(args: argparse.Namespace) -> int:
-    from pdps.process import run_master
+    from pdps.shell.process import run_master
 
     return run_master(args.values)
 
 
 def cmd_pserver(args: argparse.Namespace) -> int:
-    from pdps.process import run_pserver
+    from pdps.shell.process import run_pserver
 
     return run_pserver(args.values)
 
 
 def cmd_trainer(args: argparse.Namespace) -> int:
-    from pdps.process import run_trainer
+    from pdps.shell.process import run_trainer
 
     return run_trainer(args.values)
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from pdps.launch import launch
-    from pdps.process import load_target
+    from pdps.shell.launch import launch
+    from pdps.shell.process import load_target
 
     values = args.values
     if not values.get("target"):
@@ -285,7 +285,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     url = _store_url(args)  # before the imports below, which load torch
     from pdps.roles.resilient import connect_store
-    from pdps.status import format_pass_audit, format_status, job_status, pass_audit
+    from pdps.shell.status import format_pass_audit, format_status, job_status, pass_audit
 
     store = connect_store(url, timeout=args.connect_timeout)
     try:
@@ -312,9 +312,9 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
             args.parser.error(f"STORE_URL {args.store!r} is not a URL (etcd://host:port, redis://host:port/db)")
         args.store, args.ckpt_id = None, args.store
     url = _store_url(args)  # before the imports below, which load torch
-    from pdps import checkpoint_cli as ckpt
+    from pdps.shell import checkpoint_cli as ckpt
     from pdps.roles.resilient import connect_store
-    from pdps.status import job_config
+    from pdps.shell.status import job_config
 
     store = connect_store(url, timeout=args.connect_timeout)
     storage = None
@@ -345,8 +345,8 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from pdps.benchmark.runner import run_bench
-    from pdps.benchmark.targets import SUITES
+    from pdps.shell.benchmark.runner import run_bench
+    from pdps.shell.benchmark.targets import SUITES
 
     return run_bench(
         suites=args.suites or SUITES,
@@ -363,7 +363,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     import pdps
     from pdps.examples import digits
-    from pdps.launch import describe, summary
+    from pdps.shell.launch import describe, summary
 
     workdir = Path(tempfile.mkdtemp(prefix="pdps-demo-"))
     try:
@@ -422,7 +422,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
     try:
         if getattr(args, "role", False):
-            from pdps.launch import die_with_launcher
+            from pdps.shell.launch import die_with_launcher
 
             die_with_launcher()
             args.values = _settings(args)

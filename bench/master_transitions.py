@@ -90,7 +90,7 @@ from pdps.core.tasks import Change, PassStarted, TaskChanged, TaskSpec  # noqa: 
 from pdps.ports.coordination import Put, TxnOp  # noqa: E402
 from pdps.ports.transport import Message  # noqa: E402
 from pdps.registry import open_store  # noqa: E402
-from pdps.roles.lease import LeaseKeeper  # noqa: E402
+from pdps.runtime.lease import LeaseKeeper  # noqa: E402
 from pdps.roles.master import Master  # noqa: E402
 
 BACKENDS = ("memory", "etcd", "redis")

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from pdps.core.errors import (
     ConfigError,
+    Contended,
     CorruptCheckpoint,
     CorruptRecord,
     DatasetError,
@@ -66,7 +67,7 @@ _LAZY = {
 }
 
 __all__ = [
-    "DEFAULT_JOB", "Batch", "ConfigError", "CorruptCheckpoint", "CorruptRecord", "DatasetError", "EpochChanged",
+    "DEFAULT_JOB", "Batch", "ConfigError", "Contended", "CorruptCheckpoint", "CorruptRecord", "DatasetError", "EpochChanged",
     "FencingError", "GradientRejected", "InvalidTransition", "JobConfig", "Killed", "LeaseExpired",
     "MissingExtraError", "Mode", "NoSuchJob", "NoSuchPass", "NotInitialized", "NotReady", "PdpsError",
     "SimulationResult", "StalePush", "StepRecord", "StorageError", "StoreError", "StoreUnavailable", "Timeout",

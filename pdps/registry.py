@@ -78,6 +78,18 @@ def open_store(url: str) -> Any:
     return _factory("store", url)(url)
 
 
+def connect_store(url: str, *, timeout: float | None = None) -> Any:
+    """Open the store at ``url`` and check that it answers, retrying for up to ``timeout``
+    seconds (default :data:`pdps.runtime.resilient.CONNECT_TIMEOUT`).
+
+    Raises :class:`~pdps.core.errors.StoreUnavailable` naming the URL when it never
+    does; scheme and extra errors (an unknown scheme, a missing package) are raised at once.
+    """
+    from pdps.runtime.resilient import CONNECT_TIMEOUT, wait_until_answers
+
+    return wait_until_answers(open_store(url), timeout=CONNECT_TIMEOUT if timeout is None else timeout)
+
+
 def open_transport(url: str, **options: Any) -> Any:
     """The :class:`~pdps.ports.transport.Transport` for ``url``'s scheme (``grpc://`` or
     just ``grpc``). ``options`` go to the adapter (gRPC: ``token``, ``tls``, ...)."""

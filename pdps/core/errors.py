@@ -82,6 +82,13 @@ class StoreError(PdpsError):
     code = "store"
 
 
+class Contended(StoreError):
+    """A read-modify-write lost the compare-and-set race to other writers more times in
+    a row than its bound: something keeps rewriting the key."""
+
+    code = "contended"
+
+
 class StoreUnavailable(StoreError):
     """The store could not be reached (connection refused, timed out, server gone).
 

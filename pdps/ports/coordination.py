@@ -28,120 +28,26 @@ Contract (every adapter passes ``tests/unit/contract_store.py``):
   when it does not hold: a master that lost its lock can never write.
 * Failures of the backend raise :class:`~pdps.core.errors.StoreError`; a server
   that cannot be reached raises :class:`~pdps.core.errors.StoreUnavailable` promptly
-  (adapters do not retry; :mod:`pdps.roles.resilient` does).
+  (adapters do not retry; :mod:`pdps.runtime.resilient` does).
 """
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable, Sequence
-from typing import Protocol, Union, runtime_checkable
+from typing import Protocol, runtime_checkable
 
-import attrs
-
-
-@attrs.frozen
-class KeyValue:
-    key: str
-    value: bytes
-    mod_revision: int
-    lease: int | None = None
-
-
-class Op(str, enum.Enum):
-    EQ = "=="
-    NE = "!="
-    LT = "<"
-    GT = ">"
-
-
-@attrs.frozen
-class Compare:
-    """One condition of a transaction.
-
-    ``Compare.revision(key, Op.EQ, 0)`` means "the key does not exist";
-    ``Compare.value(key, Op.EQ, b"x")`` compares the stored bytes.
-    """
-
-    key: str
-    target: str  # "revision" | "value"
-    op: Op
-    operand: int | bytes
-
-    @classmethod
-    def revision(cls, key: str, op: Op, rev: int) -> Compare:
-        return cls(key, "revision", op, rev)
-
-    @classmethod
-    def value(cls, key: str, op: Op, value: bytes) -> Compare:
-        return cls(key, "value", op, value)
-
-    @classmethod
-    def absent(cls, key: str) -> Compare:
-        return cls(key, "revision", Op.EQ, 0)
-
-    def holds(self, current: KeyValue | None) -> bool:
-        """Evaluate against the key's current state (shared by the in-memory adapters)."""
-        if self.target == "revision":
-            left: int | bytes = current.mod_revision if current else 0
-        else:
-            if current is None:
-                return False
-            left = current.value
-        op = self.op
-        if op is Op.EQ:
-            return left == self.operand
-        if op is Op.NE:
-            return left != self.operand
-        if op is Op.LT:
-            return left < self.operand  # type: ignore[operator]
-        return left > self.operand  # type: ignore[operator]
-
-
-@attrs.frozen
-class Put:
-    key: str
-    value: bytes
-    lease: int | None = None
-
-
-@attrs.frozen
-class Delete:
-    key: str
-
-
-TxnOp = Union[Put, Delete]
-
-
-@attrs.frozen
-class TxnResult:
-    succeeded: bool
-    revision: int  # the store revision after the transaction
-
-
-@attrs.frozen
-class Fence:
-    """Proof of lock ownership: the lock key, its owner value and the revision it was taken at."""
-
-    key: str
-    owner: bytes
-    revision: int
-
-    def compares(self) -> tuple[Compare, Compare]:
-        return (Compare.value(self.key, Op.EQ, self.owner), Compare.revision(self.key, Op.EQ, self.revision))
-
-
-class EventType(str, enum.Enum):
-    PUT = "put"
-    DELETE = "delete"
-
-
-@attrs.frozen
-class WatchEvent:
-    type: EventType
-    key: str
-    value: bytes | None
-    revision: int
+from pdps.core.txn import (  # noqa: F401  (the port's values, re-exported)
+    Compare,
+    Delete,
+    EventType,
+    Fence,
+    KeyValue,
+    Op,
+    Put,
+    TxnOp,
+    TxnResult,
+    WatchEvent,
+)
 
 
 class Watch(Protocol):

@@ -79,11 +79,13 @@ from pdps.core.tasks import (
     rolled_back,
 )
 from pdps.core.tasks import State as TaskState
+from pdps.core.txn import Decision, Done, Write
 from pdps.ports.coordination import Compare, CoordinationStore, Delete, EventType, Fence, KeyValue, Op, Put, TxnOp, WatchEvent
 from pdps.ports.data import DataSource
 from pdps.ports.storage import Storage
 from pdps.ports.transport import Endpoint, Message, Transport
 from pdps.roles import recovery
+from pdps.runtime.cas import read_modify_write
 
 log = logging.getLogger(__name__)
 
@@ -229,7 +231,7 @@ class Master:
         ``standby`` wait (blocking) until the lock is free and take over. A standby
         stopped while it waits returns without serving.
         """
-        from pdps.roles.lease import LeaseKeeper
+        from pdps.runtime.lease import LeaseKeeper
 
         specs = self._source.tasks()  # a bad dataset fails here, before any task is created
         publish_job(self._store, self.config)
@@ -755,15 +757,16 @@ class Master:
         applied = {}
         for rec in records:
             key = self._keys.task_progress(rec.id)
-            while True:
-                kv = self._store.get(key)
+
+            def fence(kv: KeyValue | None, key: str = key, rec: TaskRecord = rec) -> Decision:
                 progress = TaskProgress.decode(None if kv is None else kv.value, key)
                 fenced = progress.fence(rec.attempt, rec.offset)
-                if fenced == progress:
-                    break  # fenced already (a master before this one got this far)
-                guard = Compare.absent(key) if kv is None else Compare.revision(key, Op.EQ, kv.mod_revision)
-                if self._store.commit((guard,), (Put(key, fenced.encode()),), fence=self._fence).succeeded:
-                    break  # else the attempt's trainer advanced it meanwhile: read again
+                if fenced == progress:  # fenced already (a master before this one got this far)
+                    return Done(fenced)
+                # a lost race means the attempt's trainer advanced it meanwhile: read again
+                return Write((Compare.unchanged(key, kv),), (Put(key, fenced.encode()),), result=fenced)
+
+            fenced = read_modify_write(self._store, key, fence, what=f"fence task {rec.id} attempt {rec.attempt}", fence=self._fence)
             applied[rec.id] = fenced.applied
         return applied
 

@@ -185,7 +185,7 @@ class Pserver:
         self._crashed = False
 
     def start(self) -> None:
-        from pdps.roles.lease import LeaseKeeper
+        from pdps.runtime.lease import LeaseKeeper
 
         self._compute.check_optimizer(self.config.optimizer, self.config.optimizer_args)  # never serve a bad rule
         if self._storage is None:

@@ -689,7 +689,7 @@ class TrainerContext:
 
     def register(self) -> None:
         """Join the job: a leased key under ``trainers/`` (the barrier waits for members)."""
-        from pdps.roles.lease import LeaseKeeper
+        from pdps.runtime.lease import LeaseKeeper
 
         if self._keeper is not None:
             return

@@ -284,7 +284,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     url = _store_url(args)  # before the imports below, which load torch
-    from pdps.roles.resilient import connect_store
+    from pdps.registry import connect_store
     from pdps.shell.status import format_pass_audit, format_status, job_status, pass_audit
 
     store = connect_store(url, timeout=args.connect_timeout)
@@ -313,7 +313,7 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
         args.store, args.ckpt_id = None, args.store
     url = _store_url(args)  # before the imports below, which load torch
     from pdps.shell import checkpoint_cli as ckpt
-    from pdps.roles.resilient import connect_store
+    from pdps.registry import connect_store
     from pdps.shell.status import job_config
 
     store = connect_store(url, timeout=args.connect_timeout)

@@ -308,7 +308,7 @@ class Launcher:
 
     def run(self) -> dict[str, Any]:
         from pdps.roles.master import publish_job
-        from pdps.roles.resilient import connect_store
+        from pdps.registry import connect_store
 
         store = connect_store(self.values["store"], timeout=self.values["connect_timeout"])
         try:

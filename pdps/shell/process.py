@@ -138,7 +138,7 @@ class Shutdown:
 
 
 def _connect(values: Mapping[str, Any]) -> CoordinationStore:
-    from pdps.roles.resilient import connect_store
+    from pdps.registry import connect_store
 
     return connect_store(values["store"], timeout=values["connect_timeout"])
 
@@ -155,7 +155,7 @@ def _stored_config(store: CoordinationStore, job: str, *, wait: bool) -> JobConf
 
 
 def _resilient(store: CoordinationStore, config: JobConfig) -> CoordinationStore:
-    from pdps.roles.resilient import ResilientStore
+    from pdps.runtime.resilient import ResilientStore
 
     return ResilientStore(store, deadline=config.store_outage_deadline)
 

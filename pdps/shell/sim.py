@@ -76,8 +76,8 @@ def simulate(
     ``progress`` is called about once a second with the current pass's queue counts
     and each trainer's ``ctx.metrics``.
     """
-    from pdps.registry import open_data_source, open_transport
-    from pdps.roles.resilient import ResilientStore, connect_store
+    from pdps.registry import connect_store, open_data_source, open_transport
+    from pdps.runtime.resilient import ResilientStore
 
     _check_arguments(train, dataset, kill, store, transport, compute, timeout, progress)
     settings.setdefault("name", f"sim-{uuid.uuid4().hex[:8]}")

@@ -22,9 +22,10 @@ from pdps.adapters.inproc import InprocTransport
 from pdps.adapters.parquet import ParquetSource
 from pdps.core.job import JobConfig, Keys
 from pdps.ports.transport import Message
-from pdps.roles.lease import LeaseKeeper
+from pdps.runtime.lease import LeaseKeeper
 from pdps.roles.master import Master
-from pdps.roles.resilient import ResilientStore, connect_store
+from pdps.registry import connect_store
+from pdps.runtime.resilient import ResilientStore
 
 
 def config_for(job: str, dataset: str, lease_ttl: float) -> JobConfig:

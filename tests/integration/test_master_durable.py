@@ -23,7 +23,7 @@ from pdps.adapters.parquet import ParquetSource, write_parquet_shards
 from pdps.core.errors import ConfigError, FencingError, TransportError
 from pdps.core.job import JobConfig, Keys
 from pdps.ports.transport import Message
-from pdps.roles.lease import LeaseKeeper
+from pdps.runtime.lease import LeaseKeeper
 from pdps.roles.master import Master, publish_job
 from pdps.shell.status import job_status
 
@@ -243,7 +243,7 @@ def test_trainer_lease_expiry_requeues_its_task_long_before_the_task_timeout(rea
 def _claim(url: str, job: str, barrier, results) -> None:
     from pdps.core.errors import ConfigError
     from pdps.roles.pserver import claim_index
-    from pdps.roles.resilient import connect_store
+    from pdps.registry import connect_store
 
     store = connect_store(url)
     lease = store.grant_lease(30)

@@ -20,7 +20,7 @@ from torch import nn
 import pdps
 from pdps.adapters.parquet import write_parquet_shards
 from pdps.core.errors import PdpsError, StoreUnavailable
-from pdps.roles.resilient import connect_store
+from pdps.registry import connect_store
 from pdps.shell.status import job_status
 from tests.servers import EtcdServer, RedisServer, free_port
 

@@ -3,9 +3,10 @@
 Adapters raise :class:`~pdps.core.errors.StoreUnavailable` at once when the server
 cannot be reached; deciding how long to wait is the roles' business, and lives here.
 
-* :func:`connect_store` opens a store and proves it answers, retrying with
-  exponential backoff for a bounded time; then it fails with an error that names
-  the URL, so a typo or a server that is not up is obvious at once.
+* :func:`wait_until_answers` proves a store answers, retrying with exponential
+  backoff for a bounded time; then it fails with an error that names the URL, so a
+  typo or a server that is not up is obvious at once
+  (:func:`pdps.registry.connect_store` opens a store by URL and waits so).
 * :class:`ResilientStore` wraps a store for a running role: every call that meets
   an outage pauses and retries with backoff, logging as it waits, until the outage
   has lasted ``deadline`` seconds; then the role gets a ``StoreUnavailable`` that
@@ -20,12 +21,13 @@ already holds their own unique value (see :meth:`ResilientStore.acquire_lock`).
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from pdps.core.backoff import Backoff
 from pdps.core.errors import StoreUnavailable
 from pdps.ports.coordination import Compare, CoordinationStore, Fence, KeyValue, TxnOp, TxnResult, WatchEvent
+from pdps.runtime.retry import Retry, retry
 
 log = logging.getLogger(__name__)
 
@@ -33,49 +35,43 @@ T = TypeVar("T")
 
 #: Default for how long a role rides out an outage (``JobConfig.store_outage_deadline``).
 OUTAGE_DEADLINE = 60.0
-#: Default for how long :func:`connect_store` keeps trying before it gives up.
+#: Default for how long :func:`wait_until_answers` keeps trying before it gives up.
 CONNECT_TIMEOUT = 10.0
 #: A waiting role logs at most this often.
 LOG_EVERY = 5.0
 
 
+#: How a role paces its retries through an outage.
+OUTAGE_BACKOFF = Backoff(first=0.05, longest=2.0)
+
+
 def _retry(url: str, what: str, fn: Callable[[], T], deadline: float, *, giving_up: str) -> T:
-    """Run ``fn``; on StoreUnavailable back off (50 ms doubling to 2 s) until ``deadline``
-    seconds have passed since the first failure."""
-    start: float | None = None
-    delay = 0.05
-    last_log = 0.0
-    while True:
-        try:
-            result = fn()
-        except StoreUnavailable as exc:
-            now = time.monotonic()
-            if start is None:
-                start = last_log = now
-                log.warning("coordination store %s unreachable (%s); retrying for up to %.0f s: %s", url, what, deadline, exc)
-            elapsed = now - start
-            if elapsed >= deadline:
-                raise StoreUnavailable(f"{giving_up}: coordination store {url} unreachable for {elapsed:.1f} s (limit {deadline:g} s); last error: {exc}") from exc
-            if now - last_log >= LOG_EVERY:
-                last_log = now
-                log.warning("coordination store %s still unreachable after %.0f s (%s); retrying", url, elapsed, what)
-            time.sleep(min(delay, max(0.0, deadline - elapsed)))
-            delay = min(delay * 2, 2.0)
-            continue
-        if start is not None:
-            log.warning("coordination store %s is back after %.1f s", url, time.monotonic() - start)
-        return result
+    """Run ``fn``; on StoreUnavailable back off until ``deadline`` seconds have passed
+    since the first failure, logging at most every ``LOG_EVERY`` seconds."""
+    logged = 0.0
+
+    def waiting(exc: BaseException, state: Retry) -> None:
+        nonlocal logged
+        if state.failures == 1:
+            log.warning("coordination store %s unreachable (%s); retrying for up to %.0f s: %s", url, what, deadline, exc)
+        elif state.elapsed - logged >= LOG_EVERY:
+            logged = state.elapsed
+            log.warning("coordination store %s still unreachable after %.0f s (%s); retrying", url, state.elapsed, what)
+
+    def gave_up(exc: BaseException, state: Retry) -> BaseException:
+        return StoreUnavailable(
+            f"{giving_up}: coordination store {url} unreachable for {state.elapsed:.1f} s (limit {deadline:g} s); last error: {exc}"
+        )
+
+    def back(state: Retry) -> None:
+        log.warning("coordination store %s is back after %.1f s", url, state.elapsed)
+
+    return retry(fn, on=StoreUnavailable, policy=OUTAGE_BACKOFF, deadline=deadline, waiting=waiting, giving_up=gave_up, recovered=back)
 
 
-def connect_store(url: str, *, timeout: float = CONNECT_TIMEOUT) -> CoordinationStore:
-    """Open the store at ``url`` and check that it answers, retrying for up to ``timeout`` s.
-
-    Raises :class:`StoreUnavailable` naming the URL when it never does; scheme and
-    extra errors (an unknown scheme, a missing package) are raised at once.
-    """
-    from pdps.registry import open_store
-
-    store = open_store(url)
+def wait_until_answers(store: CoordinationStore, *, timeout: float = CONNECT_TIMEOUT) -> CoordinationStore:
+    """Check that ``store`` answers, retrying for up to ``timeout`` s; close it and raise
+    :class:`StoreUnavailable` naming its URL when it never does."""
     try:
         _retry(store.url, "connect", lambda: store.get("/pdps/"), timeout, giving_up="cannot start")
     except StoreUnavailable:

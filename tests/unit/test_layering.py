@@ -39,6 +39,25 @@ def test_ports_import_no_adapter_or_role():
             assert not name.startswith(("pdps.adapters", "pdps.roles")), f"ports/{path.name} imports {name}"
 
 
+def test_runtime_imports_only_core_ports_and_itself():
+    """pdps.runtime is the machinery roles and adapters share: it may use neither."""
+    for path in sorted((PKG / "runtime").glob("*.py")):
+        for name in imports_of(path):
+            top = name.split(".")[0]
+            if top == "pdps":
+                assert name.startswith(("pdps.core", "pdps.ports", "pdps.runtime")), f"runtime/{path.name} imports {name}"
+            else:
+                assert top in sys.stdlib_module_names, f"runtime/{path.name} imports {name}"
+
+
+def test_nothing_below_the_shell_imports_it():
+    for path in sorted(PKG.rglob("*.py")):
+        if PKG / "shell" in path.parents or path.parent == PKG:
+            continue
+        for name in imports_of(path):
+            assert not name.startswith("pdps.shell"), f"{path.relative_to(PKG)} imports {name}: the shell is the outermost layer"
+
+
 def test_roles_import_no_adapter_at_module_level():
     for path in sorted((PKG / "roles").glob("*.py")):
         for name in imports_of(path):

@@ -144,7 +144,7 @@ def _connect(values: Mapping[str, Any]) -> CoordinationStore:
 
 
 def _stored_config(store: CoordinationStore, job: str, *, wait: bool) -> JobConfig | None:
-    from pdps.roles.trainer import DISCOVERY_TIMEOUT, wait_for_key
+    from pdps.roles.trainer.discovery import DISCOVERY_TIMEOUT, wait_for_key
 
     keys = Keys(job)
     if wait:

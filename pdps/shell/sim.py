@@ -26,7 +26,8 @@ from pdps.ports.data import DataSource
 from pdps.ports.transport import Message, Transport
 from pdps.roles.master import Master
 from pdps.roles.pserver import Pserver
-from pdps.roles.trainer import Killed, PserverGroup, StepRecord, TrainerContext
+from pdps.roles.trainer import Killed, StepRecord, TrainerContext
+from pdps.roles.trainer.pserver_client import PserverGroup
 
 log = logging.getLogger(__name__)
 

@@ -331,8 +331,6 @@ class TrainerContext(SyncRound, AsyncCadence):
 
     def batches(self) -> Iterator[Batch]:
         """Mini-batches of the tasks leased from the master, until the job is done."""
-        import torch  # the context hands torch tensors to the user's model
-
         held: tuple[int, int] | None = None  # (task, attempt) leased and not yet reported
         bs = self.config.batch_size
         self._user_time()
@@ -385,10 +383,9 @@ class TrainerContext(SyncRound, AsyncCadence):
                 if offset:
                     log.info("trainer %s resumes task %d at record %d of %d (a checkpoint restore)", self.trainer_id, task.id, offset, n)
                 self._abandon = False
+                device = "cpu" if self._replica is None else self._replica.device
                 for start in range(min(offset, n), n, bs):
-                    cols = {k: torch.from_numpy(v[start : start + bs]) for k, v in columns.items()}
-                    if self._replica is not None and self._replica.device != "cpu":
-                        cols = {k: v.to(self._replica.device) for k, v in cols.items()}
+                    cols = self._compute.tensors({k: v[start : start + bs] for k, v in columns.items()}, device)
                     self._batch = Batch(cols, min(bs, n - start), task, pass_no, last=start + bs >= n, attempt=attempt, start=start)
                     self._time("data", time.perf_counter() - fetching)
                     self._back_to_user()

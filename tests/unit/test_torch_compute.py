@@ -10,9 +10,10 @@ import torch
 from torch import nn
 
 from pdps.adapters.torch_compute import ELEMENTWISE, REFUSED, TorchCompute, TorchReplica, TorchShard
-from pdps.core.errors import ConfigError, GradientRejected, NotReady
+from pdps.core.errors import ConfigError, GradientRejected, NotReady, UnknownSchemeError
 from pdps.core.slots import Layout, SlotMap, cut_blocks
 from pdps.ports.compute import Compute
+from pdps.registry import open_compute
 
 # Arguments that make every rule do something visible in a few steps; lists where
 # torch takes tuples, as they arrive from a JSON job config.
@@ -106,6 +107,13 @@ class TestOptimizerRules:
 
     def test_is_a_compute_port(self):
         assert isinstance(self.compute, Compute)
+
+    def test_is_chosen_through_the_registry(self):
+        compute = open_compute("torch", device="cpu")
+        assert isinstance(compute, TorchCompute) and compute.device == "cpu"
+        assert isinstance(open_compute("torch://"), Compute)
+        with pytest.raises(UnknownSchemeError, match=r"unknown compute scheme 'jax' in 'jax://'; known schemes: torch://"):
+            open_compute("jax")
 
     @pytest.mark.parametrize("name", ELEMENTWISE)
     def test_elementwise_rules_are_allowed(self, name):

@@ -37,7 +37,7 @@ from typing import Any
 
 import attrs
 
-from pdps.core.errors import ConfigError, EpochChanged, LeaseExpired, NotInitialized, PdpsError, StalePush
+from pdps.core.errors import ConfigError, EpochChanged, LeaseExpired, NotInitialized, PdpsError, StalePush, Timeout
 from pdps.core.job import JobConfig, Keys, decode_json
 from pdps.core.sgd import Mode
 from pdps.core.slots import ParamSpec
@@ -537,16 +537,19 @@ class TrainerContext(SyncRound, AsyncCadence):
                         self._time("comm", spent)
                         self._time("wait", spent)
                     break
-                except NotInitialized:
+                except NotInitialized as not_yet:
                     # Before the job's first initialization, wait for the trainer that
-                    # published the model; after it (a rollback with no checkpoint), any
+                    # published the model (it writes `initialized` once every pserver
+                    # has its values); after it (a rollback with no checkpoint), any
                     # trainer's values will do.
                     if self._store.get(self._keys.initialized) is not None:
                         self._init_part(part)
-                    elif time.monotonic() - waited > DISCOVERY_TIMEOUT:
-                        raise
                     else:
-                        time.sleep(0.02)
+                        left = DISCOVERY_TIMEOUT - (time.monotonic() - waited)
+                        try:
+                            wait_for_key(self._store, self._keys.initialized, "the initial parameters", timeout=max(0.0, left))
+                        except Timeout:
+                            raise not_yet from None
             self._load(part, reply)
 
     def _load(self, part: Part, reply: Message) -> None:

@@ -8,9 +8,10 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
-from pdps.core.errors import StoreError, Timeout
+from pdps.core.errors import StoreError
 from pdps.core.job import Keys, decode_json
 from pdps.ports.coordination import CoordinationStore
+from pdps.runtime import watching
 
 log = logging.getLogger(__name__)
 
@@ -22,20 +23,7 @@ def wait_for_key(
     store: CoordinationStore, key: str, what: str, timeout: float = DISCOVERY_TIMEOUT, *, unless: Callable[[], bool] | None = None
 ) -> bytes | None:
     """The value of ``key`` once it exists; ``None`` if ``unless()`` turns true first."""
-    start = last = time.monotonic()
-    while True:
-        kv = store.get(key)
-        if kv is not None:
-            return kv.value
-        if unless is not None and unless():
-            return None
-        now = time.monotonic()
-        if now - start > timeout:
-            raise Timeout(f"gave up after {timeout:.0f}s waiting for {what} ({key})")
-        if now - last > 5.0:
-            last = now
-            log.warning("waiting %.0fs for %s (%s)", now - start, what, key)
-        time.sleep(0.02)
+    return watching.wait_for_key(store, key, what, timeout, unless=unless)
 
 
 #: A trainer waiting longer than this (at the barrier, for a pserver) says whom it waits for.
@@ -55,7 +43,7 @@ class Waits:
         seconds = time.time() - since
         log.warning("%s: waiting %.0fs for %s (%s) since %s", self._who, seconds, ", ".join(whom) or "nobody known", what, time.strftime("%H:%M:%S", time.localtime(since)))
         record = json.dumps({"who": self._who, "what": what, "for": list(whom), "since": since}).encode()
-        if record == self._posted:
+        if record.decode() == self._posted:  # the same wait, recorded already
             return
         try:
             self._store.put(self._keys.wait(self._who), record, lease=self._lease())

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import logging
-import time
 
+from pdps.core.backoff import Backoff
 from pdps.core.errors import FencingError, Timeout, TransportError
 from pdps.core.job import Keys
 from pdps.ports.coordination import CoordinationStore
 from pdps.ports.transport import Channel, Message, Transport
 from pdps.roles.trainer.discovery import DISCOVERY_TIMEOUT, job_done, wait_for_key
+from pdps.runtime.retry import Retry
 
 log = logging.getLogger(__name__)
+
+#: Pauses between looking the master up again while it fails over.
+LOOKUP_BACKOFF = Backoff(first=0.05, longest=1.0)
 
 
 class MasterClient:
@@ -39,8 +43,7 @@ class MasterClient:
         ``DISCOVERY_TIMEOUT`` seconds. A master that left because the job is done
         answers for itself through the store: there are no more tasks.
         """
-        deadline: float | None = None
-        delay = 0.05
+        retrying = Retry(LOOKUP_BACKOFF, deadline=DISCOVERY_TIMEOUT)
         while True:
             channel = self._channel()
             if channel is None:
@@ -48,14 +51,9 @@ class MasterClient:
             try:
                 return channel.call(method, request)
             except (TransportError, FencingError) as exc:
-                if isinstance(exc, Timeout):
-                    raise
-                now = time.monotonic()
-                deadline = deadline or now + DISCOVERY_TIMEOUT
-                if now > deadline:
+                if isinstance(exc, Timeout) or not retrying.note():
                     raise
                 log.warning("trainer %s: master unavailable for %s (%s); looking it up again", self._trainer_id, method, exc)
                 channel.close()
                 self._master = None
-                time.sleep(delay)
-                delay = min(delay * 2, 1.0)
+                retrying.pause()

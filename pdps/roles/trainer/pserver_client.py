@@ -11,14 +11,19 @@ from typing import Any
 
 import attrs
 
+from pdps.core.backoff import Backoff
 from pdps.core.errors import CorruptRecord, EpochChanged, NotInitialized, NotReady, PdpsError, StalePush, StoreError, Timeout, TransportError
 from pdps.core.job import JobConfig, Keys, decode_as
 from pdps.core.slots import Block, Layout, ParamSpec, SlotMap
 from pdps.ports.coordination import CoordinationStore
 from pdps.ports.transport import Channel, Message, Transport
 from pdps.roles.trainer.discovery import DISCOVERY_TIMEOUT, WAIT_LOG_EVERY, Waits, wait_for_key
+from pdps.runtime.retry import Retry
 
 log = logging.getLogger(__name__)
+
+#: Pauses between tries of a pserver that is unreachable or not ready.
+UNREACHABLE_BACKOFF = Backoff(first=0.02, longest=1.0)
 
 
 @attrs.define
@@ -102,15 +107,15 @@ class PserverGroup:
     def call(self, part: Part, method: str, request: Message, into: Sequence[Any] | None = None) -> Message:
         """Call one pserver, pausing and retrying while it is unreachable or not ready.
         ``into``: where the reply's tensors may be received (see ``Channel.call``)."""
-        first: float | None = None
+        retrying = Retry(UNREACHABLE_BACKOFF, deadline=self.patience)
         last_log = 0.0
-        delay = 0.02
+        since = 0.0
         while True:
             try:
                 reply = part.channel.call(method, request) if into is None else part.channel.call(method, request, into=into)
-                if first is not None and time.monotonic() - first >= WAIT_LOG_EVERY:
-                    log.warning("pserver %d answers again after %.0fs", part.index, time.monotonic() - first)
-                if first is not None and self._waits is not None:
+                if retrying.elapsed >= WAIT_LOG_EVERY:
+                    log.warning("pserver %d answers again after %.0fs", part.index, retrying.elapsed)
+                if retrying.failures and self._waits is not None:
                     self._waits.done()
                 return reply
             except NotInitialized:
@@ -122,19 +127,18 @@ class PserverGroup:
                     raise
                 error = exc
                 self._reconnect(part)
-            now = time.monotonic()
-            if first is None:
-                first, since = now, time.time()
-            if now - first > self.patience:
+            if not retrying.failures:
+                since = time.time()
+            if not retrying.note():
                 raise error
-            if now - first >= WAIT_LOG_EVERY and now - last_log >= WAIT_LOG_EVERY:
-                last_log = now
+            waited = retrying.elapsed
+            if waited >= WAIT_LOG_EVERY and waited - last_log >= WAIT_LOG_EVERY:
+                last_log = waited
                 if self._waits is not None:
                     self._waits.waiting(f"{method}: {error}", [f"pserver {part.index} at {part.address}"], since)
                 else:
-                    log.warning("waiting %.0fs for pserver %d at %s: %s", now - first, part.index, part.address, error)
-            time.sleep(delay)
-            delay = min(delay * 2, 1.0)
+                    log.warning("waiting %.0fs for pserver %d at %s: %s", waited, part.index, part.address, error)
+            retrying.pause()
 
     def call_each(
         self, method: str, requests: Sequence[tuple[Part, Message]], into: Callable[[Part], Sequence[Any]] | None = None

@@ -21,14 +21,20 @@ from pdps.core.errors import EpochChanged, GradientRejected, StalePush
 from pdps.core.job import Keys, decode_as
 from pdps.core.progress import TaskProgress
 from pdps.core.sgd import Contribution, Mode, RoundRecord
-from pdps.ports.coordination import Compare, CoordinationStore, Op, Put, TxnOp
+from pdps.core.txn import Decision, Done, Write
+from pdps.ports.coordination import Compare, CoordinationStore, KeyValue, Op, Put, TxnOp
 from pdps.ports.transport import Message
 from pdps.roles.trainer.discovery import WAIT_LOG_EVERY
+from pdps.runtime.cas import read_modify_write
 
 if TYPE_CHECKING:
     from pdps.roles.trainer.context import Batch
 
 log = logging.getLogger(__name__)
+
+# what a contribution's read-modify-write found instead of committing
+_CLOSED = object()  # the round had closed
+_ALREADY = object()  # our contribution was in it already
 
 
 @attrs.frozen
@@ -153,38 +159,45 @@ class SyncRound:
         going) and :meth:`batches` drops the task."""
         key = self._keys.round(self._epoch, round_no)
         held = self._attempt if contribution.samples and contribution.task is not None else None
-        while True:
-            kv = self._store.get(key)
+
+        def contribute(kv: KeyValue | None) -> Decision:
+            nonlocal held, contribution
             record = RoundRecord(round_no) if kv is None else decode_as(kv.value, kv.key, RoundRecord.from_json)
-            guards: list[Compare] = [Compare.absent(key) if kv is None else Compare.revision(key, Op.EQ, kv.mod_revision)]
+            guards: list[Compare] = [Compare.unchanged(key, kv)]
             ops: list[TxnOp] = []
             advanced = None
             if held is not None:
                 try:
                     guard, put, advanced = held.advance(contribution.offset)
-                except StalePush as exc:
+                except StalePush as exc:  # the master fenced our attempt: contribute nothing
                     self._lose_task(exc)
                     held, contribution = None, Contribution(0)
-                    continue
-                guards.append(guard)
-                ops.append(put)
+                else:
+                    guards.append(guard)
+                    ops.append(put)
             try:
                 updated = record.contribute(self.trainer_id, contribution)
             except StalePush:
-                return False
+                return Done(_CLOSED)
             if updated is record:  # committed already (a retry whose reply was lost)
-                if held is not None:
-                    held.refresh(self._store)
-                    self._applied(contribution, round_no)
-                return True
+                return Done(_ALREADY)
             ops.insert(0, Put(key, json.dumps(updated.to_json()).encode()))
-            if self._store.commit(tuple(guards), tuple(ops)).succeeded:
-                if held is not None and advanced is not None:
-                    held.advanced(advanced)
-                    self._applied(contribution, round_no)
-                return True
+            return Write(guards, ops, result=advanced)
+
+        def moved() -> None:
             if held is not None:
                 held.refresh(self._store)  # the round or the progress record moved: look again
+
+        outcome = read_modify_write(self._store, key, contribute, what=f"{self.trainer_id}'s contribution to round {round_no}", on_conflict=moved)
+        if outcome is _CLOSED:
+            return False
+        if held is not None:
+            if outcome is _ALREADY:
+                held.refresh(self._store)
+            else:
+                held.advanced(outcome)
+            self._applied(contribution, round_no)
+        return True
 
     def _applied(self, c: Contribution, round_no: int | None) -> None:
         """Note a step that went into the parameters (:attr:`history`)."""
@@ -316,18 +329,21 @@ class AsyncCadence:
         """Async: every pserver has the push of ``records``: advance the task's progress
         record (compare-and-set). A fenced attempt drops its task; its pushes beyond the
         fence are the pservers' to ignore (they apply each task's records once)."""
-        while True:
+        def advance(_: object) -> Decision:
             try:
                 guard, put, new = held.advance(records[1])
             except StalePush as exc:
                 self._lose_task(exc)
-                return
-            if self._store.commit((guard,), (put,)).succeeded:
-                held.advanced(new)
-                samples = records[1] - records[0]
-                self.history.append(StepRecord(None, self._epoch, held.pass_no, held.task, held.attempt, records[0], records[1], samples))
-                return
-            held.refresh(self._store)
+                return Done(None)
+            return Write((guard,), (put,), result=new)
+
+        new = read_modify_write(
+            self._store, lambda: None, advance, what=f"progress of task {held.task}", on_conflict=lambda: held.refresh(self._store)
+        )
+        if new is not None:
+            held.advanced(new)
+            samples = records[1] - records[0]
+            self.history.append(StepRecord(None, self._epoch, held.pass_no, held.task, held.attempt, records[0], records[1], samples))
 
     def _flush(self) -> None:
         """Async: push what was accumulated since the last push, so no batch is lost."""

@@ -36,7 +36,7 @@ class InprocEndpoint:
             _services.pop(_name(self.address), None)
 
 
-def _tensor_bytes(tensors: object) -> int:
+def tensor_bytes(tensors: object) -> int:
     try:
         return sum(t.numel() * t.element_size() for t in tensors)  # type: ignore[attr-defined, union-attr]
     except (AttributeError, TypeError):
@@ -64,12 +64,12 @@ class InprocChannel:
         received = 0
         try:
             reply = self._call(method, request, timeout)
-            received = _tensor_bytes(reply.tensors)
+            received = tensor_bytes(reply.tensors)
             return reply
         finally:
             with self._stats_lock:
                 self.stats["calls"] += 1
-                self.stats["bytes_sent"] += _tensor_bytes(request.tensors)
+                self.stats["bytes_sent"] += tensor_bytes(request.tensors)
                 self.stats["bytes_received"] += received
 
     def _call(self, method: str, request: Message, timeout: float | None) -> Message:

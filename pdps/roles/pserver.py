@@ -181,6 +181,8 @@ class Pserver:
         self._writers: list[threading.Thread] = []
         self._seen_checkpoints: set[str] = set()
         self._last_checkpoint = time.monotonic()
+        self.checkpoint_parts = 0  # parts of checkpoints written, and the seconds it took
+        self.checkpoint_seconds = 0.0
         self._stopped = False
         self._crashed = False
 
@@ -637,7 +639,11 @@ class Pserver:
         assert self._storage is not None and self.index is not None
         name = recovery.pserver_part(self.index)
         try:
+            began = time.monotonic()
             part = files.write_part(self._storage, f"{ckpt_id}/{name}.safetensors", state, name=name)
+            with self._cond:
+                self.checkpoint_parts += 1
+                self.checkpoint_seconds += time.monotonic() - began
             delay = float(os.environ.get(CHECKPOINT_DELAY_ENV, "0") or 0)
             if delay:
                 time.sleep(delay)

@@ -136,6 +136,7 @@ class TrainerContext(SyncRound, AsyncCadence):
         self.patience = DISCOVERY_TIMEOUT
         self.killed = False
         self.steps = 0  # mini-batches stepped
+        self.samples = 0  # their samples
         self.pushes = 0
         self.stale_pushes = 0
         self.tasks_done = 0
@@ -469,6 +470,7 @@ class TrainerContext(SyncRound, AsyncCadence):
                 loss.backward()
                 self._time("compute", time.perf_counter() - began)
             self.steps += 1
+            self.samples += samples
             self._stepped = self._batch
             if not sync and self._batch is not None:  # the records this push will carry
                 b = self._batch

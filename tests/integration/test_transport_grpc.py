@@ -217,10 +217,10 @@ def test_timeout_travels_as_the_deadline_and_leaves_meta_alone(serve, via):
     ch = over_bulk(ep) if via == "bulk" else GrpcTransport(bulk_threshold=None).connect(ep.address)
     start = time.monotonic()
     ch.call("look", Message({}), timeout=7.5)
-    ch.call("look", Message({"timeout": 99}), timeout=7.5)
+    ch.call("look", Message({"after_round": 99}), timeout=7.5)
     end = time.monotonic()
     ch.call("look", Message({}))
-    assert [meta for meta, _ in seen] == [{}, {"timeout": 99}, {}]
+    assert [meta for meta, _ in seen] == [{}, {"after_round": 99}, {}]
     assert all(start + 7.5 - 5 < d < end + 7.5 + 1 for _, d in seen[:2]) and seen[2][1] is None
     assert ep.bulk_calls == (3 if via == "bulk" else 0)
 

@@ -58,10 +58,10 @@ from pdps.core.progress import TaskProgress
 from pdps.core.sgd import Contribution, Mode, RoundRecord
 from pdps.core.slots import Block, Layout, ParamSpec, SlotMap
 from pdps.core.tasks import TaskSpec
-from pdps.ports.compute import Compute, ModelReplica
+from pdps.ports.compute import Compute, ModelReplica, ThreadedCompute
 from pdps.ports.coordination import Compare, CoordinationStore, Op, Put, TxnOp
 from pdps.ports.data import DataSource
-from pdps.ports.transport import Channel, Message, Transport
+from pdps.ports.transport import Channel, ChannelStats, ConcurrentCalls, Message, Transport
 
 log = logging.getLogger(__name__)
 
@@ -264,7 +264,7 @@ class PserverGroup:
         # Calls to different pservers overlap when the transport's calls release the GIL
         # (gRPC); in-process calls are plain function calls and stay on this thread.
         self._pool = None
-        if getattr(transport, "concurrent", False) and len(self.parts) > 1:
+        if isinstance(transport, ConcurrentCalls) and transport.concurrent and len(self.parts) > 1:
             from concurrent.futures import ThreadPoolExecutor
 
             self._pool = ThreadPoolExecutor(len(self.parts), thread_name_prefix="pdps-pserver-call")
@@ -658,7 +658,7 @@ class TrainerContext:
             t = dict(self._times)
         out = {k: t.get(k, 0.0) for k in TIMINGS}
         channels = [] if self._group is None else [p.channel for p in self._group.parts]
-        out["serialize"] = sum(float((getattr(c, "stats", None) or {}).get("serialize", 0.0)) for c in channels)
+        out["serialize"] = sum(float(c.stats.get("serialize", 0.0)) for c in channels if isinstance(c, ChannelStats))
         out["network"] = max(0.0, t.get("comm", 0.0) - out["serialize"] - out["update"] - out["barrier"])
         return out
 
@@ -793,10 +793,9 @@ class TrainerContext:
         overlap, 0.38-0.45x without)."""
         if self.config.overlap != "auto":
             return self.config.overlap == "on"
-        if self.device != "cpu" or not getattr(self._transport, "concurrent", False):
+        if self.device != "cpu" or not (isinstance(self._transport, ConcurrentCalls) and self._transport.concurrent):
             return True
-        threads = getattr(self._compute, "threads", None)
-        return threads is not None and (os.cpu_count() or 1) > threads
+        return isinstance(self._compute, ThreadedCompute) and (os.cpu_count() or 1) > self._compute.threads
 
     def _init_part(self, part: _Part) -> None:
         """Give pserver ``part`` this replica's values, unless it has some already."""

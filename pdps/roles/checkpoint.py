@@ -51,7 +51,7 @@ import attrs
 import torch
 
 from pdps.core.errors import ConfigError, CorruptCheckpoint, StorageError
-from pdps.ports.storage import Leftover, Storage
+from pdps.ports.storage import CachedReads, Leftover, OpensReaders, Storage
 
 try:  # ISA-L's crc32 (pip install 'pdps[isal]'): the same checksums, 24 GB/s here
     from isal.isal_zlib import crc32 as _crc32
@@ -653,11 +653,10 @@ def _read_checked(storage: Storage, info: PartInfo) -> torch.Tensor:
     size = _checked_size(storage, info)
     buf = _new_buffer(size)
     view = memoryview(buf.numpy())
-    open_reader = getattr(storage, "open_reader", None)
-    if open_reader is not None and size > READ_PIECE:
-        with open_reader(info.path) as reader:
+    if isinstance(storage, OpensReaders) and size > READ_PIECE:
+        with storage.open_reader(info.path) as reader:
             if reader.parallel:
-                cached = getattr(reader, "read_cached", None)
+                cached = reader.read_cached if isinstance(reader, CachedReads) else None
                 value = _read_pieces_hashed(reader.read_into, view, 2 if _hash_in_thread(size) else 1, cached)
             else:
                 value = _read_hashed(reader.read_into, view)

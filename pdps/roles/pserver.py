@@ -395,7 +395,7 @@ class Pserver:
 
     def _pull(self, req: Message) -> Message:
         after = _field(req, "after_round", int, None)
-        timeout = _field(req, "timeout", float, 600.0)
+        timeout = 600.0 if req.deadline is None else max(0.0, req.deadline - time.monotonic())
         slice_s = _field(req, "slice", float, None)
         with self._cond:
             self._check_epoch(req)

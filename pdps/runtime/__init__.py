@@ -1,0 +1,1 @@
+"""Shared effectful machinery that roles and adapters may both use."""

@@ -88,6 +88,7 @@ log = logging.getLogger(__name__)
 #: How long a trainer told to wait should sleep before asking again.
 RETRY_IN = 0.05
 
+
 class _Read:
     """One read of trainer registrations, shared by the get_task calls that arrived before it started."""
 

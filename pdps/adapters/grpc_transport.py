@@ -46,6 +46,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from pdps.adapters import bulk
 from pdps.adapters.refusals import RefusalLog
+from pdps.core.backoff import Backoff
 from pdps.core.errors import (
     ConfigError,
     GradientRejected,
@@ -59,6 +60,7 @@ from pdps.core.errors import (
     error_classes,
 )
 from pdps.ports.transport import Handler, Message
+from pdps.runtime.retry import Retry
 
 log = logging.getLogger(__name__)
 
@@ -96,8 +98,10 @@ BULK_RETRY_AFTER = 60.0
 #: Seconds left above which a gRPC call has no deadline: grpcio reports none as about 2**63 s.
 _NO_DEADLINE = 1e12
 
+#: How a call to a server not (yet) listening pauses before it tries again.
 RETRY_FIRST = 0.05
 RETRY_MAX = 1.0
+RECONNECT = Backoff(first=RETRY_FIRST, longest=RETRY_MAX)
 
 #: Defaults of the server's connection limits (docs/transport.md, "Connections"): the
 #: handshake deadline and the idle time are the bulk channel's. Connections are capped
@@ -1076,7 +1080,7 @@ class GrpcChannel:
         retry_until = start + self._transport.connect_timeout
         if deadline is not None:
             retry_until = min(retry_until, deadline)
-        backoff = RETRY_FIRST
+        unavailable = Retry(RECONNECT, deadline=max(0.0, retry_until - time.monotonic()))
         attempts = 0
         while True:
             attempts += 1
@@ -1091,10 +1095,9 @@ class GrpcChannel:
                 return self._seen(method, self._reply(call, method, tally, into))
             except grpc.RpcError as exc:
                 accepted = _metadata_value(call.initial_metadata(), ACCEPTED_KEY) is not None
-                if call.code() == grpc.StatusCode.UNAVAILABLE and not accepted and time.monotonic() + backoff < retry_until:
-                    log.debug("%s unavailable (%s); retrying %r in %.2f s", self.address, call.details(), method, backoff)
-                    time.sleep(backoff)
-                    backoff = min(backoff * 2, RETRY_MAX)
+                if call.code() == grpc.StatusCode.UNAVAILABLE and not accepted and unavailable.note():
+                    log.debug("%s unavailable (%s); retrying %r (try %d)", self.address, call.details(), method, attempts + 1)
+                    unavailable.pause()
                     continue
                 remote = _metadata_value(call.trailing_metadata(), ERROR_CODE_KEY)
                 spent = time.monotonic() - start

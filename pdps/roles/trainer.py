@@ -58,10 +58,28 @@ from pdps.core.progress import TaskProgress
 from pdps.core.sgd import Contribution, Mode, RoundRecord
 from pdps.core.slots import Block, Layout, ParamSpec, SlotMap
 from pdps.core.tasks import TaskSpec
+from pdps.core.wire import (
+    AppliedRequest,
+    CheckpointRequest,
+    FailTaskRequest,
+    FinishTaskRequest,
+    GetTaskReply,
+    GetTaskRequest,
+    GiveBackRequest,
+    InitRequest,
+    MasterRequest,
+    PullReply,
+    PullRequest,
+    PushReply,
+    PushRequest,
+    ReportReply,
+    Request,
+)
 from pdps.ports.compute import Compute, ModelReplica
 from pdps.ports.coordination import Compare, CoordinationStore, Op, Put, TxnOp
 from pdps.ports.data import DataSource
 from pdps.ports.transport import Channel, Message, Transport
+from pdps.roles import calls
 
 log = logging.getLogger(__name__)
 
@@ -328,22 +346,24 @@ class PserverGroup:
             time.sleep(delay)
             delay = min(delay * 2, 1.0)
 
-    def call_each(
-        self, method: str, requests: Sequence[tuple[_Part, Message]], into: Callable[[_Part], Sequence[Any]] | None = None
-    ) -> list[Message | StalePush]:
-        """Call several pservers, concurrently where the transport allows. A stale push
-        comes back in its place in the list; any other error is raised once all calls
-        ended (an :class:`EpochChanged` first: the caller must start over). ``into(part)``:
-        where a reply's tensors may be received."""
+    def ask(self, part: _Part, request: Request, into: Sequence[Any] | None = None) -> Any:
+        """:meth:`call` with a typed request; its typed reply (:mod:`pdps.core.wire`)."""
+        return request.REPLY.decode(self.call(part, request.METHOD, calls.message(request), into))
 
-        def one(part: _Part, request: Message) -> Message | StalePush:
+    def call_each(self, requests: Sequence[tuple[_Part, Request]], into: Callable[[_Part], Sequence[Any]] | None = None) -> list[Any]:
+        """Call several pservers, concurrently where the transport allows; their typed
+        replies. A stale push comes back in its place in the list; any other error is
+        raised once all calls ended (an :class:`EpochChanged` first: the caller must start
+        over). ``into(part)``: where a reply's tensors may be received."""
+
+        def one(part: _Part, request: Request) -> Any:
             try:
-                return self.call(part, method, request, None if into is None else into(part))
+                return self.ask(part, request, None if into is None else into(part))
             except StalePush as exc:
                 return exc
 
         if self._pool is None or len(requests) < 2:
-            results: list[Message | StalePush] = []
+            results: list[Any] = []
             for part, req in requests:
                 results.append(one(part, req))
             return results
@@ -394,7 +414,7 @@ class _Pipeline:
             for i, positions in by_param.items():
                 self._pieces[i].append((pi, positions))
         self._workers = [ThreadPoolExecutor(1, thread_name_prefix=f"{ctx.trainer_id}-ps{part.index}") for part in self._group.parts]
-        self._meta: list[dict] | None = None  # per part, while a push-step's backward runs
+        self._meta: list[PushRequest] | None = None  # per part, while a push-step's backward runs
         self._sent: set[int] = set()
         self._bucket: list[list[int]] = []  # per part: block positions ready and not yet sent
         self._pushes: list[tuple[int, Future]] = []  # (part position, its reply)
@@ -413,7 +433,7 @@ class _Pipeline:
 
     # --- pushes, during backward ----------------------------------------------------
 
-    def push(self, loss: Any, metas: list[dict]) -> list[Message | StalePush]:
+    def push(self, loss: Any, metas: list[PushRequest]) -> list[PushReply | StalePush]:
         """``loss.backward()`` with each slot pushed as soon as it is ready; one reply
         per part (StalePush if it dropped the step), once every piece has been answered.
         Async, only then, and only if no piece was refused anywhere, does each pserver
@@ -440,17 +460,17 @@ class _Pipeline:
         if error is not None:
             raise error
         if self._ctx.config.mode is Mode.ASYNC:
-            ends = [(pi, self._workers[pi].submit(self._call, part, "push", Message({**metas[pi], "blocks": [], "part": True, "final": True})))
+            ends = [(pi, self._workers[pi].submit(self._call, part, attrs.evolve(metas[pi], blocks=(), part=True, final=True)))
                     for pi, part in enumerate(self._group.parts) if not isinstance(results[pi], StalePush)]
             results = self._replies(ends, results)
         return results
 
-    def _replies(self, calls: list[tuple[int, Future]], results: list[Message | StalePush] | None = None) -> list[Message | StalePush]:
+    def _replies(self, calls: list[tuple[int, Future]], results: list[Any] | None = None) -> list[Any]:
         """Wait for every call (part position, its reply); a part's result is its last
         reply, or StalePush if any was; the first error (an EpochChanged first) is raised
         once all have ended."""
         t0 = time.perf_counter()
-        results = [Message({})] * len(self._workers) if results is None else list(results)
+        results = [None] * len(self._workers) if results is None else list(results)
         failures: list[BaseException] = []
         for pi, fut in calls:
             exc = fut.exception()
@@ -489,26 +509,27 @@ class _Pipeline:
         blocks = [part.blocks[j] for j in sorted(positions)]
         tensors = self._replica.grad_blocks(blocks)
         first = not any(p == pi for p, _ in self._pushes)
-        meta = {**self._meta[pi], "blocks": [b.key for b in blocks], "part": True, "first": first}
-        self._pushes.append((pi, self._workers[pi].submit(self._push_piece, part, Message(meta, tensors), blocks)))
+        request = attrs.evolve(self._meta[pi], blocks=tuple(b.key for b in blocks), part=True, first=first, tensors=tensors)
+        self._pushes.append((pi, self._workers[pi].submit(self._push_piece, part, request, blocks)))
 
-    def _push_piece(self, part: _Part, request: Message, blocks: list[Block]) -> Message | StalePush:
+    def _push_piece(self, part: _Part, request: PushRequest, blocks: list[Block]) -> PushReply | StalePush:
         """Push one piece (the pserver checks it is finite), then zero its gradient
         blocks here, off the trainer's thread: the step no longer needs them."""
         try:
-            return self._call(part, "push", request)
+            return self._call(part, request)
         finally:
             self._replica.zero_blocks(blocks)
 
-    def _call(self, part: _Part, method: str, request: Message, into: Sequence[Any] | None = None) -> Message | StalePush:
+    def _call(self, part: _Part, request: Request, into: Sequence[Any] | None = None) -> Any:
         t0 = time.perf_counter()
         try:
-            reply = self._group.call(part, method, request, into)
+            reply = self._group.ask(part, request, into)
         except StalePush as exc:
             return exc
         finally:
             self._ctx._time("comm", time.perf_counter() - t0)
-        self._ctx._time("update", float(reply.meta.get("update_s", 0.0)))
+        if isinstance(reply, PushReply) and reply.update_s is not None:
+            self._ctx._time("update", reply.update_s)
         return reply
 
     # --- pulls, during the next forward (async) ----------------------------------------
@@ -516,7 +537,7 @@ class _Pipeline:
     def pull_ahead(self) -> None:
         """Send the pull of every slot, bucket by bucket in forward order; :meth:`need`
         waits for them."""
-        meta = {"trainer": self._ctx.trainer_id, "epoch": self._ctx.epoch}
+        request = PullRequest(self._ctx.trainer_id, epoch=self._ctx.epoch, version=self._group.layout.slot_map.version)
         fresh = [True] * len(self._workers)
         buckets: list[tuple[list[int], list[Block]]] = [([], []) for _ in self._workers]  # (parameters, blocks)
 
@@ -526,7 +547,7 @@ class _Pipeline:
                 return
             part = self._group.parts[pi]
             first, fresh[pi] = fresh[pi], False
-            fut = self._workers[pi].submit(self._pull, part, blocks, Message({**meta, "blocks": [b.key for b in blocks]}), first)
+            fut = self._workers[pi].submit(self._pull, part, blocks, attrs.evolve(request, blocks=tuple(b.key for b in blocks)), first)
             for i in params:
                 self._pulls.setdefault(i, []).append(fut)
             buckets[pi] = ([], [])
@@ -542,14 +563,13 @@ class _Pipeline:
             for pi in range(len(self._workers)):
                 send(pi)
 
-    def _pull(self, part: _Part, blocks: list[Block], request: Message, first: bool) -> None:
-        reply = self._call(part, "pull", request, into=self._replica.value_blocks(blocks))
-        assert isinstance(reply, Message)
-        version = int(reply.meta["version"])
-        # the step's pushes are checked against the oldest version this pull saw
-        part.version = version if first else min(part.version, version)
-        part.round_no = int(reply.meta["round"])
-        part.incarnation = reply.meta.get("incarnation")
+    def _pull(self, part: _Part, blocks: list[Block], request: PullRequest, first: bool) -> None:
+        reply = self._call(part, request, into=self._replica.value_blocks(blocks))
+        assert isinstance(reply, PullReply)
+        # the step's pushes are checked against the oldest update count this pull saw
+        part.version = reply.updates if first else min(part.version, reply.updates)
+        part.round_no = reply.round_no
+        part.incarnation = reply.incarnation
         self._replica.load_blocks(blocks, reply.tensors)
 
     def need(self, indices: Sequence[int]) -> None:
@@ -798,11 +818,16 @@ class TrainerContext:
         threads = getattr(self._compute, "threads", None)
         return threads is not None and (os.cpu_count() or 1) > threads
 
+    @property
+    def _slot_version(self) -> int:
+        """The version of the slot map this trainer's layout was computed from."""
+        assert self._group is not None
+        return self._group.layout.slot_map.version
+
     def _init_part(self, part: _Part) -> None:
         """Give pserver ``part`` this replica's values, unless it has some already."""
         assert self._replica is not None and self._group is not None
-        meta = {"trainer": self.trainer_id, "epoch": self._epoch}
-        self._group.call(part, "init", Message(meta, self._replica.values(part.blocks)))
+        self._group.ask(part, InitRequest(self.trainer_id, epoch=self._epoch, version=self._slot_version, tensors=self._replica.values(part.blocks)))
 
     def pull(self) -> None:
         """Fetch the current parameters from every pserver into the model now."""
@@ -815,8 +840,8 @@ class TrainerContext:
         step of the job is in it."""
         if self._group is None:
             raise ConfigError("call ctx.attach(model) before ctx.applied()")
-        meta = {"trainer": self.trainer_id, "epoch": self._epoch}
-        return {part.index: [list(r) for r in self._group.call(part, "applied", Message(meta)).meta["ledger"]] for part in self._group.parts}
+        request = AppliedRequest(self.trainer_id, epoch=self._epoch, version=self._slot_version)
+        return {part.index: [list(r) for r in self._group.ask(part, request).ledger] for part in self._group.parts}
 
     # --- data -------------------------------------------------------------------------
 
@@ -834,7 +859,7 @@ class TrainerContext:
                 try:
                     # "holding": a task the master says we hold but we never heard of
                     # (its reply was lost) comes back to us rather than timing out
-                    reply = self._call_master("get_task", Message({"trainer": self.trainer_id, "epoch": self._epoch, "holding": []}))
+                    reply = self._call_master(GetTaskRequest(self.trainer_id, epoch=self._epoch, holding=()))
                 except LeaseExpired:
                     # Our key is gone (the lease ran out in an outage or a long pause) and the
                     # master has re-queued what we held: join again, a few times at most.
@@ -844,17 +869,15 @@ class TrainerContext:
                     self._rejoin()
                     continue
                 rejoins = 0
-                if reply.meta.get("done"):
+                if reply.done:
                     break
-                if int(reply.meta.get("epoch", self._epoch)) > self._epoch:
+                if reply.epoch is not None and reply.epoch > self._epoch:
                     self._resync()  # the master has rolled back: so do we
                     continue
-                if "wait" in reply.meta:
-                    self._idle(float(reply.meta.get("retry_in", 0.05)))
+                if reply.task is None or reply.attempt is None or reply.pass_no is None:  # "wait"
+                    self._idle(0.05 if reply.retry_in is None else reply.retry_in)
                     continue
-                task = TaskSpec.from_json(reply.meta["task"])
-                attempt, pass_no = int(reply.meta["attempt"]), int(reply.meta["pass"])
-                offset = int(reply.meta.get("offset", 0))
+                task, attempt, pass_no, offset = reply.task, reply.attempt, reply.pass_no, reply.offset or 0
                 held = (task.id, attempt)
                 self._attempt = _Attempt.read(self._store, self._keys, task.id, attempt, pass_no)
                 try:
@@ -922,10 +945,11 @@ class TrainerContext:
 
     def _report(self, method: str, held: tuple[int, int], **extra: Any) -> None:
         task, attempt = held
-        reply = self._call_master(method, Message({"trainer": self.trainer_id, "task": task, "attempt": attempt, **extra}))
-        if not reply.meta.get("accepted", True):
+        report = {"finish_task": FinishTaskRequest, "fail_task": FailTaskRequest, "give_back": GiveBackRequest}[method]
+        reply = self._call_master(report(self.trainer_id, task, attempt, **extra))
+        if not reply.accepted:
             # e.g. the task timed out and went back to todo: someone else will train it
-            log.warning("trainer %s: master ignored %s of task %d attempt %d: %s", self.trainer_id, method, task, attempt, reply.meta.get("reason"))
+            log.warning("trainer %s: master ignored %s of task %d attempt %d: %s", self.trainer_id, method, task, attempt, reply.reason)
         elif method == "finish_task":
             self.tasks_done += 1
 
@@ -1007,14 +1031,14 @@ class TrainerContext:
         stale = False
         refused: GradientRejected | None = None
         if samples:
-            meta = {"trainer": self.trainer_id, "round": round_no, "samples": samples, "epoch": self._epoch}
+            push = PushRequest(self.trainer_id, epoch=self._epoch, version=self._slot_version, round_no=round_no, samples=samples)
             try:
                 if loss is not None and self._pipeline is not None:
-                    replies = self._pipeline.push(loss, [meta] * len(self._group.parts))
+                    replies = self._pipeline.push(loss, [push] * len(self._group.parts))
                 else:
                     self._replica.check_finite(self.trainer_id)  # all pservers or none: fail before the first push
-                    requests = [(part, Message({**meta, "blocks": part.keys}, self._replica.grads(part.blocks))) for part in self._group.parts]
-                    replies = self._call_each("push", requests)
+                    requests = [(part, attrs.evolve(push, blocks=tuple(part.keys), tensors=self._replica.grads(part.blocks))) for part in self._group.parts]
+                    replies = self._call_each(requests)
             except GradientRejected as exc:
                 refused, replies = exc, []
             for part, reply in zip(self._group.parts, replies):
@@ -1154,9 +1178,12 @@ class TrainerContext:
             self._pipeline.drain()
         held, acc = self._attempt, self._acc
         self._acc = None  # these records leave with this push, or are dropped with it if it is refused
-        records = None if held is None or acc is None else [held.pass_no, held.task, held.attempt, acc[0], acc[1]]
+        records = None if held is None or acc is None else (held.pass_no, held.task, held.attempt, acc[0], acc[1])
         metas = [
-            {"trainer": self.trainer_id, "version": part.version, "blocks": part.keys, "epoch": self._epoch, "incarnation": part.incarnation, "records": records}
+            PushRequest(
+                self.trainer_id, epoch=self._epoch, version=self._slot_version, updates=part.version,
+                records=records, incarnation=part.incarnation, blocks=tuple(part.keys),
+            )
             for part in self._group.parts
         ]
         if loss is not None and self._pipeline is not None:
@@ -1164,8 +1191,8 @@ class TrainerContext:
         else:
             try:
                 self._replica.check_finite(self.trainer_id)
-                requests = [(part, Message(meta, self._replica.grads(part.blocks))) for part, meta in zip(self._group.parts, metas)]
-                replies = self._call_each("push", requests)
+                requests = [(part, attrs.evolve(meta, tensors=self._replica.grads(part.blocks))) for part, meta in zip(self._group.parts, metas)]
+                replies = self._call_each(requests)
             finally:
                 self._replica.zero_grad()  # pushed or refused: the next step starts clean
         stale = False
@@ -1215,20 +1242,20 @@ class TrainerContext:
         assert self._group is not None
         first = time.time()
         last_log = 0.0
-        meta = {"trainer": self.trainer_id, "epoch": self._epoch, "after_round": round_no, "slice": WAIT_LOG_EVERY}
+        request = PullRequest(self.trainer_id, epoch=self._epoch, version=self._slot_version, after_round=round_no, slice_s=WAIT_LOG_EVERY)
         pending = list(self._group.parts)
         checkpoint = None
         while pending:
-            replies = self._call_each("pull", [(part, Message(meta)) for part in pending], into=self._into)
-            self._time("barrier", max(float(r.meta.get("wait_s", 0.0)) for r in replies if isinstance(r, Message)))
+            replies = self._call_each([(part, request) for part in pending], into=self._into)
+            self._time("barrier", max(r.wait_s or 0.0 for r in replies if isinstance(r, PullReply)))
             still = []
             for part, reply in zip(pending, replies):
-                assert isinstance(reply, Message)  # pulls are never stale
-                if "waiting" in reply.meta:
-                    still.append((part, reply.meta["waiting"]))
+                assert isinstance(reply, PullReply)  # pulls are never stale
+                if reply.waiting is not None:
+                    still.append((part, reply.waiting))
                     continue
                 self._load(part, reply)
-                checkpoint = reply.meta.get("checkpoint") or checkpoint
+                checkpoint = reply.checkpoint or checkpoint
             pending = [p for p, _ in still]
             if still and time.time() - last_log >= WAIT_LOG_EVERY:
                 last_log = time.time()
@@ -1237,26 +1264,24 @@ class TrainerContext:
         if last_log:
             self._waits.done()
         if checkpoint is not None:
-            self._call_master("checkpoint", Message({"trainer": self.trainer_id, "checkpoint": checkpoint, "epoch": self._epoch}))
+            self._call_master(CheckpointRequest(self.trainer_id, checkpoint, epoch=self._epoch))
 
     def _into(self, part: _Part) -> Sequence[Any]:
         """Where a pull from ``part`` may land: the model's own memory (no copy after)."""
         assert self._replica is not None
         return self._replica.value_blocks(part.blocks)
 
-    def _call_each(
-        self, method: str, requests: Sequence[tuple[_Part, Message]], into: Callable[[_Part], Sequence[Any]] | None = None
-    ) -> list[Message | StalePush]:
+    def _call_each(self, requests: Sequence[tuple[_Part, Request]], into: Callable[[_Part], Sequence[Any]] | None = None) -> list[Any]:
         """:meth:`PserverGroup.call_each`, timed (the trainer thread waits for it all)."""
         assert self._group is not None
         began = time.perf_counter()
         try:
-            replies = self._group.call_each(method, requests, into)
+            replies = self._group.call_each(requests, into)
         finally:
             spent = time.perf_counter() - began
             self._time("comm", spent)
             self._time("wait", spent)
-        self._time("update", sum(float(r.meta.get("update_s", 0.0)) for r in replies if isinstance(r, Message)))
+        self._time("update", sum(r.update_s or 0.0 for r in replies if isinstance(r, PushReply)))
         return replies
 
     def _pull_fresh(self) -> None:
@@ -1264,14 +1289,14 @@ class TrainerContext:
         assert self._group is not None
         if self._pipeline is not None:
             self._pipeline.drain()
-        meta = {"trainer": self.trainer_id, "epoch": self._epoch}
+        request = PullRequest(self.trainer_id, epoch=self._epoch, version=self._slot_version)
         for part in self._group.parts:
             waited = time.monotonic()
             while True:
                 try:
                     began = time.perf_counter()
                     try:
-                        reply = self._group.call(part, "pull", Message(meta), self._into(part))
+                        reply = self._group.ask(part, request, self._into(part))
                     finally:
                         spent = time.perf_counter() - began
                         self._time("comm", spent)
@@ -1289,10 +1314,10 @@ class TrainerContext:
                         time.sleep(0.02)
             self._load(part, reply)
 
-    def _load(self, part: _Part, reply: Message) -> None:
-        part.round_no = int(reply.meta["round"])
-        part.version = int(reply.meta["version"])
-        part.incarnation = reply.meta.get("incarnation")
+    def _load(self, part: _Part, reply: PullReply) -> None:
+        part.round_no = reply.round_no
+        part.version = reply.updates
+        part.incarnation = reply.incarnation
         if self._replica is not None:
             self._replica.load(part.blocks, reply.tensors)
 
@@ -1325,7 +1350,7 @@ class TrainerContext:
             self._master = self._transport.connect(addr.decode())
         return self._master
 
-    def _call_master(self, method: str, request: Message) -> Message:
+    def _call_master(self, request: MasterRequest) -> Any:
         """Call the master; if it is gone or has stepped down, find the current one.
 
         A standby takes over within about a lease TTL and publishes its address under
@@ -1338,9 +1363,9 @@ class TrainerContext:
         while True:
             channel = self._master_channel()
             if channel is None:
-                return Message({"done": True} if method == "get_task" else {"accepted": False, "reason": "the job is done"})
+                return GetTaskReply(done=True) if isinstance(request, GetTaskRequest) else ReportReply(accepted=False, reason="the job is done")
             try:
-                return channel.call(method, request)
+                return calls.call(channel, request)
             except (TransportError, FencingError) as exc:
                 if isinstance(exc, Timeout):
                     raise
@@ -1348,7 +1373,7 @@ class TrainerContext:
                 deadline = deadline or now + DISCOVERY_TIMEOUT
                 if now > deadline:
                     raise
-                log.warning("trainer %s: master unavailable for %s (%s); looking it up again", self.trainer_id, method, exc)
+                log.warning("trainer %s: master unavailable for %s (%s); looking it up again", self.trainer_id, request.METHOD, exc)
                 channel.close()
                 self._master = None
                 time.sleep(delay)

@@ -265,8 +265,8 @@ class Pserver:
         with self._cond:
             self._check_request(req)
             shard = self._ensure_shard()
+            req.claim(shard.blocks)
             if not shard.initialized:
-                req.claim(shard.blocks)
                 shard.initialize(req.tensors, req.trainer)
                 log.info("pserver %s initialized %d blocks from trainer %s (epoch %d)", self.index, len(shard.blocks), req.trainer, self.epoch)
             return InitReply(**self._state())

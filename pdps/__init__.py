@@ -20,6 +20,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from pdps.core.errors import (
+    BadRequest,
     ConfigError,
     Contended,
     CorruptCheckpoint,
@@ -36,6 +37,7 @@ from pdps.core.errors import (
     NotInitialized,
     NotReady,
     PdpsError,
+    SlotMapChanged,
     StalePush,
     StorageError,
     StoreError,
@@ -67,10 +69,10 @@ _LAZY = {
 }
 
 __all__ = [
-    "DEFAULT_JOB", "Batch", "ConfigError", "Contended", "CorruptCheckpoint", "CorruptRecord", "DatasetError", "EpochChanged",
+    "DEFAULT_JOB", "BadRequest", "Batch", "ConfigError", "Contended", "CorruptCheckpoint", "CorruptRecord", "DatasetError", "EpochChanged",
     "FencingError", "GradientRejected", "InvalidTransition", "JobConfig", "Killed", "LeaseExpired",
     "MissingExtraError", "Mode", "NoSuchJob", "NoSuchPass", "NotInitialized", "NotReady", "PdpsError",
-    "SimulationResult", "StalePush", "StepRecord", "StorageError", "StoreError", "StoreUnavailable", "Timeout",
+    "SimulationResult", "SlotMapChanged", "StalePush", "StepRecord", "StorageError", "StoreError", "StoreUnavailable", "Timeout",
     "TrainerContext", "TransportError", "UnknownSchemeError", "UnknownTaskError",
     "fetch_parameters", "open_compute", "open_data_source", "open_storage", "open_store", "open_transport", "simulate",
 ]

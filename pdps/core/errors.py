@@ -64,10 +64,36 @@ class UnknownTaskError(PdpsError, KeyError):
         return str(self.args[0]) if self.args else "unknown task"
 
 
-class GradientRejected(PdpsError, ValueError):
-    """A pushed gradient failed validation; nothing was applied."""
+class BadRequest(PdpsError, ValueError):
+    """A request of the wire protocol (:mod:`pdps.core.wire`) lacks a field or holds a
+    wrong one; it was refused before it changed anything. ``field`` names the field
+    and ``trainer`` the caller, where known (both are in the message too)."""
+
+    code = "bad_request"
+
+    def __init__(self, message: str, *, field: str | None = None, trainer: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+        self.trainer = trainer
+
+
+class GradientRejected(BadRequest):
+    """A pushed gradient (or initial value) failed validation; nothing was applied."""
 
     code = "gradient_rejected"
+
+
+class SlotMapChanged(PdpsError):
+    """A request was computed for another version of the slot map than the pserver
+    serves (the job was resized): re-read the slot map, then compute and send again.
+    ``sent`` and ``current`` are the two versions."""
+
+    code = "slot_map_changed"
+
+    def __init__(self, message: str, *, sent: int | None = None, current: int | None = None) -> None:
+        super().__init__(message)
+        self.sent = sent
+        self.current = current
 
 
 class StalePush(PdpsError):

@@ -80,8 +80,19 @@ from pdps.core.txn import Decision, Done, Write
 from pdps.ports.coordination import Compare, CoordinationStore, Delete, EventType, Fence, KeyValue, Op, Put, TxnOp, WatchEvent
 from pdps.ports.data import DataSource
 from pdps.ports.storage import Storage
-from pdps.ports.transport import Endpoint, Message, Transport
-from pdps.roles import recovery
+from pdps.core.wire import (
+    CheckpointReply,
+    CheckpointRequest,
+    FailTaskRequest,
+    FinishTaskRequest,
+    GetTaskReply,
+    GetTaskRequest,
+    GiveBackRequest,
+    ReportReply,
+    TaskReport,
+)
+from pdps.ports.transport import Endpoint, Transport
+from pdps.roles import calls, recovery
 from pdps.runtime.cas import read_modify_write
 from pdps.runtime.group_commit import MAX_TXN_OPS, GroupCommitStore, Staged, copy_error
 
@@ -208,8 +219,14 @@ class Master:
         except BaseException:
             self._keeper.stop()  # give the lock back: another master may do better
             raise
-        handlers = {"get_task": self._get_task, "finish_task": self._finish_task, "fail_task": self._fail_task, "give_back": self._give_back}
-        self._endpoint = self._transport.serve(self._address, {**handlers, "checkpoint": self._checkpoint})
+        handlers = {
+            GetTaskRequest: self._get_task,
+            FinishTaskRequest: self._finish_task,
+            FailTaskRequest: self._fail_task,
+            GiveBackRequest: self._give_back,
+            CheckpointRequest: self._checkpoint,
+        }
+        self._endpoint = self._transport.serve(self._address, calls.serve(handlers))
         self._write([Put(self._keys.master_addr, self._endpoint.address.encode(), self._keeper.lease)])
         self._watch = self._store.watch(self._keys.trainers, self._on_trainer_event)
         self._watches.append(self._store.watch(self._keys.epoch, self._on_epoch_event))
@@ -515,8 +532,8 @@ class Master:
             raise copy_error(read.error)
         return key in read.live
 
-    def _get_task(self, req: Message) -> Message:
-        trainer = str(req.meta["trainer"])
+    def _get_task(self, req: GetTaskRequest) -> GetTaskReply:
+        trainer = req.trainer
         # The registration read is made before taking the lock, so that the trainers'
         # reads overlap instead of queueing. Read again under the lock if a trainer was
         # found gone meanwhile: its tasks were re-queued and it must not take new ones.
@@ -526,17 +543,15 @@ class Master:
             assert self._queue is not None
             self._check_leading()
             if self.done.is_set():
-                return Message({"done": True})
-            epoch = req.meta.get("epoch")
-            if isinstance(epoch, int) and epoch > self._epoch:
-                return Message({"wait": "rolling back", "retry_in": RETRY_IN, "epoch": self._epoch})
+                return GetTaskReply(done=True)
+            if req.epoch is not None and req.epoch > self._epoch:
+                return GetTaskReply(wait="rolling back", retry_in=RETRY_IN, epoch=self._epoch)
             if departures != self._departures:
                 registered = self._registered(trainer)
             if not registered:
                 # Its tasks were re-queued when its key went; it must not take new ones.
                 raise LeaseExpired(f"trainer {trainer!r} is not registered in job {self.config.name!r} (its lease expired?); re-register first")
-            holding = req.meta.get("holding")
-            again = self._queue.redeliver(trainer, holding) if isinstance(holding, list) else None
+            again = self._queue.redeliver(trainer, req.holding) if req.holding is not None else None
             if again is not None:
                 log.warning("trainer %s asks for work while holding task %d attempt %d (a lost reply?): handing it out again", trainer, again.task.id, again.attempt)
                 result, changes = again, []
@@ -546,14 +561,13 @@ class Master:
             epoch_now = self._epoch
         self._store.wait(durable)  # the lock is free for the transitions that join this one's transaction
         if isinstance(result, Assignment):
-            task = {"task": result.task.to_json(), "attempt": result.attempt, "pass": result.pass_no, "offset": result.offset}
-            return Message({**task, "epoch": epoch_now})
+            return GetTaskReply(task=result.task, attempt=result.attempt, pass_no=result.pass_no, offset=result.offset, epoch=epoch_now)
         if result is WaitReason.PASS_COMPLETE and self.done.is_set():
-            return Message({"done": True})
-        return Message({"wait": str(result), "retry_in": RETRY_IN, "epoch": epoch_now})
+            return GetTaskReply(done=True)
+        return GetTaskReply(wait=str(result), retry_in=RETRY_IN, epoch=epoch_now)
 
-    def _report(self, req: Message, event: Callable[..., list[Change]], *, ends_attempt: bool = False) -> Message:
-        task, attempt = int(req.meta["task"]), int(req.meta["attempt"])
+    def _report(self, req: TaskReport, event: Callable[..., list[Change]], *, ends_attempt: bool = False) -> ReportReply:
+        task, attempt = req.task, req.attempt
         with self._locked():
             assert self._queue is not None
             self._check_leading()
@@ -566,18 +580,18 @@ class Master:
             durable = self._stage(changes)
         self._store.wait(durable)
         ignored = next((c for c in changes if isinstance(c, Ignored)), None)
-        return Message({"accepted": ignored is None, "reason": ignored.reason if ignored else None})
+        return ReportReply(accepted=ignored is None, reason=ignored.reason if ignored else None)
 
-    def _finish_task(self, req: Message) -> Message:
+    def _finish_task(self, req: FinishTaskRequest) -> ReportReply:
         assert self._queue is not None
         return self._report(req, self._queue.finish)
 
-    def _fail_task(self, req: Message) -> Message:
+    def _fail_task(self, req: FailTaskRequest) -> ReportReply:
         assert self._queue is not None
-        log.warning("trainer %s failed task %s: %s", req.meta.get("trainer"), req.meta.get("task"), req.meta.get("error"))
+        log.warning("trainer %s failed task %s: %s", req.trainer, req.task, req.error)
         return self._report(req, self._queue.fail, ends_attempt=True)
 
-    def _give_back(self, req: Message) -> Message:
+    def _give_back(self, req: GiveBackRequest) -> ReportReply:
         assert self._queue is not None
         return self._report(req, self._queue.give_back, ends_attempt=True)
 
@@ -607,17 +621,14 @@ class Master:
     def epoch(self) -> int:
         return self._epoch
 
-    def _checkpoint(self, req: Message) -> Message:
+    def _checkpoint(self, req: CheckpointRequest) -> CheckpointReply:
         """Sync: a trainer reports a checkpoint taken right after the round it pulled.
         Every trainer calls this before any other call of its next step, so the first
         call finds the queue exactly as it was when that round closed."""
-        ckpt = req.meta.get("checkpoint")
-        if not isinstance(ckpt, str) or not ckpt:
-            raise ConfigError(f"checkpoint report from {req.meta.get('trainer')!r} names no checkpoint")
         with self._locked():
             self._check_leading()
-            self._snapshot(ckpt)
-        return Message({"accepted": True, "epoch": self._epoch})
+            self._snapshot(req.checkpoint)
+        return CheckpointReply(accepted=True, epoch=self._epoch)
 
     def _on_checkpoint_event(self, event: WatchEvent) -> None:
         """Async: snapshot the queue when pserver 0 announces a checkpoint."""

@@ -35,6 +35,7 @@ from pdps.core.errors import (
     NotInitialized,
     NotReady,
     PdpsError,
+    SlotMapChanged,
     StalePush,
     StorageError,
     StoreError,
@@ -45,11 +46,12 @@ from pdps.core.job import JobConfig, Keys, decode_as, decode_json
 from pdps.core.lifecycle import HALTED, UNSETTLED, PserverEvent, PserverState, next_state
 from pdps.core.sgd import Mode, RoundRecord, check_staleness, participants
 from pdps.core.slots import Layout, ParamSpec, SlotMap
+from pdps.core.wire import AppliedReply, AppliedRequest, InitReply, InitRequest, PserverRequest, PullReply, PullRequest, PushReply, PushRequest
 from pdps.ports.compute import Compute, ParameterShard
 from pdps.ports.coordination import Compare, CoordinationStore, Delete, EventType, Op, Put, TxnOp, WatchEvent
 from pdps.ports.storage import Storage
-from pdps.ports.transport import Endpoint, Message, Transport
-from pdps.roles import recovery
+from pdps.ports.transport import Endpoint, Transport
+from pdps.roles import calls, recovery
 
 log = logging.getLogger(__name__)
 
@@ -84,35 +86,6 @@ def claim_index(store: CoordinationStore, keys: Keys, lease: int, value: bytes, 
     if index is not None:
         raise ConfigError(f"pserver index {index} of job {keys.job!r} is still held by another pserver after {wait:.0f}s")
     raise ConfigError(f"all {desired} pserver indexes of job {keys.job!r} are taken")
-
-
-_MISSING = object()
-
-
-def _field(req: Message, name: str, kind: type, default: object = _MISSING):
-    """``req.meta[name]`` as ``kind`` (an int is a float too); a missing or mistyped
-    field is the caller's error, refused before anything changes."""
-    if name not in req.meta:
-        if default is _MISSING:
-            raise GradientRejected(f"request names no {name!r}")
-        return default
-    value = req.meta[name]
-    if value is None and default is None:
-        return None
-    if (isinstance(value, bool) and kind is not bool) or not isinstance(value, (int, float) if kind is float else kind):
-        raise GradientRejected(f"request field {name!r} must be {kind.__name__}, got {value!r}")
-    return kind(value)
-
-
-def _records_field(req: Message) -> tuple[int, int, int, int, int] | None:
-    """An async push's ``records``: ``[pass, task, attempt, start, end]``, the task's
-    records its gradient was computed on (or null)."""
-    value = _field(req, "records", list, None)
-    if value is None:
-        return None
-    if len(value) != 5 or any(type(v) is not int or v < 0 for v in value) or value[3] > value[4]:
-        raise GradientRejected(f"push field 'records' must be [pass, task, attempt, start, end] (whole numbers, start <= end), got {value!r}")
-    return tuple(value)  # type: ignore[return-value]
 
 
 #: Task attempts whose applied records a pserver remembers for the ``applied`` call.
@@ -154,8 +127,7 @@ class Pserver:
         self._keys = Keys(config.name)
         self._cond = threading.Condition(threading.RLock())
         self._shard: ParameterShard | None = None
-        self._block_keys: list[str] = []  # the shard's blocks, in order (what a push names)
-        self._block_index: dict[str, int] = {}
+        self._slot_map: SlotMap | None = None  # the job's, read at start
         self.version = 0  # updates applied
         self.epoch = 0
         self.round_no = 0  # the open sync round
@@ -198,11 +170,16 @@ class Pserver:
         self._compute.check_optimizer(self.config.optimizer, self.config.optimizer_args)  # never serve a bad rule
         if self._storage is None:
             self._storage = recovery.open_checkpoint_storage(self.config)
-        self._endpoint = self._transport.serve(self._address, {"init": self._init, "push": self._push, "pull": self._pull, "applied": self._applied_records})
+        handlers = {InitRequest: self._init, PushRequest: self._push, PullRequest: self._pull, AppliedRequest: self._applied_records}
+        self._endpoint = self._transport.serve(self._address, calls.serve(handlers))
         self._keeper = LeaseKeeper(self._store, self.config.lease_ttl, name="pserver")
         value = json.dumps({"addr": self._endpoint.address}).encode()
         try:
             self.index = claim_index(self._store, self._keys, self._keeper.lease, value, index=self._want_index, wait=self._claim_wait)
+            slots = self._store.get(self._keys.slotmap)
+            if slots is None:
+                raise ConfigError(f"job {self.config.name!r} has no slot map ({self._keys.slotmap}); start the master (or publish the job) first")
+            self._slot_map = decode_as(slots.value, slots.key, SlotMap.from_json)
             epoch, _ = recovery.read_epoch(self._store, self._keys)
             restart = self._store.get(self._keys.initialized) is not None
             with self._cond:
@@ -269,76 +246,84 @@ class Pserver:
 
     # --- handlers ---------------------------------------------------------------------
 
-    def _reply(self, **extra: object) -> dict:
-        return {"round": self.round_no, "version": self.version, "epoch": self.epoch, "incarnation": self.incarnation, **extra}
+    def _state(self) -> dict:
+        """The fields of every reply (:class:`~pdps.core.wire.PserverReply`)."""
+        return {"round_no": self.round_no, "updates": self.version, "epoch": self.epoch, "incarnation": self.incarnation}
 
-    def _check_epoch(self, req: Message) -> None:
-        """Refuse a request of another epoch; the caller holds the lock."""
+    def _check_request(self, req: PserverRequest) -> None:
+        """Refuse a request of another epoch or slot map; the caller holds the lock."""
         if self.state in UNSETTLED:
             raise NotReady(f"pserver {self.index} is {self.state} (epoch {self.epoch})")
-        epoch = _field(req, "epoch", int, None)
+        self._check_slot_map(req)
+        epoch = req.epoch
         if epoch is None or epoch == self.epoch:
             return
         if epoch < self.epoch:
             raise EpochChanged(f"pserver {self.index} is at epoch {self.epoch} (the job rolled back); the request was for epoch {epoch}")
         raise NotReady(f"pserver {self.index} has not entered epoch {epoch} yet (at {self.epoch})")
 
-    def _init(self, req: Message) -> Message:
-        with self._cond:
-            self._check_epoch(req)
-            shard = self._ensure_shard()
-            if not shard.initialized:
-                trainer = _field(req, "trainer", str)
-                shard.initialize(req.tensors, trainer)
-                log.info("pserver %s initialized %d blocks from trainer %s (epoch %d)", self.index, len(shard.blocks), trainer, self.epoch)
-            return Message(self._reply())
+    def _check_slot_map(self, req: PserverRequest) -> None:
+        """Refuse a request computed for another slot map than the one served here."""
+        if self._slot_map is None:
+            raise NotReady(f"pserver {self.index} is starting")
+        if req.version is not None and req.version != self._slot_map.version:
+            raise SlotMapChanged(
+                f"{req.METHOD} from trainer {req.trainer!r} was computed for slot map version {req.version}, but pserver {self.index} "
+                f"serves version {self._slot_map.version}: re-read the slot map",
+                sent=req.version, current=self._slot_map.version,
+            )
 
-    def _push(self, req: Message) -> Message:
-        trainer = _field(req, "trainer", str)
-        samples = _field(req, "samples", int, 0)
-        if samples < 0:
-            raise GradientRejected(f"push from trainer {trainer!r} claims {samples} samples")
+    def _init(self, req: InitRequest) -> InitReply:
+        with self._cond:
+            self._check_request(req)
+            shard = self._ensure_shard()
+            req.claim(shard.blocks)
+            if not shard.initialized:
+                shard.initialize(req.tensors, req.trainer)
+                log.info("pserver %s initialized %d blocks from trainer %s (epoch %d)", self.index, len(shard.blocks), req.trainer, self.epoch)
+            return InitReply(**self._state())
+
+    def _push(self, req: PushRequest) -> PushReply:
+        trainer = req.trainer
         with self._cond:
             began = time.perf_counter()  # the pserver's own time: what "update" means in a step breakdown
-            part = _field(req, "part", bool, False)
-            self._check_epoch(req)
+            self._check_request(req)
             shard = self._ready_shard()
-            incarnation = _field(req, "incarnation", str, None)
-            if incarnation is not None and incarnation != self.incarnation:
+            if req.incarnation is not None and req.incarnation != self.incarnation:
                 raise StalePush(f"pserver {self.index} restarted since trainer {trainer!r} last pulled from it: pull first")
             if self.config.mode is Mode.SYNC:
-                round_no = _field(req, "round", int)
+                round_no = req.require("round_no")
+                if not req.samples:
+                    raise GradientRejected(f"trainer {trainer!r} pushed for round {round_no} with zero samples; commit it instead", field="samples", trainer=trainer)
+                indices = req.claim(shard.blocks, self.index)  # before any state changes
                 if round_no > self.round_no:
                     self._advance(self.round_no)  # it may have closed in the store, unseen here yet
                 if round_no < self.round_no:
                     raise StalePush(f"round {round_no} is closed; the open round is {self.round_no}: pull and compute again")
                 if round_no > self.round_no:
                     raise InvalidTransition(f"trainer {trainer}", f"round {self.round_no}", f"push for round {round_no}", "pull first")
-                if not samples:
-                    raise GradientRejected(f"trainer {trainer!r} pushed for round {round_no} with zero samples; commit it instead")
-                indices = self._check_blocks(req.meta.get("blocks"), trainer, part)  # before any state changes
                 shard.check(req.tensors, trainer, indices=indices)
                 shard.stage(trainer, req.tensors, indices)  # applied only if the round's record names it
-                return Message(self._reply(update_s=time.perf_counter() - began))
-            indices = self._check_blocks(req.meta.get("blocks"), trainer, part)
-            seen = _field(req, "version", int)
-            records = _records_field(req)
-            if not part:
+                return PushReply(**self._state(), update_s=time.perf_counter() - began)
+            seen = req.require("updates")
+            if not req.part:
+                indices = req.claim(shard.blocks, self.index)
                 shard.check(req.tensors, trainer, indices=indices)
-                self._check_version(seen, trainer)
-                if self._applied_already(records):
-                    return Message(self._reply(update_s=time.perf_counter() - began, duplicate=True))
+                self._check_updates(seen, trainer)
+                if self._applied_already(req.records):
+                    return PushReply(**self._state(), update_s=time.perf_counter() - began, duplicate=True)
                 shard.apply(req.tensors, indices)
             else:
-                outcome = self._stage_piece(shard, req, trainer, indices, seen, records)
+                outcome = self._stage_piece(shard, req, seen)
                 if outcome != "applied":
-                    return Message(self._reply(update_s=time.perf_counter() - began, **({"duplicate": True} if outcome == "duplicate" else {})))
+                    return PushReply(**self._state(), update_s=time.perf_counter() - began, duplicate=outcome == "duplicate")
             self.version += 1
+            records = req.records
             if records is not None:
                 self._last_records[records[1]] = (records[0], records[3], records[4])
                 self._note_applied(records[1], records[2], records[3], records[4])
             self._maybe_announce_async()
-            return Message(self._reply(update_s=time.perf_counter() - began))
+            return PushReply(**self._state(), update_s=time.perf_counter() - began)
 
     def _applied_already(self, records: tuple[int, int, int, int, int] | None) -> bool:
         """These records of this (pass, task) were applied here already: the push of an
@@ -346,39 +331,41 @@ class Pserver:
         a call retried). Once is enough."""
         return records is not None and self._last_records.get(records[1]) == (records[0], records[3], records[4])
 
-    def _stage_piece(
-        self, shard: ParameterShard, req: Message, trainer: str, indices: list[int] | None, seen: int, records: tuple[int, int, int, int, int] | None
-    ) -> str:
+    def _stage_piece(self, shard: ParameterShard, req: PushRequest, seen: int) -> str:
         """Async, a step pushed slot by slot while the trainer's backward runs: stage each
         piece, and apply the step only at its ``final`` message, which the trainer sends
         once every pserver has accepted every piece. A step with a non-finite slot on any
         pserver thus changes nothing anywhere. ``first`` opens a step, dropping what an
         unfinished one staged; a refused piece voids the step here. Returns "staged",
         "applied", or "duplicate" (a final whose records were applied here already)."""
-        if _field(req, "first", bool, False):
+        trainer = req.trainer
+        if req.first:
             shard.unstage(trainer)
-        final = _field(req, "final", bool, False)
         try:
+            indices = req.claim(shard.blocks, self.index)
             shard.check(req.tensors, trainer, indices=indices)
             shard.stage(trainer, req.tensors, indices)
-            if not final:
+            if not req.final:
                 return "staged"
-            self._check_version(seen, trainer)
+            self._check_updates(seen, trainer)
         except (GradientRejected, StalePush):
             shard.unstage(trainer)
             raise
-        if self._applied_already(records):
+        if self._applied_already(req.records):
             shard.unstage(trainer)
             return "duplicate"
         if not shard.apply_staged_step(trainer):
             raise StalePush(f"pserver {self.index} holds no piece of the step trainer {trainer!r} ends (dropped meanwhile): pull and compute again")
         return "applied"
 
-    def _check_version(self, seen: int, trainer: str) -> None:
-        """Async: ``seen`` (the version a gradient was computed on) was served here and is
-        within the staleness bound."""
-        if not 0 <= seen <= self.version:
-            raise GradientRejected(f"push from trainer {trainer!r} was computed on version {seen}, which pserver {self.index} never served (now {self.version})")
+    def _check_updates(self, seen: int, trainer: str) -> None:
+        """Async: ``seen`` (the update count a gradient was computed on) was served here and
+        is within the staleness bound."""
+        if seen > self.version:
+            raise GradientRejected(
+                f"push from trainer {trainer!r} was computed on {seen} updates (field 'updates'), which pserver {self.index} never served (now {self.version})",
+                field="updates", trainer=trainer,
+            )
         check_staleness(seen, self.version, self.config.staleness)
 
     def _note_applied(self, task: int, attempt: int, start: int, end: int) -> None:
@@ -399,17 +386,19 @@ class Pserver:
         with self._cond:
             return [[t, a, lo, hi] for (t, a), ranges in self._ledger.items() for lo, hi in ranges]
 
-    def _applied_records(self, req: Message) -> Message:
+    def _applied_records(self, req: AppliedRequest) -> AppliedReply:
         """The ``applied`` call: :meth:`applied`, as the reply's ``ledger``."""
-        return Message(self._reply(ledger=self.applied()))
-
-    def _pull(self, req: Message) -> Message:
-        after = _field(req, "after_round", int, None)
-        timeout = 600.0 if req.deadline is None else max(0.0, req.deadline - time.monotonic())
-        slice_s = _field(req, "slice", float, None)
         with self._cond:
-            self._check_epoch(req)
+            self._check_slot_map(req)
+            return AppliedReply(**self._state(), ledger=tuple(tuple(row) for row in self.applied()))
+
+    def _pull(self, req: PullRequest) -> PullReply:
+        after, slice_s = req.after_round, req.slice_s
+        timeout = 600.0 if req.deadline is None else max(0.0, req.deadline - time.monotonic())
+        with self._cond:
+            self._check_request(req)
             shard = self._ready_shard()
+            indices = req.claim(shard.blocks, self.index)
             extra: dict[str, object] = {}
             if after is not None and self.config.mode is Mode.SYNC:
                 epoch = self.epoch
@@ -419,47 +408,15 @@ class Pserver:
                 if not closed:
                     if slice_s is None:
                         raise Timeout(f"pserver {self.index}: round {after} did not close in {timeout:.0f}s; waiting for {sorted(self._waiting)}")
-                    return Message(self._reply(waiting=sorted(self._waiting), **extra))
+                    return PullReply(**self._state(), waiting=tuple(sorted(self._waiting)), **extra)  # type: ignore[arg-type]
                 if self._round_checkpoint is not None and self._round_checkpoint[0] == after:
                     extra["checkpoint"] = self._round_checkpoint[1]
             elif self.config.mode is Mode.SYNC:
                 self._advance(self.round_no)  # serve every round the store has closed
             views = shard.views()
-            keys = req.meta.get("blocks")
-            if keys is not None:  # some slots only: a trainer pulling while its forward runs
-                if not isinstance(keys, list) or any(k not in self._block_index for k in keys):
-                    raise GradientRejected(f"pull from {req.meta.get('trainer')!r} names blocks pserver {self.index} does not hold")
-                views = [views[self._block_index[k]] for k in keys]
-            return Message(self._reply(**extra), views)
-
-    def _check_blocks(self, keys: object, trainer: str, part: bool) -> list[int] | None:
-        """The push must name this pserver's blocks in order (``param@row``): all of them
-        (None is returned), or, for a push of some slots while the trainer's backward
-        still runs (``"part": true``), some of them, whose indices are returned."""
-        assert self._shard is not None
-        mine = self._block_index
-        if keys == self._block_keys and not part:
-            return None
-        if not isinstance(keys, list):
-            raise GradientRejected(f"push from trainer {trainer!r} does not name its blocks")
-        unknown = [k for k in keys if k not in mine]
-        if unknown:
-            raise GradientRejected(
-                f"trainer {trainer!r} pushed a gradient for parameter {str(unknown[0]).split('@')[0]!r} "
-                f"(block {unknown[0]!r}), which pserver {self.index} does not hold"
-            )
-        indices = [mine[k] for k in keys]
-        if part:
-            if any(a >= b for a, b in zip(indices, indices[1:])):
-                raise GradientRejected(f"push of some slots from trainer {trainer!r} names pserver {self.index}'s blocks out of order or more than once")
-            return indices
-        missing = [b.describe() for b in self._shard.blocks if b.key not in set(keys)]
-        if missing:
-            raise GradientRejected(f"push from trainer {trainer!r} lacks gradients for {missing[:5]}")
-        raise GradientRejected(
-            f"push from trainer {trainer!r} names pserver {self.index}'s blocks out of order or more than once: "
-            f"expected {mine[:5]}..., got {keys[:5]}..."
-        )
+            if indices is not None:  # some slots only: a trainer pulling while its forward runs
+                views = [views[i] for i in indices]
+            return PullReply(**self._state(), tensors=views, **extra)  # type: ignore[arg-type]
 
     # --- sync rounds ------------------------------------------------------------------
 
@@ -750,15 +707,12 @@ class Pserver:
     def _ensure_shard(self) -> ParameterShard:
         if self._shard is None:
             model = self._store.get(self._keys.model)
-            slots = self._store.get(self._keys.slotmap)
-            if model is None or slots is None:
+            if model is None:
                 raise NotReady(f"job {self.config.name!r} has no model description yet; a trainer must attach first")
             specs = decode_as(model.value, model.key, lambda ds: [ParamSpec.from_json(d) for d in ds])
-            layout = Layout.build(specs, decode_as(slots.value, slots.key, SlotMap.from_json), self.config.min_block)
-            assert self.index is not None
+            assert self.index is not None and self._slot_map is not None
+            layout = Layout.build(specs, self._slot_map, self.config.min_block)
             self._shard = self._compute.shard(layout.blocks_of(self.index), self.config.optimizer, self.config.optimizer_args)
-            self._block_keys = [b.key for b in self._shard.blocks]
-            self._block_index = {k: i for i, k in enumerate(self._block_keys)}
         return self._shard
 
     def _ready_shard(self) -> ParameterShard:

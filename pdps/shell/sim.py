@@ -20,10 +20,11 @@ import attrs
 from pdps.core.errors import ConfigError, PdpsError, Timeout
 from pdps.core.job import JobConfig, Keys, decode_as, decode_json, require_seconds, require_whole_number, shown
 from pdps.core.slots import ParamSpec
+from pdps.core.wire import PullRequest
 from pdps.ports.compute import Compute
 from pdps.ports.coordination import CoordinationStore
 from pdps.ports.data import DataSource
-from pdps.ports.transport import Message, Transport
+from pdps.ports.transport import Transport
 from pdps.roles.master import Master
 from pdps.roles.pserver import Pserver
 from pdps.roles.trainer import Killed, StepRecord, TrainerContext
@@ -231,8 +232,8 @@ def fetch_model(store: CoordinationStore, transport: Transport, config: JobConfi
     steps = 0
     try:
         for part in group.parts:
-            reply = group.call(part, "pull", Message({"trainer": "fetch"}))
-            steps = max(steps, int(reply.meta.get("version", 0)))
+            reply = group.ask(part, PullRequest("fetch", version=group.layout.slot_map.version))
+            steps = max(steps, reply.updates)
             for block, tensor in zip(part.blocks, reply.tensors):
                 flat[block.offset : block.offset + block.numel].copy_(tensor.reshape(-1))
     finally:

@@ -85,10 +85,10 @@ def test_staleness_bound_drops_old_pushes_and_changes_nothing(source):
         grads = [torch.ones_like(g) for g in ctx._replica.grads(part.blocks)]
 
         def push(version: int) -> Message:
-            return ctx._group.call(part, "push", Message({"trainer": "t0", "version": version, "blocks": part.keys}, grads))
+            return ctx._group.call(part, "push", Message({"trainer": "t0", "updates": version, "blocks": part.keys}, grads))
 
-        assert push(0).meta["version"] == 1  # 0 behind: applied
-        assert push(0).meta["version"] == 2  # 1 behind: within the bound
+        assert push(0).meta["updates"] == 1  # 0 behind: applied
+        assert push(0).meta["updates"] == 2  # 1 behind: within the bound
         before = pdps.fetch_parameters(store, transport, config)
         with pytest.raises(StalePush, match="2 versions behind"):
             push(0)  # 2 behind: dropped

@@ -231,7 +231,7 @@ def test_a_pserver_applies_the_same_records_of_a_task_once(dataset):
         grads = [torch.ones_like(t) for t in ctx._replica.grads(part.blocks)]
 
         def push(records: list[int], attempt_trainer: str = "t") -> Message:
-            meta = {"trainer": attempt_trainer, "version": job.ps.version, "blocks": part.keys, "records": records}
+            meta = {"trainer": attempt_trainer, "updates": job.ps.version, "blocks": part.keys, "records": records}
             return ctx._group.call(part, "push", Message(meta, grads))
 
         push([0, 3, 1, 0, 8])

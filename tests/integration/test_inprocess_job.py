@@ -319,7 +319,7 @@ def _push(ctx, tensors, keys=None):
     part = ctx._group.parts[0]
     from pdps.ports.transport import Message
 
-    meta = {"trainer": "t-bad", "version": part.version, "round": part.round_no, "samples": 4, "blocks": keys or part.keys, "epoch": ctx.epoch}
+    meta = {"trainer": "t-bad", "updates": part.version, "round": part.round_no, "samples": 4, "blocks": keys or part.keys, "epoch": ctx.epoch}
     return ctx._group.call(part, "push", Message(meta, tensors))
 
 

@@ -118,7 +118,7 @@ def test_the_last_layers_slots_reach_the_pserver_while_backward_still_runs(sourc
 
 def _push(job, ctx, keys, tensors, **meta):
     channel = job.transport.connect(job.ps.address)
-    base = {"trainer": ctx.trainer_id, "version": job.ps.version, "epoch": 0, "part": True}
+    base = {"trainer": ctx.trainer_id, "updates": job.ps.version, "epoch": 0, "part": True}
     return channel.call("push", Message({**base, **meta, "blocks": keys}, tensors))
 
 

@@ -66,9 +66,9 @@ def pull(channel) -> list[torch.Tensor]:
 
 
 def valid_push(channel, part) -> tuple[dict, list[torch.Tensor]]:
-    version = int(channel.call("pull", Message({"trainer": "t0"}), timeout=10).meta["version"])
+    version = int(channel.call("pull", Message({"trainer": "t0"}), timeout=10).meta["updates"])
     grads = [torch.full(b.shape, 0.5, dtype=torch.float32) for b in part.blocks]
-    return {"trainer": "t0", "version": version, "blocks": list(part.keys)}, grads
+    return {"trainer": "t0", "updates": version, "blocks": list(part.keys)}, grads
 
 
 def bits(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -110,15 +110,15 @@ def mutate(kind: str, meta: dict, grads: list[torch.Tensor], where: int) -> tupl
     elif kind == "no_trainer":
         del meta["trainer"]
     elif kind == "version_text":
-        meta["version"] = "latest"
+        meta["updates"] = "latest"
     elif kind == "no_version":
-        del meta["version"]
+        del meta["updates"]
     elif kind == "future_version":
-        meta["version"] += 1 + where  # no pserver served it: the push is not from this job's past
+        meta["updates"] += 1 + where  # no pserver served it: the push is not from this job's past
     elif kind == "negative_version":
-        meta["version"] = -1 - where
+        meta["updates"] = -1 - where
     elif kind == "version_as_text":
-        meta["version"] = str(meta["version"])
+        meta["updates"] = str(meta["updates"])
     elif kind == "samples_negative":
         meta["samples"] = -1 - where
     elif kind == "samples_text":

@@ -42,10 +42,22 @@ from pdps.core.job import JobConfig, Keys, decode_json
 from pdps.core.sgd import Mode
 from pdps.core.slots import ParamSpec
 from pdps.core.tasks import TaskSpec
+from pdps.core.wire import (
+    AppliedRequest,
+    FailTaskRequest,
+    FinishTaskRequest,
+    GetTaskRequest,
+    GiveBackRequest,
+    InitRequest,
+    PullReply,
+    PullRequest,
+    PushReply,
+    Request,
+)
 from pdps.ports.compute import Compute, ModelReplica, ThreadedCompute
 from pdps.ports.coordination import Compare, CoordinationStore, Put
 from pdps.ports.data import DataSource
-from pdps.ports.transport import ChannelStats, ConcurrentCalls, Message, Transport
+from pdps.ports.transport import ChannelStats, ConcurrentCalls, Transport
 from pdps.roles.trainer.discovery import DISCOVERY_TIMEOUT, Waits, wait_for_key
 from pdps.roles.trainer.master_client import MasterClient
 from pdps.roles.trainer.overlap import Pipeline
@@ -307,11 +319,16 @@ class TrainerContext(SyncRound, AsyncCadence):
             return True
         return isinstance(self._compute, ThreadedCompute) and (os.cpu_count() or 1) > self._compute.threads
 
+    @property
+    def _slot_version(self) -> int:
+        """The version of the slot map this trainer's layout was computed from."""
+        assert self._group is not None
+        return self._group.layout.slot_map.version
+
     def _init_part(self, part: Part) -> None:
         """Give pserver ``part`` this replica's values, unless it has some already."""
         assert self._replica is not None and self._group is not None
-        meta = {"trainer": self.trainer_id, "epoch": self._epoch}
-        self._group.call(part, "init", Message(meta, self._replica.values(part.blocks)))
+        self._group.ask(part, InitRequest(self.trainer_id, epoch=self._epoch, version=self._slot_version, tensors=self._replica.values(part.blocks)))
 
     def pull(self) -> None:
         """Fetch the current parameters from every pserver into the model now."""
@@ -324,8 +341,8 @@ class TrainerContext(SyncRound, AsyncCadence):
         step of the job is in it."""
         if self._group is None:
             raise ConfigError("call ctx.attach(model) before ctx.applied()")
-        meta = {"trainer": self.trainer_id, "epoch": self._epoch}
-        return {part.index: [list(r) for r in self._group.call(part, "applied", Message(meta)).meta["ledger"]] for part in self._group.parts}
+        request = AppliedRequest(self.trainer_id, epoch=self._epoch, version=self._slot_version)
+        return {part.index: [list(r) for r in self._group.ask(part, request).ledger] for part in self._group.parts}
 
     # --- data -------------------------------------------------------------------------
 
@@ -341,7 +358,7 @@ class TrainerContext(SyncRound, AsyncCadence):
                 try:
                     # "holding": a task the master says we hold but we never heard of
                     # (its reply was lost) comes back to us rather than timing out
-                    reply = self._master.call("get_task", Message({"trainer": self.trainer_id, "epoch": self._epoch, "holding": []}))
+                    reply = self._master.call(GetTaskRequest(self.trainer_id, epoch=self._epoch, holding=()))
                 except LeaseExpired:
                     # Our key is gone (the lease ran out in an outage or a long pause) and the
                     # master has re-queued what we held: join again, a few times at most.
@@ -351,17 +368,15 @@ class TrainerContext(SyncRound, AsyncCadence):
                     self._rejoin()
                     continue
                 rejoins = 0
-                if reply.meta.get("done"):
+                if reply.done:
                     break
-                if int(reply.meta.get("epoch", self._epoch)) > self._epoch:
+                if reply.epoch is not None and reply.epoch > self._epoch:
                     self._resync()  # the master has rolled back: so do we
                     continue
-                if "wait" in reply.meta:
-                    self._idle(float(reply.meta.get("retry_in", 0.05)))
+                if reply.task is None or reply.attempt is None or reply.pass_no is None:  # "wait"
+                    self._idle(0.05 if reply.retry_in is None else reply.retry_in)
                     continue
-                task = TaskSpec.from_json(reply.meta["task"])
-                attempt, pass_no = int(reply.meta["attempt"]), int(reply.meta["pass"])
-                offset = int(reply.meta.get("offset", 0))
+                task, attempt, pass_no, offset = reply.task, reply.attempt, reply.pass_no, reply.offset or 0
                 held = (task.id, attempt)
                 self._attempt = Attempt.read(self._store, self._keys, task.id, attempt, pass_no)
                 try:
@@ -428,10 +443,11 @@ class TrainerContext(SyncRound, AsyncCadence):
 
     def _report(self, method: str, held: tuple[int, int], **extra: Any) -> None:
         task, attempt = held
-        reply = self._master.call(method, Message({"trainer": self.trainer_id, "task": task, "attempt": attempt, **extra}))
-        if not reply.meta.get("accepted", True):
+        report = {"finish_task": FinishTaskRequest, "fail_task": FailTaskRequest, "give_back": GiveBackRequest}[method]
+        reply = self._master.call(report(self.trainer_id, task, attempt, **extra))
+        if not reply.accepted:
             # e.g. the task timed out and went back to todo: someone else will train it
-            log.warning("trainer %s: master ignored %s of task %d attempt %d: %s", self.trainer_id, method, task, attempt, reply.meta.get("reason"))
+            log.warning("trainer %s: master ignored %s of task %d attempt %d: %s", self.trainer_id, method, task, attempt, reply.reason)
         elif method == "finish_task":
             self.tasks_done += 1
 
@@ -505,19 +521,17 @@ class TrainerContext(SyncRound, AsyncCadence):
         assert self._replica is not None
         return self._replica.value_blocks(part.blocks)
 
-    def _call_each(
-        self, method: str, requests: Sequence[tuple[Part, Message]], into: Callable[[Part], Sequence[Any]] | None = None
-    ) -> list[Message | StalePush]:
+    def _call_each(self, requests: Sequence[tuple[Part, Request]], into: Callable[[Part], Sequence[Any]] | None = None) -> list[Any]:
         """:meth:`PserverGroup.call_each`, timed (the trainer thread waits for it all)."""
         assert self._group is not None
         began = time.perf_counter()
         try:
-            replies = self._group.call_each(method, requests, into)
+            replies = self._group.call_each(requests, into)
         finally:
             spent = time.perf_counter() - began
             self._time("comm", spent)
             self._time("wait", spent)
-        self._time("update", sum(float(r.meta.get("update_s", 0.0)) for r in replies if isinstance(r, Message)))
+        self._time("update", sum(r.update_s or 0.0 for r in replies if isinstance(r, PushReply)))
         return replies
 
     def _pull_fresh(self) -> None:
@@ -525,14 +539,14 @@ class TrainerContext(SyncRound, AsyncCadence):
         assert self._group is not None
         if self._pipeline is not None:
             self._pipeline.drain()
-        meta = {"trainer": self.trainer_id, "epoch": self._epoch}
+        request = PullRequest(self.trainer_id, epoch=self._epoch, version=self._slot_version)
         for part in self._group.parts:
             waited = time.monotonic()
             while True:
                 try:
                     began = time.perf_counter()
                     try:
-                        reply = self._group.call(part, "pull", Message(meta), self._into(part))
+                        reply = self._group.ask(part, request, self._into(part))
                     finally:
                         spent = time.perf_counter() - began
                         self._time("comm", spent)
@@ -553,10 +567,10 @@ class TrainerContext(SyncRound, AsyncCadence):
                             raise not_yet from None
             self._load(part, reply)
 
-    def _load(self, part: Part, reply: Message) -> None:
-        part.round_no = int(reply.meta["round"])
-        part.version = int(reply.meta["version"])
-        part.incarnation = reply.meta.get("incarnation")
+    def _load(self, part: Part, reply: PullReply) -> None:
+        part.round_no = reply.round_no
+        part.version = reply.updates
+        part.incarnation = reply.incarnation
         if self._replica is not None:
             self._replica.load(part.blocks, reply.tensors)
 

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from pdps.core.backoff import Backoff
 from pdps.core.errors import FencingError, Timeout, TransportError
 from pdps.core.job import Keys
+from pdps.core.wire import GetTaskReply, GetTaskRequest, MasterRequest, ReportReply
 from pdps.ports.coordination import CoordinationStore
-from pdps.ports.transport import Channel, Message, Transport
+from pdps.ports.transport import Channel, Transport
+from pdps.roles import calls
 from pdps.roles.trainer.discovery import DISCOVERY_TIMEOUT, job_done, wait_for_key
 from pdps.runtime.retry import Retry
 
@@ -35,7 +38,7 @@ class MasterClient:
             self._master = self._transport.connect(addr.decode())
         return self._master
 
-    def call(self, method: str, request: Message) -> Message:
+    def call(self, request: MasterRequest) -> Any:
         """Call the master; if it is gone or has stepped down, find the current one.
 
         A standby takes over within about a lease TTL and publishes its address under
@@ -47,13 +50,13 @@ class MasterClient:
         while True:
             channel = self._channel()
             if channel is None:
-                return Message({"done": True} if method == "get_task" else {"accepted": False, "reason": "the job is done"})
+                return GetTaskReply(done=True) if isinstance(request, GetTaskRequest) else ReportReply(accepted=False, reason="the job is done")
             try:
-                return channel.call(method, request)
+                return calls.call(channel, request)
             except (TransportError, FencingError) as exc:
                 if isinstance(exc, Timeout) or not retrying.note():
                     raise
-                log.warning("trainer %s: master unavailable for %s (%s); looking it up again", self._trainer_id, method, exc)
+                log.warning("trainer %s: master unavailable for %s (%s); looking it up again", self._trainer_id, request.METHOD, exc)
                 channel.close()
                 self._master = None
                 retrying.pause()

@@ -10,10 +10,12 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+import attrs
+
 from pdps.core.errors import EpochChanged, StalePush
 from pdps.core.sgd import Mode
 from pdps.core.slots import Block
-from pdps.ports.transport import Message
+from pdps.core.wire import PullReply, PullRequest, PushReply, PushRequest, Request
 from pdps.roles.trainer.pserver_client import Part
 
 if TYPE_CHECKING:
@@ -53,7 +55,7 @@ class Pipeline:
             for i, positions in by_param.items():
                 self._pieces[i].append((pi, positions))
         self._workers = [ThreadPoolExecutor(1, thread_name_prefix=f"{ctx.trainer_id}-ps{part.index}") for part in self._group.parts]
-        self._meta: list[dict] | None = None  # per part, while a push-step's backward runs
+        self._meta: list[PushRequest] | None = None  # per part, while a push-step's backward runs
         self._sent: set[int] = set()
         self._bucket: list[list[int]] = []  # per part: block positions ready and not yet sent
         self._pushes: list[tuple[int, Future]] = []  # (part position, its reply)
@@ -72,7 +74,7 @@ class Pipeline:
 
     # --- pushes, during backward ----------------------------------------------------
 
-    def push(self, loss: Any, metas: list[dict]) -> list[Message | StalePush]:
+    def push(self, loss: Any, metas: list[PushRequest]) -> list[PushReply | StalePush]:
         """``loss.backward()`` with each slot pushed as soon as it is ready; one reply
         per part (StalePush if it dropped the step), once every piece has been answered.
         Async, only then, and only if no piece was refused anywhere, does each pserver
@@ -99,17 +101,17 @@ class Pipeline:
         if error is not None:
             raise error
         if self._ctx.config.mode is Mode.ASYNC:
-            ends = [(pi, self._workers[pi].submit(self._call, part, "push", Message({**metas[pi], "blocks": [], "part": True, "final": True})))
+            ends = [(pi, self._workers[pi].submit(self._call, part, attrs.evolve(metas[pi], blocks=(), part=True, final=True)))
                     for pi, part in enumerate(self._group.parts) if not isinstance(results[pi], StalePush)]
             results = self._replies(ends, results)
         return results
 
-    def _replies(self, calls: list[tuple[int, Future]], results: list[Message | StalePush] | None = None) -> list[Message | StalePush]:
+    def _replies(self, calls: list[tuple[int, Future]], results: list[Any] | None = None) -> list[Any]:
         """Wait for every call (part position, its reply); a part's result is its last
         reply, or StalePush if any was; the first error (an EpochChanged first) is raised
         once all have ended."""
         t0 = time.perf_counter()
-        results = [Message({})] * len(self._workers) if results is None else list(results)
+        results = [None] * len(self._workers) if results is None else list(results)
         failures: list[BaseException] = []
         for pi, fut in calls:
             exc = fut.exception()
@@ -148,26 +150,27 @@ class Pipeline:
         blocks = [part.blocks[j] for j in sorted(positions)]
         tensors = self._replica.grad_blocks(blocks)
         first = not any(p == pi for p, _ in self._pushes)
-        meta = {**self._meta[pi], "blocks": [b.key for b in blocks], "part": True, "first": first}
-        self._pushes.append((pi, self._workers[pi].submit(self._push_piece, part, Message(meta, tensors), blocks)))
+        request = attrs.evolve(self._meta[pi], blocks=tuple(b.key for b in blocks), part=True, first=first, tensors=tensors)
+        self._pushes.append((pi, self._workers[pi].submit(self._push_piece, part, request, blocks)))
 
-    def _push_piece(self, part: Part, request: Message, blocks: list[Block]) -> Message | StalePush:
+    def _push_piece(self, part: Part, request: PushRequest, blocks: list[Block]) -> PushReply | StalePush:
         """Push one piece (the pserver checks it is finite), then zero its gradient
         blocks here, off the trainer's thread: the step no longer needs them."""
         try:
-            return self._call(part, "push", request)
+            return self._call(part, request)
         finally:
             self._replica.zero_blocks(blocks)
 
-    def _call(self, part: Part, method: str, request: Message, into: Sequence[Any] | None = None) -> Message | StalePush:
+    def _call(self, part: Part, request: Request, into: Sequence[Any] | None = None) -> Any:
         t0 = time.perf_counter()
         try:
-            reply = self._group.call(part, method, request, into)
+            reply = self._group.ask(part, request, into)
         except StalePush as exc:
             return exc
         finally:
             self._ctx._time("comm", time.perf_counter() - t0)
-        self._ctx._time("update", float(reply.meta.get("update_s", 0.0)))
+        if isinstance(reply, PushReply) and reply.update_s is not None:
+            self._ctx._time("update", reply.update_s)
         return reply
 
     # --- pulls, during the next forward (async) ----------------------------------------
@@ -175,7 +178,7 @@ class Pipeline:
     def pull_ahead(self) -> None:
         """Send the pull of every slot, bucket by bucket in forward order; :meth:`need`
         waits for them."""
-        meta = {"trainer": self._ctx.trainer_id, "epoch": self._ctx.epoch}
+        request = PullRequest(self._ctx.trainer_id, epoch=self._ctx.epoch, version=self._group.layout.slot_map.version)
         fresh = [True] * len(self._workers)
         buckets: list[tuple[list[int], list[Block]]] = [([], []) for _ in self._workers]  # (parameters, blocks)
 
@@ -185,7 +188,7 @@ class Pipeline:
                 return
             part = self._group.parts[pi]
             first, fresh[pi] = fresh[pi], False
-            fut = self._workers[pi].submit(self._pull, part, blocks, Message({**meta, "blocks": [b.key for b in blocks]}), first)
+            fut = self._workers[pi].submit(self._pull, part, blocks, attrs.evolve(request, blocks=tuple(b.key for b in blocks)), first)
             for i in params:
                 self._pulls.setdefault(i, []).append(fut)
             buckets[pi] = ([], [])
@@ -201,14 +204,13 @@ class Pipeline:
             for pi in range(len(self._workers)):
                 send(pi)
 
-    def _pull(self, part: Part, blocks: list[Block], request: Message, first: bool) -> None:
-        reply = self._call(part, "pull", request, into=self._replica.value_blocks(blocks))
-        assert isinstance(reply, Message)
-        version = int(reply.meta["version"])
-        # the step's pushes are checked against the oldest version this pull saw
-        part.version = version if first else min(part.version, version)
-        part.round_no = int(reply.meta["round"])
-        part.incarnation = reply.meta.get("incarnation")
+    def _pull(self, part: Part, blocks: list[Block], request: PullRequest, first: bool) -> None:
+        reply = self._call(part, request, into=self._replica.value_blocks(blocks))
+        assert isinstance(reply, PullReply)
+        # the step's pushes are checked against the oldest update count this pull saw
+        part.version = reply.updates if first else min(part.version, reply.updates)
+        part.round_no = reply.round_no
+        part.incarnation = reply.incarnation
         self._replica.load_blocks(blocks, reply.tensors)
 
     def need(self, indices: Sequence[int]) -> None:

@@ -15,8 +15,10 @@ from pdps.core.backoff import Backoff
 from pdps.core.errors import CorruptRecord, EpochChanged, NotInitialized, NotReady, PdpsError, StalePush, StoreError, Timeout, TransportError
 from pdps.core.job import JobConfig, Keys, decode_as
 from pdps.core.slots import Block, Layout, ParamSpec, SlotMap
+from pdps.core.wire import Request
 from pdps.ports.coordination import CoordinationStore
 from pdps.ports.transport import Channel, ConcurrentCalls, Message, Transport
+from pdps.roles import calls
 from pdps.roles.trainer.discovery import DISCOVERY_TIMEOUT, WAIT_LOG_EVERY, Waits, wait_for_key
 from pdps.runtime.retry import Retry
 
@@ -140,22 +142,24 @@ class PserverGroup:
                     log.warning("waiting %.0fs for pserver %d at %s: %s", waited, part.index, part.address, error)
             retrying.pause()
 
-    def call_each(
-        self, method: str, requests: Sequence[tuple[Part, Message]], into: Callable[[Part], Sequence[Any]] | None = None
-    ) -> list[Message | StalePush]:
-        """Call several pservers, concurrently where the transport allows. A stale push
-        comes back in its place in the list; any other error is raised once all calls
-        ended (an :class:`EpochChanged` first: the caller must start over). ``into(part)``:
-        where a reply's tensors may be received."""
+    def ask(self, part: Part, request: Request, into: Sequence[Any] | None = None) -> Any:
+        """:meth:`call` with a typed request; its typed reply (:mod:`pdps.core.wire`)."""
+        return request.REPLY.decode(self.call(part, request.METHOD, calls.message(request), into))
 
-        def one(part: Part, request: Message) -> Message | StalePush:
+    def call_each(self, requests: Sequence[tuple[Part, Request]], into: Callable[[Part], Sequence[Any]] | None = None) -> list[Any]:
+        """Call several pservers, concurrently where the transport allows; their typed
+        replies. A stale push comes back in its place in the list; any other error is
+        raised once all calls ended (an :class:`EpochChanged` first: the caller must start
+        over). ``into(part)``: where a reply's tensors may be received."""
+
+        def one(part: Part, request: Request) -> Any:
             try:
-                return self.call(part, method, request, None if into is None else into(part))
+                return self.ask(part, request, None if into is None else into(part))
             except StalePush as exc:
                 return exc
 
         if self._pool is None or len(requests) < 2:
-            results: list[Message | StalePush] = []
+            results: list[Any] = []
             for part, req in requests:
                 results.append(one(part, req))
             return results

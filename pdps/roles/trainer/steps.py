@@ -22,8 +22,8 @@ from pdps.core.job import Keys, decode_as
 from pdps.core.progress import TaskProgress
 from pdps.core.sgd import Contribution, Mode, RoundRecord
 from pdps.core.txn import Decision, Done, Write
+from pdps.core.wire import CheckpointRequest, PullReply, PullRequest, PushRequest
 from pdps.ports.coordination import Compare, CoordinationStore, KeyValue, Op, Put, TxnOp
-from pdps.ports.transport import Message
 from pdps.roles.trainer.discovery import WAIT_LOG_EVERY
 from pdps.runtime.cas import read_modify_write
 
@@ -116,14 +116,14 @@ class SyncRound:
         stale = False
         refused: GradientRejected | None = None
         if samples:
-            meta = {"trainer": self.trainer_id, "round": round_no, "samples": samples, "epoch": self._epoch}
+            push = PushRequest(self.trainer_id, epoch=self._epoch, version=self._slot_version, round_no=round_no, samples=samples)
             try:
                 if loss is not None and self._pipeline is not None:
-                    replies = self._pipeline.push(loss, [meta] * len(self._group.parts))
+                    replies = self._pipeline.push(loss, [push] * len(self._group.parts))
                 else:
                     self._replica.check_finite(self.trainer_id)  # all pservers or none: fail before the first push
-                    requests = [(part, Message({**meta, "blocks": part.keys}, self._replica.grads(part.blocks))) for part in self._group.parts]
-                    replies = self._call_each("push", requests)
+                    requests = [(part, attrs.evolve(push, blocks=tuple(part.keys), tensors=self._replica.grads(part.blocks))) for part in self._group.parts]
+                    replies = self._call_each(requests)
             except GradientRejected as exc:
                 refused, replies = exc, []
             for part, reply in zip(self._group.parts, replies):
@@ -238,20 +238,20 @@ class SyncRound:
         assert self._group is not None
         first = time.time()
         last_log = 0.0
-        meta = {"trainer": self.trainer_id, "epoch": self._epoch, "after_round": round_no, "slice": WAIT_LOG_EVERY}
+        request = PullRequest(self.trainer_id, epoch=self._epoch, version=self._slot_version, after_round=round_no, slice_s=WAIT_LOG_EVERY)
         pending = list(self._group.parts)
         checkpoint = None
         while pending:
-            replies = self._call_each("pull", [(part, Message(meta)) for part in pending], into=self._into)
-            self._time("barrier", max(float(r.meta.get("wait_s", 0.0)) for r in replies if isinstance(r, Message)))
+            replies = self._call_each([(part, request) for part in pending], into=self._into)
+            self._time("barrier", max(r.wait_s or 0.0 for r in replies if isinstance(r, PullReply)))
             still = []
             for part, reply in zip(pending, replies):
-                assert isinstance(reply, Message)  # pulls are never stale
-                if "waiting" in reply.meta:
-                    still.append((part, reply.meta["waiting"]))
+                assert isinstance(reply, PullReply)  # pulls are never stale
+                if reply.waiting is not None:
+                    still.append((part, reply.waiting))
                     continue
                 self._load(part, reply)
-                checkpoint = reply.meta.get("checkpoint") or checkpoint
+                checkpoint = reply.checkpoint or checkpoint
             pending = [p for p, _ in still]
             if still and time.time() - last_log >= WAIT_LOG_EVERY:
                 last_log = time.time()
@@ -260,7 +260,7 @@ class SyncRound:
         if last_log:
             self._waits.done()
         if checkpoint is not None:
-            self._master.call("checkpoint", Message({"trainer": self.trainer_id, "checkpoint": checkpoint, "epoch": self._epoch}))
+            self._master.call(CheckpointRequest(self.trainer_id, checkpoint, epoch=self._epoch))
 
 
 class AsyncCadence:
@@ -299,9 +299,12 @@ class AsyncCadence:
             self._pipeline.drain()
         held, acc = self._attempt, self._acc
         self._acc = None  # these records leave with this push, or are dropped with it if it is refused
-        records = None if held is None or acc is None else [held.pass_no, held.task, held.attempt, acc[0], acc[1]]
+        records = None if held is None or acc is None else (held.pass_no, held.task, held.attempt, acc[0], acc[1])
         metas = [
-            {"trainer": self.trainer_id, "version": part.version, "blocks": part.keys, "epoch": self._epoch, "incarnation": part.incarnation, "records": records}
+            PushRequest(
+                self.trainer_id, epoch=self._epoch, version=self._slot_version, updates=part.version,
+                records=records, incarnation=part.incarnation, blocks=tuple(part.keys),
+            )
             for part in self._group.parts
         ]
         if loss is not None and self._pipeline is not None:
@@ -309,8 +312,8 @@ class AsyncCadence:
         else:
             try:
                 self._replica.check_finite(self.trainer_id)
-                requests = [(part, Message(meta, self._replica.grads(part.blocks))) for part, meta in zip(self._group.parts, metas)]
-                replies = self._call_each("push", requests)
+                requests = [(part, attrs.evolve(meta, tensors=self._replica.grads(part.blocks))) for part, meta in zip(self._group.parts, metas)]
+                replies = self._call_each(requests)
             finally:
                 self._replica.zero_grad()  # pushed or refused: the next step starts clean
         stale = False

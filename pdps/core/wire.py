@@ -1,0 +1,532 @@
+"""The wire protocol: one class per request and per reply of every call the roles serve.
+
+Rules of this module:
+
+* A call travels as a JSON-safe ``meta`` mapping plus raw tensors (the transport
+  port's :class:`~pdps.ports.transport.Message`). :meth:`Wire.encode` and
+  :meth:`Wire.decode` are the only code that reads or writes ``meta``; a role gets
+  and answers typed objects (``pdps.roles.calls`` does the wrapping).
+* A request validates itself on decode: every field present or defaulted, of its
+  type, in its range. A refusal is a :class:`~pdps.core.errors.BadRequest` (for
+  ``init`` and ``push``, its subclass :class:`~pdps.core.errors.GradientRejected`)
+  whose message names the call, the field and the trainer. What needs the server's
+  state (which blocks it holds: :meth:`PushRequest.claim`) is a pure method the
+  server calls with that state. Keys a request does not define are ignored (a
+  transport may add its own).
+* A value of None is not sent, and an absent key decodes to the field's default.
+* ``version`` in a pserver request is the *slot-map* version the request was
+  computed for (:class:`~pdps.core.slots.SlotMap`); a pserver counts its applied
+  updates in ``updates``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar, Protocol
+
+import attrs
+
+from pdps.core.errors import BadRequest, GradientRejected
+from pdps.core.slots import Block
+from pdps.core.tasks import TaskSpec
+
+_MISSING = object()
+
+
+class Envelope(Protocol):
+    """What a transport carries: :class:`~pdps.ports.transport.Message` is one."""
+
+    @property
+    def meta(self) -> Mapping[str, Any]: ...
+
+    @property
+    def tensors(self) -> Sequence[Any]: ...
+
+    @property
+    def deadline(self) -> float | None:
+        """When the caller stops waiting (``time.monotonic()`` of the serving process),
+        set by the transport from the call's timeout; None without one."""
+        ...
+
+
+# --- fields ---------------------------------------------------------------------------
+
+
+@attrs.frozen
+class _Wire:
+    """How one attribute travels: its meta ``key``, its JSON ``kind``, a range ``check``
+    (the problem in words, or None) and, for lists, each ``item``'s kind."""
+
+    key: str | None
+    kind: type
+    check: Callable[[Any], str | None] | None = None
+    item: type | None = None
+
+
+def _field(kind: type, *, key: str | None = None, default: Any = _MISSING, check: Callable[[Any], str | None] | None = None, item: type | None = None) -> Any:
+    meta = {"wire": _Wire(key, kind, check, item)}
+    if default is _MISSING:
+        return attrs.field(metadata=meta)
+    return attrs.field(default=default, metadata=meta)
+
+
+def _tensors() -> Any:
+    return attrs.field(default=(), converter=tuple, metadata={"tensors": True}, repr=lambda ts: f"<{len(ts)} tensors>", eq=False)
+
+
+def _at_least(low: int) -> Callable[[Any], str | None]:
+    return lambda v: None if v >= low else f"must be >= {low}"
+
+
+def _finite_positive(v: float) -> str | None:
+    return None if math.isfinite(v) and v > 0 else "must be a finite number > 0"
+
+
+def _nonempty(v: str) -> str | None:
+    return None if v else "must not be empty"
+
+
+def _names_once(v: Sequence[str]) -> str | None:
+    return None if len(set(v)) == len(v) else "names a block more than once"
+
+
+def _is(kind: type, value: Any) -> bool:
+    """JSON kinds: a bool is no number, an int is a float too."""
+    if isinstance(value, bool):
+        return kind is bool
+    if kind is float:
+        return isinstance(value, (int, float))
+    return isinstance(value, kind)
+
+
+_KIND_NAMES = {int: "a whole number", float: "a number", str: "a string", bool: "true or false", list: "a list", dict: "an object"}
+
+
+class Wire:
+    """Base of every request and reply: the one codec between typed objects and meta."""
+
+    #: the error a refused field raises
+    REFUSAL: ClassVar[type[BadRequest]] = BadRequest
+
+    @classmethod
+    def _specs(cls) -> list[tuple[attrs.Attribute, str | None, _Wire | None]]:
+        """(attribute, meta key, how it travels) per field; the tensors field has no key."""
+        specs = _SPECS.get(cls)
+        if specs is None:
+            specs = _SPECS[cls] = [
+                (a, None, None) if "tensors" in a.metadata else (a, a.metadata["wire"].key or a.name, a.metadata["wire"])
+                for a in attrs.fields(cls)  # type: ignore[arg-type]
+                if "local" not in a.metadata
+            ]
+        return specs
+
+    def encode(self) -> tuple[dict[str, Any], list[Any]]:
+        """``(meta, tensors)`` for the transport: JSON-safe meta, None values left out."""
+        meta: dict[str, Any] = {}
+        tensors: list[Any] = []
+        for a, key, _ in self._specs():
+            value = getattr(self, a.name)
+            if key is None:
+                tensors = list(value)
+            elif value is not None:
+                meta[key] = _json(value)
+        return meta, tensors
+
+    @classmethod
+    def decode(cls, envelope: Envelope) -> Any:
+        """The object ``envelope`` carries, each field checked; raises :attr:`REFUSAL`
+        naming the first wrong field."""
+        meta = envelope.meta
+        if not isinstance(meta, Mapping):
+            raise cls.REFUSAL(f"{cls._what(None)}: meta must be an object, got {type(meta).__name__}")
+        trainer = meta.get("trainer") if isinstance(meta.get("trainer"), str) else None
+        values: dict[str, Any] = {}
+        for a, key, spec in cls._specs():
+            if key is None or spec is None:
+                values[a.name] = tuple(envelope.tensors)
+                continue
+            if key not in meta or (meta[key] is None and a.default is None):
+                if a.default is attrs.NOTHING:
+                    raise cls.REFUSAL(f"{cls._what(trainer)}: request names no {key!r}", field=key, trainer=trainer)
+                continue
+            values[a.name] = cls._value(meta[key], key, spec, trainer)
+        if issubclass(cls, Request):
+            values["deadline"] = envelope.deadline
+        obj = cls(**values)
+        obj._validate()
+        return obj
+
+    @classmethod
+    def _value(cls, value: Any, key: str, spec: _Wire, trainer: str | None) -> Any:
+        def refuse(problem: str) -> BadRequest:
+            return cls.REFUSAL(f"{cls._what(trainer)}: request field {key!r} {problem}, got {value!r:.200}", field=key, trainer=trainer)
+
+        if spec.kind is TaskSpec:
+            try:
+                return TaskSpec.from_json(value)
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                raise refuse(f"must be a task ({exc})") from exc
+        if not _is(spec.kind, value):
+            raise refuse(f"must be {_KIND_NAMES[spec.kind]}")
+        if spec.item is not None:
+            if any(not _is(spec.item, v) for v in value):
+                raise refuse(f"must be a list of {_KIND_NAMES[spec.item]}s")
+            value = tuple(value)
+        elif spec.kind is float:
+            value = float(value)
+        problem = spec.check(value) if spec.check is not None else None
+        if problem:
+            raise refuse(problem)
+        return value
+
+    @classmethod
+    def _what(cls, trainer: str | None) -> str:
+        name = getattr(cls, "METHOD", cls.__name__)
+        return f"{name} from trainer {trainer!r}" if trainer is not None else name
+
+    def _validate(self) -> None:
+        """Checks that span fields (a subclass's); raise :attr:`REFUSAL`."""
+
+    def _refuse(self, field: str, message: str) -> BadRequest:
+        trainer = getattr(self, "trainer", None)
+        return self.REFUSAL(message, field=field, trainer=trainer)
+
+
+_SPECS: dict[type, list] = {}
+
+
+def _json(value: Any) -> Any:
+    if isinstance(value, TaskSpec):
+        return value.to_json()
+    if isinstance(value, tuple):
+        return [_json(v) for v in value]
+    return value
+
+
+@attrs.frozen
+class Request(Wire):
+    #: the transport method that serves this request
+    METHOD: ClassVar[str]
+    #: the class of its reply
+    REPLY: ClassVar[type[Wire]]
+
+    #: When the caller stops waiting (``time.monotonic()`` here): not on the wire, but
+    #: the transport's deadline for the call (:attr:`Envelope.deadline`), for handlers that wait.
+    deadline: float | None = attrs.field(default=None, kw_only=True, eq=False, repr=False, metadata={"local": True})
+
+
+# --- pserver ---------------------------------------------------------------------------
+
+_count = _at_least(0)
+
+
+@attrs.frozen
+class PserverReply(Wire):
+    """What every pserver reply says of the pserver: its open sync ``round_no``, the
+    ``updates`` it applied, its ``epoch`` and ``incarnation`` (new at each start)."""
+
+    round_no: int = _field(int, key="round", check=_count)
+    updates: int = _field(int, check=_count)
+    epoch: int = _field(int, check=_count)
+    incarnation: str = _field(str)
+
+
+@attrs.frozen
+class InitReply(PserverReply):
+    pass
+
+
+@attrs.frozen
+class PushReply(PserverReply):
+    """``update_s``: the pserver's own time on the push; ``duplicate``: its records had
+    been applied already, so it was not applied again."""
+
+    update_s: float | None = _field(float, default=None, check=_at_least(0))
+    duplicate: bool = _field(bool, default=False)
+
+
+@attrs.frozen
+class PullReply(PserverReply):
+    """The parameters (one tensor per block asked for) or, from a sync pull whose round
+    is still open after its ``slice``, ``waiting``: the trainers the round waits for
+    (and no tensors). ``wait_s``: time at the barrier; ``checkpoint``: a checkpoint taken
+    right after the round pulled."""
+
+    wait_s: float | None = _field(float, default=None, check=_at_least(0))
+    waiting: tuple[str, ...] | None = _field(list, default=None, item=str)
+    checkpoint: str | None = _field(str, default=None)
+    tensors: tuple[Any, ...] = _tensors()
+
+
+@attrs.frozen
+class AppliedReply(PserverReply):
+    """``ledger``: ``(task, attempt, start, end)`` rows, the records each attempt had
+    applied on this pserver in its epoch."""
+
+    ledger: tuple[tuple[int, int, int, int], ...] = _field(list, default=())
+
+    def _validate(self) -> None:
+        if any(not isinstance(r, (list, tuple)) or len(r) != 4 or not all(_is(int, v) for v in r) for r in self.ledger):
+            raise self._refuse("ledger", f"applied reply: field 'ledger' must be rows of [task, attempt, start, end], got {self.ledger!r:.200}")
+        object.__setattr__(self, "ledger", tuple(tuple(r) for r in self.ledger))
+
+
+@attrs.frozen
+class PserverRequest(Request):
+    """Fields of every pserver request: the ``trainer`` that sends it, the ``epoch`` and
+    the slot-map ``version`` it was computed for (None: the caller does not say; a
+    trainer always does)."""
+
+    trainer: str = _field(str, check=_nonempty)
+    epoch: int | None = _field(int, default=None, check=_count)
+    version: int | None = _field(int, default=None, check=_at_least(1))
+
+
+def check_tensors(tensors: Sequence[Any], blocks: Sequence[Block], trainer: str | None, what: str = "gradient", *, held: int | None = None) -> None:
+    """One tensor per block, each of the block's shape; GradientRejected names the
+    parameter (its rows) and the trainer. ``held``: how many blocks the server holds."""
+    if len(tensors) != len(blocks):
+        holds = f" (this pserver holds {held})" if held is not None else ""
+        raise GradientRejected(
+            f"{what}s from trainer {trainer!r}: got {len(tensors)} tensors for {len(blocks)} blocks{holds}; the trainer's layout is out of date, re-fetch it",
+            field="tensors", trainer=trainer,
+        )
+    for b, t in zip(blocks, tensors):
+        shape = getattr(t, "shape", None)
+        if shape is None or not hasattr(t, "dtype"):
+            raise GradientRejected(f"{what} for {b.describe()} from trainer {trainer!r} is a {type(t).__name__}, not a tensor", field="tensors", trainer=trainer)
+        if tuple(shape) != b.shape:
+            raise GradientRejected(f"{what} for {b.describe()} from trainer {trainer!r} has shape {tuple(shape)} but the block is {b.shape}", field="tensors", trainer=trainer)
+
+
+@attrs.frozen
+class InitRequest(PserverRequest):
+    """Initial values of every block the pserver holds, in its order (taken only by a
+    pserver that has none)."""
+
+    METHOD: ClassVar[str] = "init"
+    REPLY: ClassVar[type[Wire]] = InitReply
+    REFUSAL: ClassVar[type[BadRequest]] = GradientRejected
+
+    tensors: tuple[Any, ...] = _tensors()
+
+    def claim(self, held: Sequence[Block]) -> None:
+        check_tensors(self.tensors, held, self.trainer, "initial value", held=len(held))
+
+
+@attrs.frozen
+class PushRequest(PserverRequest):
+    """A gradient. Sync: for ``round_no``, from ``samples`` (> 0) samples; staged until
+    the round's record closes. Async: computed on the pserver's ``updates`` (within the
+    staleness bound), for ``records`` ``(pass, task, attempt, start, end)`` of a task
+    (applied once), from a pserver ``incarnation``.
+
+    ``blocks`` names the blocks the tensors are for, in the pserver's order: all of them,
+    or with ``part`` (overlap: pushed while backward runs) some of them. Async, a step in
+    parts is staged piece by piece: ``first`` opens it (dropping an unfinished one), and
+    a ``final`` part (usually of no blocks) applies it.
+    """
+
+    METHOD: ClassVar[str] = "push"
+    REPLY: ClassVar[type[Wire]] = PushReply
+    REFUSAL: ClassVar[type[BadRequest]] = GradientRejected
+
+    samples: int = _field(int, default=0)
+    round_no: int | None = _field(int, key="round", default=None, check=_count)
+    updates: int | None = _field(int, default=None, check=_count)
+    records: tuple[int, int, int, int, int] | None = _field(list, default=None)
+    incarnation: str | None = _field(str, default=None)
+    blocks: tuple[str, ...] | None = _field(list, default=None, item=str)
+    part: bool = _field(bool, default=False)
+    first: bool = _field(bool, default=False)
+    final: bool = _field(bool, default=False)
+    tensors: tuple[Any, ...] = _tensors()
+
+    def _validate(self) -> None:
+        if self.samples < 0:
+            raise self._refuse("samples", f"push from trainer {self.trainer!r} claims {self.samples} samples")
+        r = self.records
+        if r is not None:
+            if len(r) != 5 or any(type(v) is not int or v < 0 for v in r) or r[3] > r[4]:
+                raise self._refuse("records", f"push from trainer {self.trainer!r}: field 'records' must be [pass, task, attempt, start, end] (whole numbers, start <= end), got {list(r)!r:.200}")
+            object.__setattr__(self, "records", tuple(r))
+        if (self.first or self.final) and not self.part:
+            name = "first" if self.first else "final"
+            raise self._refuse(name, f"push from trainer {self.trainer!r}: field {name!r} is for a push of some slots ('part': true)")
+
+    def require(self, name: str) -> Any:
+        """A field the pserver's mode needs (``round`` sync, ``updates`` async)."""
+        key = "round" if name == "round_no" else name
+        value = getattr(self, name)
+        if value is None:
+            raise self._refuse(key, f"push from trainer {self.trainer!r}: request names no {key!r}")
+        return value
+
+    def claim(self, held: Sequence[Block], pserver: int | None) -> list[int] | None:
+        """Check ``blocks`` and the tensors against the blocks the pserver holds, in
+        order: all of them (None is returned), or, for a ``part``, some of them, whose
+        positions are returned."""
+        trainer, keys = self.trainer, self.blocks
+        index = {b.key: i for i, b in enumerate(held)}
+        if keys is not None and not self.part and len(keys) == len(held) and all(k == b.key for k, b in zip(keys, held)):
+            check_tensors(self.tensors, held, trainer, held=len(held))
+            return None
+        if keys is None:
+            raise self._refuse("blocks", f"push from trainer {trainer!r} does not name its blocks")
+        unknown = [k for k in keys if k not in index]
+        if unknown:
+            raise self._refuse(
+                "blocks",
+                f"trainer {trainer!r} pushed a gradient for parameter {unknown[0].split('@')[0]!r} "
+                f"(block {unknown[0]!r}), which pserver {pserver} does not hold",
+            )
+        indices = [index[k] for k in keys]
+        if self.part:
+            if any(a >= b for a, b in zip(indices, indices[1:])):
+                raise self._refuse("blocks", f"push of some slots from trainer {trainer!r} names pserver {pserver}'s blocks out of order or more than once")
+            check_tensors(self.tensors, [held[i] for i in indices], trainer, held=len(held))
+            return indices
+        missing = [b.describe() for b in held if b.key not in set(keys)]
+        if missing:
+            raise self._refuse("blocks", f"push from trainer {trainer!r} lacks gradients for {missing[:5]}")
+        raise self._refuse(
+            "blocks",
+            f"push from trainer {trainer!r} names pserver {pserver}'s blocks out of order or more than once: "
+            f"expected {[b.key for b in held[:5]]}..., got {list(keys[:5])}...",
+        )
+
+
+@attrs.frozen
+class PullRequest(PserverRequest):
+    """The values of ``blocks`` (default: all the pserver holds). Sync, with
+    ``after_round``: once that round is applied, waiting up to ``slice_s`` (then
+    answering with whom it waits for) or until the call's :attr:`deadline`."""
+
+    METHOD: ClassVar[str] = "pull"
+    REPLY: ClassVar[type[Wire]] = PullReply
+
+    after_round: int | None = _field(int, default=None, check=_count)
+    slice_s: float | None = _field(float, key="slice", default=None, check=_finite_positive)
+    blocks: tuple[str, ...] | None = _field(list, default=None, item=str, check=_names_once)
+
+    def claim(self, held: Sequence[Block], pserver: int | None) -> list[int] | None:
+        """Positions of ``blocks`` among the pserver's (None: all)."""
+        if self.blocks is None:
+            return None
+        index = {b.key: i for i, b in enumerate(held)}
+        if any(k not in index for k in self.blocks):
+            raise self._refuse("blocks", f"pull from {self.trainer!r}: field 'blocks' names blocks pserver {pserver} does not hold")
+        return [index[k] for k in self.blocks]
+
+
+@attrs.frozen
+class AppliedRequest(PserverRequest):
+    """What the pserver applied in its epoch, per task attempt (to check an audit)."""
+
+    METHOD: ClassVar[str] = "applied"
+    REPLY: ClassVar[type[Wire]] = AppliedReply
+
+
+# --- master ----------------------------------------------------------------------------
+
+
+@attrs.frozen
+class GetTaskReply(Wire):
+    """One of: ``done`` (the job is over); a ``task`` with its ``attempt``, ``pass_no``
+    and the record ``offset`` to resume at; or ``wait`` (why) and ask again in
+    ``retry_in`` seconds. ``epoch``: the master's (a newer one means a rollback)."""
+
+    done: bool = _field(bool, default=False)
+    task: TaskSpec | None = _field(TaskSpec, default=None)
+    attempt: int | None = _field(int, default=None, check=_count)
+    pass_no: int | None = _field(int, key="pass", default=None, check=_count)
+    offset: int | None = _field(int, default=None, check=_count)
+    epoch: int | None = _field(int, default=None, check=_count)
+    wait: str | None = _field(str, default=None)
+    retry_in: float | None = _field(float, default=None, check=_at_least(0))
+
+
+@attrs.frozen
+class ReportReply(Wire):
+    """Whether the master took the report; ``reason`` when it did not (the attempt is
+    no longer the task's current one, ...)."""
+
+    accepted: bool = _field(bool)
+    reason: str | None = _field(str, default=None)
+
+
+@attrs.frozen
+class CheckpointReply(Wire):
+    accepted: bool = _field(bool)
+    epoch: int = _field(int, check=_count)
+
+
+@attrs.frozen
+class MasterRequest(Request):
+    trainer: str = _field(str, check=_nonempty)
+
+
+@attrs.frozen
+class GetTaskRequest(MasterRequest):
+    """Work, please. ``holding``: the task ids the trainer knows it holds (a task it
+    holds but does not name was handed out by a lost reply: it comes again); ``epoch``:
+    the trainer's."""
+
+    METHOD: ClassVar[str] = "get_task"
+    REPLY: ClassVar[type[Wire]] = GetTaskReply
+
+    epoch: int | None = _field(int, default=None, check=_count)
+    holding: tuple[int, ...] | None = _field(list, default=None, item=int)
+
+    def _validate(self) -> None:
+        if self.holding is not None and any(t < 0 for t in self.holding):
+            raise self._refuse("holding", f"get_task from trainer {self.trainer!r}: request field 'holding' must list task ids >= 0, got {list(self.holding)!r:.200}")
+
+
+@attrs.frozen
+class TaskReport(MasterRequest):
+    """A report on ``attempt`` of ``task``."""
+
+    task: int = _field(int, check=_count)
+    attempt: int = _field(int, check=_count)
+
+
+@attrs.frozen
+class FinishTaskRequest(TaskReport):
+    METHOD: ClassVar[str] = "finish_task"
+    REPLY: ClassVar[type[Wire]] = ReportReply
+
+
+@attrs.frozen
+class FailTaskRequest(TaskReport):
+    """The attempt failed with ``error`` (it counts toward the task's failures)."""
+
+    METHOD: ClassVar[str] = "fail_task"
+    REPLY: ClassVar[type[Wire]] = ReportReply
+
+    error: str | None = _field(str, default=None)
+
+
+@attrs.frozen
+class GiveBackRequest(TaskReport):
+    """The trainer stops the attempt without failing it (it is leaving)."""
+
+    METHOD: ClassVar[str] = "give_back"
+    REPLY: ClassVar[type[Wire]] = ReportReply
+
+
+@attrs.frozen
+class CheckpointRequest(MasterRequest):
+    """Sync: the ``checkpoint`` taken right after the round the trainer pulled."""
+
+    METHOD: ClassVar[str] = "checkpoint"
+    REPLY: ClassVar[type[Wire]] = CheckpointReply
+
+    checkpoint: str = _field(str, check=_nonempty)
+    epoch: int | None = _field(int, default=None, check=_count)
+
+
+#: Every request class by role, in the order a role serves them.
+PSERVER_REQUESTS: tuple[type[Request], ...] = (InitRequest, PushRequest, PullRequest, AppliedRequest)
+MASTER_REQUESTS: tuple[type[Request], ...] = (GetTaskRequest, FinishTaskRequest, FailTaskRequest, GiveBackRequest, CheckpointRequest)

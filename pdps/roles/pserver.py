@@ -26,6 +26,7 @@ import time
 import uuid
 from collections import OrderedDict
 
+from pdps.core.backoff import Backoff
 from pdps.core.errors import (
     ConfigError,
     CorruptRecord,
@@ -46,12 +47,15 @@ from pdps.core.job import JobConfig, Keys, decode_as, decode_json
 from pdps.core.lifecycle import HALTED, UNSETTLED, PserverEvent, PserverState, next_state
 from pdps.core.sgd import Mode, RoundRecord, check_staleness, participants
 from pdps.core.slots import Layout, ParamSpec, SlotMap
+from pdps.core.txn import Decision, Done, Write
 from pdps.core.wire import AppliedReply, AppliedRequest, InitReply, InitRequest, PserverRequest, PullReply, PullRequest, PushReply, PushRequest
 from pdps.ports.compute import Compute, ParameterShard
-from pdps.ports.coordination import Compare, CoordinationStore, Delete, EventType, Op, Put, TxnOp, WatchEvent
+from pdps.ports.coordination import Compare, CoordinationStore, Delete, EventType, KeyValue, Put, TxnOp, WatchEvent
 from pdps.ports.storage import Storage
 from pdps.ports.transport import Endpoint, Transport
 from pdps.roles import calls, recovery
+from pdps.runtime.cas import read_modify_write
+from pdps.runtime.retry import Retry, retry
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +76,7 @@ def claim_index(store: CoordinationStore, keys: Keys, lease: int, value: bytes, 
     desired = int(kv.value)
     if index is not None and not 0 <= index < desired:
         raise ConfigError(f"pserver index {index} is out of range: job {keys.job!r} has {desired} pservers (0..{desired - 1})")
-    deadline = time.monotonic() + wait
+    waiting = Retry(CLAIM_POLL, deadline=wait)
     while True:
         for i in range(desired) if index is None else (index,):
             if store.commit((Compare.absent(keys.pserver(i)),), (Put(keys.pserver(i), value, lease),)).succeeded:
@@ -80,14 +84,18 @@ def claim_index(store: CoordinationStore, keys: Keys, lease: int, value: bytes, 
             kv = store.get(keys.pserver(i))
             if kv is not None and kv.value == value and kv.lease == lease:
                 return i  # our own claim, whose reply an outage lost (the value names our address)
-        if time.monotonic() >= deadline:
+        if not waiting.failed():
             break
-        time.sleep(0.1)
     if index is not None:
         raise ConfigError(f"pserver index {index} of job {keys.job!r} is still held by another pserver after {wait:.0f}s")
     raise ConfigError(f"all {desired} pserver indexes of job {keys.job!r} are taken")
 
 
+#: How often a pserver asks again for an index another pserver's lease still holds.
+CLAIM_POLL = Backoff(first=0.1, longest=0.1)
+#: Loading a checkpoint part: tries, and the pauses between them (storage may lag).
+LOAD_ATTEMPTS = 5
+LOAD_BACKOFF = Backoff(first=0.2, longest=1.6)
 #: Task attempts whose applied records a pserver remembers for the ``applied`` call.
 LEDGER_ATTEMPTS = 100_000
 #: A sync pull that waits this long at the barrier answers "still waiting" with whom it
@@ -443,34 +451,38 @@ class Pserver:
         """Close ``round_no`` in the store if every participant committed, and apply it
         if it is closed (by us or another pserver). True once it is applied here."""
         key = self._keys.round(self.epoch, round_no)
-        while True:
-            try:
-                kv = self._store.get(key)
-                if kv is None:
-                    return False  # nobody committed yet
-                record = decode_as(kv.value, kv.key, RoundRecord.from_json)
-                if not record.closed:
-                    waiting_on = participants(self._live(fresh=self._prev is None), self._prev)
-                    if not record.ready(waiting_on) and time.monotonic() - self._members_read > MEMBERS_FRESH:
-                        waiting_on = participants(self._live(fresh=True), self._prev)  # a missed deletion?
-                    self._waiting = record.waiting_for(waiting_on)
-                    if not record.ready(waiting_on) and not (record.contributions and self._job_done()):
-                        return False
-                    ckpt = self._checkpoint_due(round_no)
-                    closed = record.close(ckpt)
-                    ops: list[TxnOp] = [Put(key, json.dumps(closed.to_json()).encode())]
-                    if ckpt is not None:
-                        ops.append(recovery.announce(self._keys, ckpt, self.epoch, round_no + 1, "sync"))
-                    if round_no >= self.config.keep_rounds:
-                        ops.append(Delete(self._keys.round(self.epoch, round_no - self.config.keep_rounds)))
-                    if not self._store.commit((Compare.revision(key, Op.EQ, kv.mod_revision),), ops).succeeded:
-                        continue  # a commit or another pserver's close got there first: read again
-                    record = closed
-            except StoreError as exc:
-                log.warning("pserver %s could not read round %d (%s); it stays open", self.index, round_no, exc)
-                return False
-            self._apply_round(record)
-            return True
+
+        def close(kv: KeyValue | None) -> Decision:
+            if kv is None:
+                return Done(None)  # nobody committed yet
+            record = decode_as(kv.value, kv.key, RoundRecord.from_json)
+            if record.closed:
+                return Done(record)
+            waiting_on = participants(self._live(fresh=self._prev is None), self._prev)
+            if not record.ready(waiting_on) and time.monotonic() - self._members_read > MEMBERS_FRESH:
+                waiting_on = participants(self._live(fresh=True), self._prev)  # a missed deletion?
+            self._waiting = record.waiting_for(waiting_on)
+            if not record.ready(waiting_on) and not (record.contributions and self._job_done()):
+                return Done(None)
+            ckpt = self._checkpoint_due(round_no)
+            closed = record.close(ckpt)
+            ops: list[TxnOp] = [Put(key, json.dumps(closed.to_json()).encode())]
+            if ckpt is not None:
+                ops.append(recovery.announce(self._keys, ckpt, self.epoch, round_no + 1, "sync"))
+            if round_no >= self.config.keep_rounds:
+                ops.append(Delete(self._keys.round(self.epoch, round_no - self.config.keep_rounds)))
+            # a lost race: a commit or another pserver's close got there first: read again
+            return Write((Compare.unchanged(key, kv),), ops, result=closed)
+
+        try:
+            record = read_modify_write(self._store, key, close, what=f"pserver {self.index} closing round {round_no}")
+        except StoreError as exc:
+            log.warning("pserver %s could not read round %d (%s); it stays open", self.index, round_no, exc)
+            return False
+        if record is None:
+            return False
+        self._apply_round(record)
+        return True
 
     def _live(self, *, fresh: bool) -> set[str]:
         """The registered trainers: the watch-fed set, or (``fresh``) read from the store."""
@@ -673,22 +685,23 @@ class Pserver:
         from pdps.roles import checkpoint as files
 
         assert self._storage is not None and self.index is not None
-        delay = 0.2
-        for attempt in range(5):
-            try:
-                manifest = files.read_manifest(self._storage, ckpt_id)
-                tensors = files.read_part(self._storage, manifest.parts[recovery.pserver_part(self.index)])
-                version = int(tensors.pop("pdps.version"))
-                shard.load_state_dict(tensors)
-                log.info("pserver %s loaded checkpoint %s (version %d)", self.index, ckpt_id, version)
-                return version
-            except (StorageError, KeyError) as exc:
-                if attempt == 4:
-                    raise StorageError(f"pserver {self.index} cannot load its part of checkpoint {ckpt_id}: {exc}") from exc
-                log.warning("pserver %s: loading checkpoint %s failed (%s); retrying", self.index, ckpt_id, exc)
-                time.sleep(delay)
-                delay *= 2
-        raise AssertionError("unreachable")
+
+        def load() -> int:
+            manifest = files.read_manifest(self._storage, ckpt_id)
+            tensors = files.read_part(self._storage, manifest.parts[recovery.pserver_part(self.index)])
+            version = int(tensors.pop("pdps.version"))
+            shard.load_state_dict(tensors)
+            log.info("pserver %s loaded checkpoint %s (version %d)", self.index, ckpt_id, version)
+            return version
+
+        return retry(
+            load,
+            on=(StorageError, KeyError),
+            policy=LOAD_BACKOFF,
+            attempts=LOAD_ATTEMPTS,
+            waiting=lambda exc, _: log.warning("pserver %s: loading checkpoint %s failed (%s); retrying", self.index, ckpt_id, exc),
+            giving_up=lambda exc, _: StorageError(f"pserver {self.index} cannot load its part of checkpoint {ckpt_id}: {exc}"),
+        )
 
     def _restore_own_slots(self) -> None:
         """Async ``restore="lost"``: reload only this pserver's part; the others go on."""

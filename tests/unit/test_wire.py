@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 
+import attrs
 import pytest
 import torch
 
@@ -31,7 +32,7 @@ def grads(blocks=BLOCKS) -> tuple[torch.Tensor, ...]:
 SAMPLES: dict[type, wire.Wire] = {
     wire.InitRequest: wire.InitRequest("t0", epoch=1, version=2, tensors=grads()),
     wire.PushRequest: wire.PushRequest("t0", epoch=1, version=2, samples=4, round_no=3, updates=7, records=(0, 5, 1, 0, 8), incarnation="abc123", blocks=KEYS, tensors=grads()),
-    wire.PullRequest: wire.PullRequest("t0", epoch=1, version=2, after_round=3, slice_s=5.0, timeout=30.0, blocks=KEYS[:2]),
+    wire.PullRequest: wire.PullRequest("t0", epoch=1, version=2, after_round=3, slice_s=5.0, blocks=KEYS[:2]),
     wire.AppliedRequest: wire.AppliedRequest("t0", epoch=1, version=2),
     wire.GetTaskRequest: wire.GetTaskRequest("t0", epoch=1, holding=(4, 5)),
     wire.FinishTaskRequest: wire.FinishTaskRequest("t0", 4, 2),
@@ -79,7 +80,7 @@ def test_none_is_not_sent_and_an_absent_key_is_its_default():
 
 
 def test_keys_the_class_does_not_define_are_ignored():
-    """A transport adds its own (the in-process adapter's ``timeout`` on any call)."""
+    """Keys a class does not define are ignored (a newer peer may send more)."""
     assert wire.AppliedRequest.decode(Message({"trainer": "t0", "timeout": 5, "later": [1]})) == wire.AppliedRequest("t0")
 
 
@@ -169,3 +170,12 @@ def test_a_field_the_mode_needs_is_required_then():
     assert info.value.field == "round"
     with pytest.raises(GradientRejected, match="request names no 'updates'"):
         request.require("updates")
+
+
+def test_a_request_takes_the_calls_deadline_from_the_transport_never_from_the_wire():
+    sent = wire.PullRequest("t0", after_round=3, slice_s=5.0)
+    meta, tensors = attrs.evolve(sent, deadline=123.0).encode()
+    assert "deadline" not in meta and "timeout" not in meta
+    received = wire.PullRequest.decode(Message(meta, tensors, deadline=42.0))
+    assert received.deadline == 42.0 and received == sent  # the deadline is not part of equality
+    assert wire.PullRequest.decode(Message(meta, tensors)).deadline is None

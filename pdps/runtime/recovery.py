@@ -1,7 +1,10 @@
 """Coordinated checkpoints and rollbacks: the store side.
 
-The files of a checkpoint (parts, manifest, checksums) are :mod:`pdps.roles.checkpoint`'s;
-this module decides *which* checkpoint exists and which one the job runs from:
+The rules (ids, records, states, what a commit or a rollback writes) are
+:mod:`pdps.core.checkpoints`'; the files go through the
+:class:`~pdps.ports.checkpoints.CheckpointFiles` port. This module reads the store,
+hands what it read to those rules, applies their decisions through the one
+compare-and-set loop (:func:`pdps.runtime.cas.read_modify_write`) and drives the files:
 
 * **Taking one.** A checkpoint is announced by ``ckpt/<id>/info`` = {epoch, round,
   state: "writing"} (in sync mode in the same transaction that closes the round it
@@ -20,102 +23,71 @@ this module decides *which* checkpoint exists and which one the job runs from:
   {epoch + 1, checkpoint, round}. Every role watches ``epoch``: pservers load their
   parts, the master reloads its queues, trainers drop their step and re-fetch. A part
   or commit of the old epoch can no longer land.
+
+It lives in the runtime, not beside the roles: the master, the pservers, the trainers
+and the operator's commands (``pdps checkpoint``, ``pdps status``) all use it, and it
+imports no role, adapter, registry or torch.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import secrets
 import time
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import attrs
-
-from pdps.core.errors import CorruptRecord, PdpsError, StorageError
-from pdps.core.job import JobConfig, Keys, decode_json
-from pdps.ports.coordination import Compare, CoordinationStore, Delete, KeyValue, Op, Put, TxnOp
-from pdps.ports.storage import Storage
-
-# The files module imports torch (its tensor parts): imported where a checkpoint is
-# written or read, so a master and `pdps status` that take none start without torch.
-if TYPE_CHECKING:
-    from pdps.roles import checkpoint as files
+from pdps.core import checkpoints
+from pdps.core.checkpoints import CheckpointInfo, CommitView, Epoch, Manifest, PartInfo, Pointer, RollbackView, State
+from pdps.core.errors import ConfigError, PdpsError, StorageError
+from pdps.core.job import JobConfig, Keys
+from pdps.core.txn import Compare, KeyValue, Op, Put
+from pdps.ports.checkpoints import CheckpointFiles
+from pdps.ports.coordination import CoordinationStore
+from pdps.runtime.cas import read_modify_write
 
 log = logging.getLogger(__name__)
 
-MASTER_PART = "master"
+
+def new_checkpoint_id(epoch: int, round_no: int) -> str:
+    """A new checkpoint's id (:func:`pdps.core.checkpoints.checkpoint_id`) with a random nonce."""
+    return checkpoints.checkpoint_id(epoch, round_no, secrets.randbelow(1 << 16))
 
 
-def pserver_part(index: int) -> str:
-    return f"ps-{index}"
+def files_for(config: JobConfig, files: CheckpointFiles | None) -> CheckpointFiles | None:
+    """The checkpoint files a role of ``config``'s job is given; refused when the job
+    has a ``checkpoint_url`` and none were given (the composition roots open them)."""
+    if config.checkpoint_url and files is None:
+        raise ConfigError(
+            f"job {config.name!r} keeps checkpoints at {config.checkpoint_url}, but this role was given no checkpoint files: "
+            "pass checkpoints=pdps.registry.open_checkpoint_files(checkpoint_url) (pdps.simulate and pdps launch do)"
+        )
+    return files
 
 
-def expected_parts(config: JobConfig) -> set[str]:
-    return {pserver_part(i) for i in range(config.pservers)} | {MASTER_PART}
-
-
-def open_checkpoint_storage(config: JobConfig) -> Storage | None:
-    """The job's checkpoint storage, or None when it has no ``checkpoint_url``."""
-    if not config.checkpoint_url:
-        return None
-    from pdps.registry import open_storage
-
-    return open_storage(config.checkpoint_url)
-
-
-# --- the epoch ----------------------------------------------------------------------
-
-
-@attrs.frozen
-class Epoch:
-    """Which incarnation of the job's state is current: bumped by every rollback."""
-
-    epoch: int = 0
-    checkpoint: str | None = None  # the checkpoint the epoch started from (None: from scratch)
-    round: int = 0  # the first sync round of the epoch
-    reason: str = ""
-
-    def to_json(self) -> dict:
-        return {**attrs.asdict(self), "time": time.time()}
-
-    @classmethod
-    def from_json(cls, d: dict) -> Epoch:
-        ckpt = d.get("checkpoint")
-        return cls(int(d["epoch"]), None if ckpt is None else str(ckpt), int(d.get("round", 0)), str(d.get("reason", "")))
+# --- reading the store ------------------------------------------------------------------
 
 
 def read_epoch(store: CoordinationStore, keys: Keys) -> tuple[Epoch, KeyValue | None]:
     kv = store.get(keys.epoch)
-    if kv is None:
-        return Epoch(), None
-    try:
-        return Epoch.from_json(decode_json(kv.value, kv.key)), kv
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CorruptRecord(f"{kv.key} holds no epoch record: {kv.value[:200]!r}", kv.key) from exc
+    return Epoch.decode(kv), kv
 
 
-def _same(kv: KeyValue | None, key: str) -> Compare:
-    return Compare.absent(key) if kv is None else Compare.revision(key, Op.EQ, kv.mod_revision)
-
-
-# --- the pointer --------------------------------------------------------------------
-
-
-def read_pointer(store: CoordinationStore, keys: Keys) -> tuple[dict | None, KeyValue | None]:
+def read_pointer(store: CoordinationStore, keys: Keys) -> tuple[Pointer | None, KeyValue | None]:
     kv = store.get(keys.checkpoint)
-    if kv is None:
-        return None, None
-    ptr = decode_json(kv.value, kv.key)
-    if not isinstance(ptr, dict) or not isinstance(ptr.get("history"), list):
-        raise CorruptRecord(f"{kv.key} holds no checkpoint pointer: {kv.value[:200]!r}", kv.key)
-    return ptr, kv
+    return (None if kv is None else Pointer.decode(kv)), kv
 
 
 def committed_ids(store: CoordinationStore, keys: Keys) -> list[str]:
     """Committed checkpoints, newest first."""
-    ptr, _ = read_pointer(store, keys)
-    return [str(i) for i in ptr["history"]] if ptr else []
+    return checkpoints.committed(read_pointer(store, keys)[0])
+
+
+def describe(store: CoordinationStore, keys: Keys) -> list[dict[str, Any]]:
+    """Every checkpoint the store knows of, newest first: id, epoch, round, state."""
+    infos = [kv for kv in store.range(keys.checkpoints) if kv.key.endswith("/info")]
+    return checkpoints.describe(infos, read_pointer(store, keys)[0], keys)
 
 
 # --- taking a checkpoint ------------------------------------------------------------
@@ -123,11 +95,11 @@ def committed_ids(store: CoordinationStore, keys: Keys) -> list[str]:
 
 def announce(keys: Keys, ckpt_id: str, epoch: int, round_no: int, mode: str) -> Put:
     """The op that starts checkpoint ``ckpt_id`` (goes into the caller's transaction)."""
-    info = {"id": ckpt_id, "epoch": epoch, "round": round_no, "mode": mode, "state": "writing", "started": time.time()}
-    return Put(keys.checkpoint_info(ckpt_id), json.dumps(info).encode())
+    info = CheckpointInfo(ckpt_id, epoch, round_no, mode, State.WRITING, started=time.time())
+    return Put(keys.checkpoint_info(ckpt_id), json.dumps(info.to_json()).encode())
 
 
-def record_part(store: CoordinationStore, keys: Keys, ckpt_id: str, part: files.PartInfo) -> bool:
+def record_part(store: CoordinationStore, keys: Keys, ckpt_id: str, part: PartInfo) -> bool:
     """Record a written part; False if the checkpoint was abandoned meanwhile (a rollback)."""
     info = keys.checkpoint_info(ckpt_id)
     ok = store.commit(
@@ -139,100 +111,62 @@ def record_part(store: CoordinationStore, keys: Keys, ckpt_id: str, part: files.
     return ok
 
 
-def try_commit(store: CoordinationStore, storage: Storage, config: JobConfig, ckpt_id: str) -> bool:
+def try_commit(store: CoordinationStore, files: CheckpointFiles, config: JobConfig, ckpt_id: str) -> bool:
     """Commit ``ckpt_id`` if every part is recorded; True if this call committed it."""
-    from pdps.roles import checkpoint as files
-
     keys = Keys(config.name)
-    info_kv = store.get(keys.checkpoint_info(ckpt_id))
-    if info_kv is None:
+
+    def read() -> CommitView:
+        return CommitView(
+            info=store.get(keys.checkpoint_info(ckpt_id)),
+            parts=tuple(store.range(keys.checkpoint_parts(ckpt_id))),
+            epoch=store.get(keys.epoch),
+            pointer=store.get(keys.checkpoint),
+        )
+
+    manifest = checkpoints.manifest_to_commit(read(), config)
+    if manifest is None:
         return False
-    info = decode_json(info_kv.value, info_kv.key)
-    if info.get("state") != "writing":
-        return False
-    parts = {}
-    for kv in store.range(keys.checkpoint_parts(ckpt_id)):
-        part = files.PartInfo.from_json(decode_json(kv.value, kv.key))
-        parts[part.name] = part
-    if set(parts) != expected_parts(config):
-        return False
-    epoch, epoch_kv = read_epoch(store, keys)
-    if epoch.epoch != int(info["epoch"]):
-        return False  # taken before a rollback: it never commits
-    ptr, ptr_kv = read_pointer(store, keys)
-    if ptr is not None and (int(ptr["epoch"]), int(ptr["round"])) >= (int(info["epoch"]), int(info["round"])):
-        return False  # a newer one is committed already
-    manifest = files.Manifest(
-        id=ckpt_id,
-        job=config.name,
-        round=int(info["round"]),
-        epoch=int(info["epoch"]),
-        created=float(info["started"]),
-        parts=parts,
-        extra={"mode": config.mode.value, "pservers": config.pservers},
+    files.write_manifest(manifest)
+    pointer = read_modify_write(
+        store, read, lambda view: checkpoints.decide_commit(view, manifest, config, files.url), what=f"the commit of checkpoint {ckpt_id}"
     )
-    files.write_manifest(storage, manifest)
-    history = [ckpt_id] + [h for h in (ptr["history"] if ptr else []) if h != ckpt_id][: config.checkpoint_keep - 1]
-    pointer = {
-        "id": ckpt_id,
-        "epoch": manifest.epoch,
-        "round": manifest.round,
-        "url": storage.url,
-        "created": manifest.created,
-        "history": history,
-    }
-    ok = store.commit(
-        (_same(info_kv, info_kv.key), _same(ptr_kv, keys.checkpoint), _same(epoch_kv, keys.epoch)),
-        (Put(keys.checkpoint, json.dumps(pointer).encode()), Put(info_kv.key, json.dumps({**info, "state": "committed"}).encode())),
-    ).succeeded
-    if not ok:
+    if pointer is None:
         return False
-    log.info("checkpoint %s committed: epoch %d, round %d, %d parts", ckpt_id, manifest.epoch, manifest.round, len(parts))
-    cleanup(store, storage, keys, keep=history, epoch=manifest.epoch, grace=config.checkpoint_orphan_grace)
+    log.info("checkpoint %s committed: epoch %d, round %d, %d parts", ckpt_id, manifest.epoch, manifest.round, len(manifest.parts))
+    cleanup(store, files, keys, keep=pointer.history, epoch=manifest.epoch, grace=config.checkpoint_orphan_grace)
     return True
 
 
 def cleanup(
-    store: CoordinationStore, storage: Storage, keys: Keys, *, keep: Iterable[str], epoch: int = 0, grace: float | None = None
+    store: CoordinationStore, files: CheckpointFiles, keys: Keys, *, keep: Iterable[str], epoch: int = 0, grace: float | None = None
 ) -> list[str]:
-    """Delete every checkpoint that is not kept and either older than the newest kept
-    one (beyond retention, or never committed) or from an epoch before ``epoch`` (a
-    rollback abandoned it). Newer ones of the current epoch may still be in flight.
+    """Delete every checkpoint :func:`pdps.core.checkpoints.doomed` names: not kept, and
+    either older than the newest kept one or of an epoch before ``epoch``.
 
     With a ``grace`` (seconds), first delete the leftovers of writes nobody has written
     to for that long (killed writers'), in any checkpoint's folder, kept ones included:
     the folder of a deleted checkpoint goes with it only once it is empty."""
-    from pdps.roles import checkpoint as files
-
-    keep = list(keep)
-    newest = max(keep) if keep else ""
-
-    def dead(ckpt_id: str) -> bool:
-        if ckpt_id in keep:
-            return False
-        return ckpt_id < newest or (files.is_checkpoint_id(ckpt_id) and int(ckpt_id.split("-")[1]) < epoch)
-
     in_store = {kv.key[len(keys.checkpoints) :].split("/", 1)[0] for kv in store.range(keys.checkpoints)}
     try:
-        in_storage = set(files.list_ids(storage))
+        in_storage = set(files.list_ids())
     except StorageError as exc:
-        log.warning("could not list checkpoints in %s: %s", storage.url, exc)
+        log.warning("could not list checkpoints in %s: %s", files.url, exc)
         in_storage = set()
-    gone = sorted(i for i in (in_store | in_storage) if dead(i))
+    gone = checkpoints.doomed(in_store | in_storage, keep, epoch)
     if grace is not None:
         try:
-            stale = files.delete_leftovers(storage, older_than=grace)
+            stale = files.delete_leftovers(older_than=grace)
         except StorageError as exc:  # retried at the next commit
-            log.warning("could not delete leftovers of killed checkpoint writers in %s: %s", storage.url, exc)
+            log.warning("could not delete leftovers of killed checkpoint writers in %s: %s", files.url, exc)
         else:
             if stale:
                 log.info("deleted %d leftovers of killed checkpoint writers (%d bytes): %s",
                          len(stale), sum(left.bytes for left in stale), [left.path for left in stale])  # fmt: skip
     for ckpt_id in gone:
         try:
-            files.delete(storage, ckpt_id)
+            files.delete(ckpt_id)
         except StorageError as exc:  # retried at the next commit
-            log.warning("could not delete checkpoint %s from %s: %s", ckpt_id, storage.url, exc)
+            log.warning("could not delete checkpoint %s from %s: %s", ckpt_id, files.url, exc)
             continue
         store.delete_prefix(f"{keys.checkpoints}{ckpt_id}/")
     if gone:
@@ -243,22 +177,20 @@ def cleanup(
 # --- choosing and rolling back ------------------------------------------------------
 
 
-def choose(store: CoordinationStore, storage: Storage, keys: Keys, *, skip: Iterable[str] = ()) -> files.Manifest | None:
+def choose(store: CoordinationStore, files: CheckpointFiles, keys: Keys, *, skip: Iterable[str] = ()) -> Manifest | None:
     """The newest committed checkpoint whose every part is sound, or None.
 
     A corrupt one (a checksum mismatch, a missing part, no manifest) is passed over
     with an error naming what is wrong and which checkpoint is used instead.
     """
-    from pdps.roles import checkpoint as files
-
     skip = set(skip)
     bad: list[str] = []
     for ckpt_id in committed_ids(store, keys):
         if ckpt_id in skip:
             continue
         try:
-            manifest = files.read_manifest(storage, ckpt_id)
-            problems = files.verify(storage, manifest)
+            manifest = files.read_manifest(ckpt_id)
+            problems = files.verify(manifest)
         except StorageError as exc:  # CorruptCheckpoint included
             problems = [str(exc)]
         if not problems:
@@ -273,7 +205,7 @@ def choose(store: CoordinationStore, storage: Storage, keys: Keys, *, skip: Iter
 
 
 def rollback(
-    store: CoordinationStore, storage: Storage | None, keys: Keys, reason: str, *,
+    store: CoordinationStore, files: CheckpointFiles | None, keys: Keys, reason: str, *,
     checkpoint: str | None = None, grace: float | None = None,
 ) -> Epoch:  # fmt: skip
     """Start a new epoch from the best checkpoint (or ``checkpoint``); returns it.
@@ -282,67 +214,45 @@ def rollback(
     transaction, so none of them can commit into the new epoch. The pointer moves
     to the chosen checkpoint, dropping any committed after it. Their files are then
     deleted by :func:`cleanup`, with leftovers older than ``grace`` (the job's
-    ``checkpoint_orphan_grace``; None leaves them to the next commit).
+    ``checkpoint_orphan_grace``; None leaves them to the next commit). When another
+    rollback bumps the epoch first, that one stands and its epoch is returned.
     """
-    from pdps.roles import checkpoint as files
+    since = read_epoch(store, keys)[0].epoch
 
-    while True:
-        current, kv = read_epoch(store, keys)
-        if checkpoint is not None:
-            if storage is None:
-                raise StorageError("a rollback to a named checkpoint needs the job's checkpoint_url")
-            manifest = files.read_manifest(storage, checkpoint)
-            problems = files.verify(storage, manifest)
-            if problems:
-                raise StorageError(f"checkpoint {checkpoint} is unusable: {'; '.join(problems[:5])}")
-        else:
-            manifest = choose(store, storage, keys) if storage is not None else None
-        new = Epoch(current.epoch + 1, manifest.id if manifest else None, manifest.round if manifest else 0, reason)
-        ptr, ptr_kv = read_pointer(store, keys)
-        committed = [str(i) for i in ptr["history"]] if ptr else []
-        # The pointer follows the rollback: what was committed after the checkpoint the
-        # job now runs from belongs to the timeline it abandoned, so a later restart must
-        # not pick it (and a forced restore of an uncommitted checkpoint becomes committed).
-        keep = [] if manifest is None else [manifest.id] + [i for i in committed if i < manifest.id]
-        ops: list[TxnOp] = [Put(keys.epoch, json.dumps(new.to_json()).encode())]
-        if manifest is None:
-            if ptr_kv is not None:
-                ops.append(Delete(keys.checkpoint))
-        elif keep != committed:
-            pointer = {
-                "id": manifest.id, "epoch": manifest.epoch, "round": manifest.round, "url": storage.url if storage else "",
-                "created": manifest.created, "history": keep,
-            }  # fmt: skip
-            ops.append(Put(keys.checkpoint, json.dumps(pointer).encode()))
-        for info in store.range(keys.checkpoints):
-            ckpt_id = info.key[len(keys.checkpoints) :].split("/", 1)[0]
-            if info.key.endswith("/info") and ckpt_id not in keep and ckpt_id not in committed:
-                ops.append(Delete(info.key))
-        if store.commit((_same(kv, keys.epoch), _same(ptr_kv, keys.checkpoint)), ops).succeeded:
-            where = f"checkpoint {new.checkpoint} (round {new.round})" if new.checkpoint else "no checkpoint: from scratch"
-            log.warning("job %r rolls back to %s as epoch %d: %s", keys.job, where, new.epoch, reason)
-            if storage is not None:  # what the old epoch left half-written can never commit now
-                try:  # passed-over committed ones stay until the next commit, for a look
-                    cleanup(store, storage, keys, keep=set(keep) | set(committed), epoch=new.epoch, grace=grace)
-                except PdpsError as exc:
-                    log.warning("could not clean up abandoned checkpoints: %s", exc)
-            return new
-        # someone else bumped it meanwhile; theirs is as good as ours unless older
-        again, _ = read_epoch(store, keys)
-        if again.epoch > current.epoch:
-            return again
+    def read() -> RollbackView:
+        return RollbackView(
+            # chosen afresh each time round: a lost race may be the commit of a newer one
+            manifest=_checkpoint_to_restore(store, files, keys, checkpoint),
+            epoch=store.get(keys.epoch),
+            pointer=store.get(keys.checkpoint),
+            infos=tuple(kv for kv in store.range(keys.checkpoints) if kv.key.endswith("/info")),
+        )
+
+    outcome = read_modify_write(
+        store, read,
+        lambda view: checkpoints.decide_rollback(view, keys, reason=reason, url=files.url if files else "", since=since, now=time.time()),
+        what=f"the rollback of job {keys.job!r}",
+    )  # fmt: skip
+    if isinstance(outcome, Epoch):
+        return outcome  # another rollback got there first; theirs is as good as ours
+    new: Epoch = outcome.epoch
+    where = f"checkpoint {new.checkpoint} (round {new.round})" if new.checkpoint else "no checkpoint: from scratch"
+    log.warning("job %r rolls back to %s as epoch %d: %s", keys.job, where, new.epoch, reason)
+    if files is not None:  # what the old epoch left half-written can never commit now
+        try:  # passed-over committed ones stay until the next commit, for a look
+            cleanup(store, files, keys, keep=outcome.keep, epoch=new.epoch, grace=grace)
+        except PdpsError as exc:
+            log.warning("could not clean up abandoned checkpoints: %s", exc)
+    return new
 
 
-def describe(store: CoordinationStore, keys: Keys) -> list[dict[str, Any]]:
-    """Every checkpoint the store knows of, newest first: id, epoch, round, state."""
-    ptr, _ = read_pointer(store, keys)
-    committed = [str(i) for i in ptr["history"]] if ptr else []
-    out = []
-    for kv in store.range(keys.checkpoints):
-        if not kv.key.endswith("/info"):
-            continue
-        info = decode_json(kv.value, kv.key)
-        ckpt_id = str(info.get("id") or kv.key[len(keys.checkpoints) :].split("/", 1)[0])
-        state = "latest" if committed[:1] == [ckpt_id] else ("committed" if ckpt_id in committed else str(info.get("state")))
-        out.append({"id": ckpt_id, "epoch": info.get("epoch"), "round": info.get("round"), "state": state, "started": info.get("started")})
-    return sorted(out, key=lambda d: d["id"], reverse=True)
+def _checkpoint_to_restore(store: CoordinationStore, files: CheckpointFiles | None, keys: Keys, named: str | None) -> Manifest | None:
+    if named is None:
+        return choose(store, files, keys) if files is not None else None
+    if files is None:
+        raise StorageError("a rollback to a named checkpoint needs the job's checkpoint_url")
+    manifest = files.read_manifest(named)
+    problems = files.verify(manifest)
+    if problems:
+        raise StorageError(f"checkpoint {named} is unusable: {'; '.join(problems[:5])}")
+    return manifest

@@ -175,7 +175,7 @@ def _join(values: Mapping[str, Any]) -> tuple[CoordinationStore, JobConfig, Coor
 
 def run_master(values: Mapping[str, Any]) -> int:
     """Serve the job's task queue until the job is done (or SIGTERM). Exit code."""
-    from pdps.registry import open_data_source
+    from pdps.registry import open_checkpoint_files, open_data_source
     from pdps.roles.master import Master
     from pdps.shell.settings import job_config
 
@@ -190,7 +190,10 @@ def run_master(values: Mapping[str, Any]) -> int:
         else:
             log.info("job %r exists; serving its stored configuration", config.name)
         st = _resilient(store, config)
-        master = Master(st, open_role_transport(values), open_data_source(config.dataset), config, address=serve_address(values))
+        master = Master(
+            st, open_role_transport(values), open_data_source(config.dataset), config,
+            address=serve_address(values), checkpoints=open_checkpoint_files(config.checkpoint_url),
+        )  # fmt: skip
         shutdown = Shutdown(values["grace"], on_request=master.stop)
         master.start(standby=True)
         if shutdown.requested.is_set() or not master.leading.is_set():
@@ -218,6 +221,7 @@ def run_master(values: Mapping[str, Any]) -> int:
 def run_pserver(values: Mapping[str, Any]) -> int:
     """Serve a slice of the parameters until SIGTERM. Exit code."""
     from pdps.adapters.torch_compute import TorchCompute
+    from pdps.registry import open_checkpoint_files
     from pdps.roles.pserver import Pserver
 
     store, config, st = _join(values)
@@ -230,6 +234,7 @@ def run_pserver(values: Mapping[str, Any]) -> int:
             address=serve_address(values),
             index=values.get("index"),
             claim_wait=3 * config.lease_ttl,  # a restarted pserver's old claim outlives it by a TTL at most
+            checkpoints=open_checkpoint_files(config.checkpoint_url),
         )
         shutdown = Shutdown(values["grace"])
         ps.start()

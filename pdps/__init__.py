@@ -5,8 +5,8 @@ The public surface:
 * :func:`simulate` runs a whole job (master, pservers, trainers) in one process;
 * :class:`TrainerContext` is what a training function receives;
 * :class:`JobConfig` holds a job's settings;
-* ``open_store`` / ``open_transport`` / ``open_storage`` / ``open_data_source`` pick
-  adapters by URL;
+* ``open_store`` / ``open_transport`` / ``open_storage`` / ``open_data_source`` /
+  ``open_compute`` pick adapters by URL;
 * every error pdps raises on purpose derives from :class:`PdpsError`.
 
 ``import pdps`` loads only the core: the names that run a job (``simulate``,
@@ -47,7 +47,7 @@ from pdps.core.errors import (
 )
 from pdps.core.job import DEFAULT_JOB, JobConfig
 from pdps.core.sgd import Mode
-from pdps.registry import open_data_source, open_storage, open_store, open_transport
+from pdps.registry import open_compute, open_data_source, open_storage, open_store, open_transport
 
 if TYPE_CHECKING:
     from pdps.roles.trainer import Batch, Killed, StepRecord, TrainerContext
@@ -72,7 +72,7 @@ __all__ = [
     "MissingExtraError", "Mode", "NoSuchJob", "NoSuchPass", "NotInitialized", "NotReady", "PdpsError",
     "SimulationResult", "StalePush", "StepRecord", "StorageError", "StoreError", "StoreUnavailable", "Timeout",
     "TrainerContext", "TransportError", "UnknownSchemeError", "UnknownTaskError",
-    "fetch_parameters", "open_data_source", "open_storage", "open_store", "open_transport", "simulate",
+    "fetch_parameters", "open_compute", "open_data_source", "open_storage", "open_store", "open_transport", "simulate",
 ]
 
 

@@ -30,6 +30,9 @@ _REGISTRY: dict[str, dict[str, tuple[str, str | None]]] = {
         "memory": ("pdps.adapters.fsspec_storage:FsspecStorage", None),
         "s3": ("pdps.adapters.fsspec_storage:FsspecStorage", "s3"),
     },
+    "compute": {
+        "torch": ("pdps.adapters.torch_compute:TorchCompute", None),
+    },
     "data": {
         "file": ("pdps.adapters.parquet:ParquetSource", "parquet"),
         "memory": ("pdps.adapters.parquet:ParquetSource", "parquet"),
@@ -37,7 +40,7 @@ _REGISTRY: dict[str, dict[str, tuple[str, str | None]]] = {
     },
 }
 
-_WHAT = {"store": "coordination store", "transport": "transport", "storage": "storage", "data": "data source"}
+_WHAT = {"store": "coordination store", "transport": "transport", "storage": "storage", "compute": "compute", "data": "data source"}
 
 
 def register(port: str, scheme: str, target: str, extra: str | None = None) -> None:
@@ -96,6 +99,15 @@ def open_transport(url: str, **options: Any) -> Any:
     if "://" not in url:
         url += "://"
     return _factory("transport", url)(**options)
+
+
+def open_compute(url: str, **options: Any) -> Any:
+    """The :class:`~pdps.ports.compute.Compute` for ``url``'s scheme (``torch://`` or
+    just ``torch``). ``options`` go to the adapter (torch: ``device``, CUDA when there
+    is one unless told)."""
+    if "://" not in url:
+        url += "://"
+    return _factory("compute", url)(**options)
 
 
 def open_storage(url: str, **options: Any) -> Any:

@@ -57,6 +57,7 @@ import grpc
 from pyetcd import etcdrpc
 from pyetcd.etcdrpc import kv_pb2
 
+from pdps.core.backoff import Backoff
 from pdps.core.errors import ConfigError, CorruptRecord, FencingError, LeaseExpired, StoreError, StoreUnavailable
 from pdps.ports.coordination import (
     Compare,
@@ -70,6 +71,7 @@ from pdps.ports.coordination import (
     TxnResult,
     WatchEvent,
 )
+from pdps.runtime.retry import Retry
 
 log = logging.getLogger(__name__)
 
@@ -656,7 +658,7 @@ class _EtcdWatch:
 
     def _run(self) -> None:
         first, longest = self._store._watch_backoff
-        pause = first
+        reconnects = Retry(Backoff(first=first, longest=longest), stop=self._stop)
         while not self._stop.is_set():
             try:
                 self._stream()
@@ -677,7 +679,7 @@ class _EtcdWatch:
             if self._stop.is_set() or self._store._closed:
                 return
             if was_streaming:
-                pause = first
+                reconnects.succeeded()
             self._failures += 1
             level = logging.WARNING if self._failures == 1 else logging.DEBUG
             log.log(
@@ -688,10 +690,8 @@ class _EtcdWatch:
                 reason,
                 self._next,
             )
-            if backoff:
-                if self._stop.wait(pause):
-                    return
-                pause = min(pause * 2, longest)
+            if backoff and not reconnects.failed():
+                return
 
     def _stream(self) -> None:
         store = self._store

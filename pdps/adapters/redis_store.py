@@ -65,6 +65,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 import attrs
 
+from pdps.core.backoff import Backoff
 from pdps.core.errors import ConfigError, FencingError, LeaseExpired, MissingExtraError, StoreError, StoreUnavailable
 from pdps.ports.coordination import (
     Compare,
@@ -78,6 +79,7 @@ from pdps.ports.coordination import (
     TxnResult,
     WatchEvent,
 )
+from pdps.runtime import retry as pdps_retry
 
 try:
     import redis
@@ -90,7 +92,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT = 5.0
 NAMESPACE = "pdps:"
-_MAX_BACKOFF = 1.0  # seconds between pub/sub reconnect attempts, at most
+_RECONNECT = Backoff(first=0.05, longest=1.0)  # pauses between pub/sub reconnect attempts
 _POLL = 0.2  # how often the pub/sub reader looks up from the socket to notice close()
 
 # --- Lua ------------------------------------------------------------------------------
@@ -753,14 +755,14 @@ class _Watcher:
     # --- reader -----------------------------------------------------------------------
 
     def _read_loop(self) -> None:
-        backoff, lost_at = 0.05, None
+        reconnects = pdps_retry.Retry(_RECONNECT, stop=self._stopping)
         while not self._stopping.is_set():
             pubsub = self._client.pubsub()
             try:
                 self._subscribe(pubsub)
-                if lost_at is not None:
-                    log.warning("redis watch on %s resubscribed after %.1f s", self._store.url, time.monotonic() - lost_at)
-                backoff, lost_at = 0.05, None
+                if reconnects.failures:
+                    log.warning("redis watch on %s resubscribed after %.1f s", self._store.url, reconnects.elapsed)
+                reconnects.succeeded()
                 while not self._stopping.is_set():
                     msg = pubsub.get_message(timeout=_POLL)
                     if msg is not None and msg["type"] == "message":
@@ -770,16 +772,14 @@ class _Watcher:
                 self._last_error = exc
                 if self._stopping.is_set():
                     break
-                if lost_at is None:
-                    lost_at = time.monotonic()
+                if not reconnects.failures:
                     log.warning(
                         "redis watch connection to %s lost (%s); reconnecting. Events written until it is back "
                         "are lost (Redis pub/sub is at-most-once)",
                         self._store.url,
                         exc,
                     )
-                self._stopping.wait(backoff)
-                backoff = min(backoff * 2, _MAX_BACKOFF)
+                reconnects.failed()
             finally:
                 try:
                     pubsub.close()

@@ -243,6 +243,10 @@ class TorchCompute:
     def replica(self, module: torch.nn.Module) -> TorchReplica:
         return TorchReplica(module, self.device)
 
+    def tensors(self, columns: Mapping[str, Any], device: str = "cpu") -> dict[str, torch.Tensor]:
+        out = {k: torch.from_numpy(v) for k, v in columns.items()}
+        return out if device == "cpu" else {k: v.to(device) for k, v in out.items()}
+
     def shard(self, blocks: Sequence[Block], optimizer: str, optimizer_args: Mapping[str, Any]) -> TorchShard:
         self.check_optimizer(optimizer, optimizer_args)
         return TorchShard(blocks, optimizer, optimizer_args, self.device)
@@ -680,6 +684,11 @@ class TorchShard:
             elif first is not None:
                 raise ConfigError(f"optimizer state {key!r} is a {type(first).__name__}; pdps checkpoints tensors and numbers only")
         return out
+
+    def snapshot(self, counters: Mapping[str, int]) -> dict[str, torch.Tensor]:
+        state = {k: v.detach().clone() for k, v in self.state_dict().items()}
+        state.update((k, torch.tensor(n, dtype=torch.int64)) for k, n in counters.items())
+        return state
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         """Restore :meth:`state_dict` output (copied); the shard is then initialized."""

@@ -140,6 +140,11 @@ class ParameterShard(Protocol):
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
+    def snapshot(self, counters: Mapping[str, int]) -> dict[str, Any]:
+        """:meth:`state_dict` copied now (the shard may step on while the copy is written
+        to a checkpoint), with each of ``counters`` as a 0-d int64 tensor under its name."""
+        ...
+
 
 @runtime_checkable
 class Compute(Protocol):
@@ -151,5 +156,10 @@ class Compute(Protocol):
         ...
 
     def replica(self, module: Any) -> ModelReplica: ...
+
+    def tensors(self, columns: Mapping[str, Any], device: str = "cpu") -> dict[str, Any]:
+        """Columns of records (numpy arrays, as a data source reads them) as the tensors
+        a model takes, on ``device``; on the CPU they share the arrays' memory."""
+        ...
 
     def shard(self, blocks: Sequence[Block], optimizer: str, optimizer_args: Mapping[str, Any]) -> ParameterShard: ...

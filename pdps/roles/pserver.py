@@ -616,13 +616,10 @@ class Pserver:
 
     def _snapshot(self, ckpt_id: str) -> None:
         """Copy this shard's state now (lock held) and write it in the background."""
-        import torch
-
         assert self._shard is not None
         self._seen_checkpoints.add(ckpt_id)
         self._last_checkpoint = time.monotonic()
-        state = {k: v.detach().clone() for k, v in self._shard.state_dict().items()}
-        state["pdps.version"] = torch.tensor(self.version, dtype=torch.int64)
+        state = self._shard.snapshot({"pdps.version": self.version})
         t = threading.Thread(target=self._write_part, args=(ckpt_id, state), name=f"pdps-ckpt-{ckpt_id}", daemon=True)
         self._writers = [w for w in self._writers if w.is_alive()] + [t]
         t.start()

@@ -40,7 +40,7 @@ import attrs
 
 from pdps.core.errors import ConfigError, PdpsError
 from pdps.core.job import JobConfig, Keys
-from pdps.roles.trainer import job_done
+from pdps.roles.trainer.discovery import job_done
 
 log = logging.getLogger(__name__)
 

@@ -144,7 +144,7 @@ def _connect(values: Mapping[str, Any]) -> CoordinationStore:
 
 
 def _stored_config(store: CoordinationStore, job: str, *, wait: bool) -> JobConfig | None:
-    from pdps.roles.trainer import DISCOVERY_TIMEOUT, wait_for_key
+    from pdps.roles.trainer.discovery import DISCOVERY_TIMEOUT, wait_for_key
 
     keys = Keys(job)
     if wait:
@@ -220,8 +220,7 @@ def run_master(values: Mapping[str, Any]) -> int:
 
 def run_pserver(values: Mapping[str, Any]) -> int:
     """Serve a slice of the parameters until SIGTERM. Exit code."""
-    from pdps.adapters.torch_compute import TorchCompute
-    from pdps.registry import open_checkpoint_files
+    from pdps.registry import open_checkpoint_files, open_compute
     from pdps.roles.pserver import Pserver
 
     store, config, st = _join(values)
@@ -229,7 +228,7 @@ def run_pserver(values: Mapping[str, Any]) -> int:
         ps = Pserver(
             st,
             open_role_transport(values),
-            TorchCompute(),
+            open_compute("torch"),
             config,
             address=serve_address(values),
             index=values.get("index"),
@@ -261,8 +260,7 @@ def run_trainer(values: Mapping[str, Any]) -> int:
     The last line of stdout is a JSON object: the trainer's id, its counters, and
     what the function returned (when it is JSON-safe).
     """
-    from pdps.adapters.torch_compute import TorchCompute
-    from pdps.registry import open_data_source
+    from pdps.registry import open_compute, open_data_source
     from pdps.roles.trainer import TrainerContext
 
     if not values.get("target"):
@@ -273,7 +271,7 @@ def run_trainer(values: Mapping[str, Any]) -> int:
         ctx = TrainerContext(
             st,
             open_role_transport(values),
-            TorchCompute(),
+            open_compute("torch"),
             open_data_source(config.dataset),
             config,
             trainer_id=values.get("trainer_id") or default_trainer_id(),

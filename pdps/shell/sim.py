@@ -26,7 +26,8 @@ from pdps.ports.data import DataSource
 from pdps.ports.transport import Message, Transport
 from pdps.roles.master import Master
 from pdps.roles.pserver import Pserver
-from pdps.roles.trainer import Killed, PserverGroup, StepRecord, TrainerContext
+from pdps.roles.trainer import Killed, StepRecord, TrainerContext
+from pdps.roles.trainer.pserver_client import PserverGroup
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ def simulate(
     ``progress`` is called about once a second with the current pass's queue counts
     and each trainer's ``ctx.metrics``.
     """
-    from pdps.registry import connect_store, open_checkpoint_files, open_data_source, open_transport
+    from pdps.registry import connect_store, open_checkpoint_files, open_compute, open_data_source, open_transport
     from pdps.runtime.resilient import ResilientStore
 
     _check_arguments(train, dataset, kill, store, transport, compute, timeout, progress)
@@ -89,9 +90,7 @@ def simulate(
         raise ConfigError(f"kill names trainers {bad}, but the job has trainers 0..{config.trainers - 1}")
     source = open_data_source(dataset) if isinstance(dataset, str) else dataset
     if compute is None:
-        from pdps.adapters.torch_compute import TorchCompute
-
-        compute = TorchCompute()
+        compute = open_compute("torch")
     compute.check_optimizer(config.optimizer, config.optimizer_args)  # refuse a bad rule before anything starts
     st = connect_store(store) if isinstance(store, str) else store
     # a store opened from a URL is closed at the end (its connections, its threads), except a

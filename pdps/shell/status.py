@@ -141,7 +141,7 @@ def model_layout(store: CoordinationStore, keys: Keys, config: JobConfig) -> dic
 
 
 def waits(store: CoordinationStore, keys: Keys, now: float) -> list[dict[str, Any]]:
-    """The ``waits/<who>`` records (trainer.Waits writes them), oldest wait first, each
+    """The ``waits/<who>`` records (trainer.discovery.Waits writes them), oldest wait first, each
     with the ``seconds`` it has lasted at ``now``. A record that cannot be decoded is
     listed with its ``who`` and an ``error`` instead: it expires with its writer's lease."""
     out = []

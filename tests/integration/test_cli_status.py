@@ -134,7 +134,7 @@ def test_status_shows_who_waits_for_whom_and_since_when(real_store):
     import re
     import time
 
-    from pdps.roles.trainer import Waits
+    from pdps.roles.trainer.discovery import Waits
 
     keys = Keys("waiting")
     real_store.put(keys.config, JobConfig(name="waiting").encode())

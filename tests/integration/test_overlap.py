@@ -83,7 +83,7 @@ def test_the_last_layers_slots_reach_the_pserver_while_backward_still_runs(sourc
     slots have (overlap) or have not (no overlap) reached the pserver already; either
     way the pserver applies nothing before the step is whole (it stages the pieces).
     (Buckets of one element: each parameter's slots go as soon as they are ready.)"""
-    monkeypatch.setattr("pdps.roles.trainer.BUCKET_NUMEL", 1)
+    monkeypatch.setattr("pdps.roles.trainer.overlap.BUCKET_NUMEL", 1)
     job = start_job(source, name=f"probe-{overlap}", mode="async", overlap=overlap, min_block=1024)
     try:
         ctx = job.trainer("t0")
@@ -230,7 +230,7 @@ def test_slots_go_in_buckets(source, monkeypatch, bucket, calls):
     and one pull per pserver and step; with one-element buckets each of its 6
     parameters goes on its own: 6 pushes, the final, 6 pulls. Then one plain pull
     (ctx.pull())."""
-    monkeypatch.setattr("pdps.roles.trainer.BUCKET_NUMEL", bucket)
+    monkeypatch.setattr("pdps.roles.trainer.overlap.BUCKET_NUMEL", bucket)
     job = start_job(source, name=f"buckets-{bucket}", mode="async", overlap="on")
     try:
         ctx = job.trainer("t0")

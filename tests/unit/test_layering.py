@@ -39,10 +39,53 @@ def test_ports_import_no_adapter_or_role():
             assert not name.startswith(("pdps.adapters", "pdps.roles")), f"ports/{path.name} imports {name}"
 
 
-def test_roles_import_no_adapter_at_module_level():
-    for path in sorted((PKG / "roles").glob("*.py")):
+def test_runtime_imports_only_core_ports_and_itself():
+    """pdps.runtime is the machinery roles and adapters share: it may use neither."""
+    for path in sorted((PKG / "runtime").glob("*.py")):
         for name in imports_of(path):
-            assert not name.startswith("pdps.adapters"), f"roles/{path.name} imports {name}: roles use ports only"
+            top = name.split(".")[0]
+            if top == "pdps":
+                assert name.startswith(("pdps.core", "pdps.ports", "pdps.runtime")), f"runtime/{path.name} imports {name}"
+            else:
+                assert top in sys.stdlib_module_names, f"runtime/{path.name} imports {name}"
+
+
+def test_nothing_below_the_shell_imports_it():
+    for path in sorted(PKG.rglob("*.py")):
+        if PKG / "shell" in path.parents or path.parent == PKG:
+            continue
+        for name in imports_of(path):
+            assert not name.startswith("pdps.shell"), f"{path.relative_to(PKG)} imports {name}: the shell is the outermost layer"
+
+
+def every_import(path: Path) -> set[str]:
+    """Every module a file imports, at any level (inside functions too), relative
+    imports made absolute; ``from a import b`` counts ``a`` and ``a.b`` (b may be a module)."""
+    package = ["pdps", *path.relative_to(PKG).parent.parts]
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else [])) if node.level else node.module
+            assert base, f"{path}: {ast.dump(node)}"
+            names.add(base)
+            names.update(f"{base}.{a.name}" for a in node.names)
+    return names
+
+
+def test_roles_import_no_adapter_registry_or_torch():
+    """Roles drive ports: the composition roots choose the adapters (through the
+    registry) and hand them in, and tensors are the compute port's business. No import
+    of an adapter, the registry or torch anywhere in roles/, inside functions too."""
+    checked = 0
+    for path in sorted((PKG / "roles").rglob("*.py")):
+        rel = path.relative_to(PKG / "roles").as_posix()
+        banned = ("pdps.adapters", "pdps.registry", "torch")
+        for name in every_import(path):
+            assert not any(name == b or name.startswith(b + ".") for b in banned), f"roles/{rel} imports {name}: roles use ports only"
+        checked += 1
+    assert checked >= 3  # master, pserver, the trainer
 
 
 def test_import_pdps_needs_only_the_core_dependencies():

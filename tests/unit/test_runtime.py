@@ -119,3 +119,23 @@ def test_read_modify_write_gives_up_with_contended_naming_what():
     with pytest.raises(Contended, match="bump the counter: lost the compare-and-set race 5 times"):
         read_modify_write(store, "k", always_stale, what="bump the counter", attempts=5, policy=Backoff(first=0.001, longest=0.001))
     assert store.get("k") is None
+
+
+def test_wait_for_key_wakes_at_the_write_not_at_a_poll():
+    from pdps.runtime import watching
+
+    store = MemoryStore("memory://")
+    threading.Timer(0.1, lambda: store.put("k", b"here")).start()
+    began = time.monotonic()
+    assert watching.wait_for_key(store, "k", "a key", timeout=30.0) == b"here"
+    assert time.monotonic() - began < watching.REREAD + 5.0
+
+
+def test_wait_for_key_gives_up_naming_what_it_waited_for_or_returns_none_when_told():
+    from pdps.core.errors import Timeout
+    from pdps.runtime import watching
+
+    store = MemoryStore("memory://")
+    with pytest.raises(Timeout, match=r"waiting for the master \(k\)"):
+        watching.wait_for_key(store, "k", "the master", timeout=0.05)
+    assert watching.wait_for_key(store, "k", "the master", timeout=30.0, unless=lambda: True) is None

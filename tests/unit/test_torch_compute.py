@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
 from pdps.adapters.torch_compute import ELEMENTWISE, REFUSED, TorchCompute, TorchReplica, TorchShard
-from pdps.core.errors import ConfigError, GradientRejected, NotReady
+from pdps.core.errors import ConfigError, GradientRejected, NotReady, UnknownSchemeError
 from pdps.core.slots import Layout, SlotMap, cut_blocks
 from pdps.ports.compute import Compute
+from pdps.registry import open_compute
 
 # Arguments that make every rule do something visible in a few steps; lists where
 # torch takes tuples, as they arrive from a JSON job config.
@@ -105,6 +107,13 @@ class TestOptimizerRules:
 
     def test_is_a_compute_port(self):
         assert isinstance(self.compute, Compute)
+
+    def test_is_chosen_through_the_registry(self):
+        compute = open_compute("torch", device="cpu")
+        assert isinstance(compute, TorchCompute) and compute.device == "cpu"
+        assert isinstance(open_compute("torch://"), Compute)
+        with pytest.raises(UnknownSchemeError, match=r"unknown compute scheme 'jax' in 'jax://'; known schemes: torch://"):
+            open_compute("jax")
 
     @pytest.mark.parametrize("name", ELEMENTWISE)
     def test_elementwise_rules_are_allowed(self, name):
@@ -508,6 +517,18 @@ class TestShard:
         for k, v in shard.state_dict().items():
             assert torch.equal(restored.state_dict()[k], v), k
 
+    def test_snapshot_is_a_copy_with_the_counters(self):
+        shard, _, grads = shard_and_grads("Adam", {"lr": 0.05})
+        shard.apply(grads)
+        before = {k: v.clone() for k, v in shard.state_dict().items()}
+        snap = shard.snapshot({"pdps.version": 7})
+        shard.apply(grads)  # the shard steps on while the snapshot is written
+        assert set(snap) == set(before) | {"pdps.version"}
+        assert all(torch.equal(snap[k], v) for k, v in before.items())
+        assert not torch.equal(snap["values"], shard.values)
+        version = snap["pdps.version"]
+        assert version.dim() == 0 and version.dtype == torch.int64 and int(version) == 7
+
     def test_load_state_dict_refuses_a_foreign_checkpoint(self):
         shard, blocks, _ = shard_and_grads()
         with pytest.raises(ConfigError, match="checkpoint values"):
@@ -575,6 +596,15 @@ class TestOnCuda:
         shard.apply(grads)
         restored.apply(grads)
         assert torch.equal(restored.values, shard.values)
+
+
+def test_tensors_of_columns_share_their_memory_on_the_cpu():
+    columns = {"x": np.arange(6, dtype=np.float32).reshape(3, 2), "y": np.array([1, 0, 1], dtype=np.int64)}
+    out = TorchCompute("cpu").tensors(columns)
+    assert set(out) == {"x", "y"} and out["x"].dtype == torch.float32 and out["y"].dtype == torch.int64
+    assert torch.equal(out["x"], torch.arange(6, dtype=torch.float32).reshape(3, 2))
+    columns["y"][0] = 5  # no copy
+    assert int(out["y"][0]) == 5
 
 
 def test_frozen_parameters_stay_local():

@@ -1,0 +1,174 @@
+"""The trainer's side of the pservers: where each one serves (``ps/<i>``), and calls
+that wait out a pserver that is unreachable or not ready, with backoff."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import attrs
+
+from pdps.core.backoff import Backoff
+from pdps.core.errors import CorruptRecord, EpochChanged, NotInitialized, NotReady, PdpsError, StalePush, StoreError, Timeout, TransportError
+from pdps.core.job import JobConfig, Keys, decode_as
+from pdps.core.slots import Block, Layout, ParamSpec, SlotMap
+from pdps.ports.coordination import CoordinationStore
+from pdps.ports.transport import Channel, Message, Transport
+from pdps.roles.trainer.discovery import DISCOVERY_TIMEOUT, WAIT_LOG_EVERY, Waits, wait_for_key
+from pdps.runtime.retry import Retry
+
+log = logging.getLogger(__name__)
+
+#: Pauses between tries of a pserver that is unreachable or not ready.
+UNREACHABLE_BACKOFF = Backoff(first=0.02, longest=1.0)
+
+
+@attrs.define
+class Part:
+    """One pserver as a trainer sees it: its channel and the blocks it holds."""
+
+    index: int
+    channel: Channel
+    blocks: list[Block]
+    address: str = ""
+    keys: list[str] = attrs.field(init=False)
+    round_no: int = 0
+    version: int = 0
+    incarnation: str | None = None
+
+    def __attrs_post_init__(self) -> None:
+        self.keys = [b.key for b in self.blocks]
+
+
+class PserverGroup:
+    """The pservers of a job, for pushing to and pulling from (trainers and tools).
+
+    A pserver that cannot be reached (it died; it is restarting elsewhere) or is not
+    ready (it is loading a checkpoint) is retried with backoff for up to ``patience``
+    seconds, looking its address up again in ``ps/<i>`` each time, and the wait is
+    logged and recorded (:class:`Waits`) once it lasts more than a few seconds.
+    """
+
+    def __init__(
+        self,
+        store: CoordinationStore,
+        transport: Transport,
+        config: JobConfig,
+        specs: Sequence[ParamSpec],
+        *,
+        waits: Waits | None = None,
+        patience: float = DISCOVERY_TIMEOUT,
+    ) -> None:
+        keys = Keys(config.name)
+        self._store, self._transport, self._keys = store, transport, keys
+        self._waits = waits
+        self.patience = patience
+        slot_map = decode_as(wait_for_key(store, keys.slotmap, "the job's slot map"), keys.slotmap, SlotMap.from_json)
+        self.layout = Layout.build(specs, slot_map, config.min_block)
+        self.parts: list[Part] = []
+        for i in range(slot_map.num_pservers):
+            blocks = self.layout.blocks_of(i)
+            if not blocks:
+                continue  # a pserver whose slots hold no block of this model is never called
+            addr = self._address_of(i, wait=True)
+            assert addr is not None
+            self.parts.append(Part(i, transport.connect(addr), blocks, addr))
+        # Calls to different pservers overlap when the transport's calls release the GIL
+        # (gRPC); in-process calls are plain function calls and stay on this thread.
+        self._pool = None
+        if getattr(transport, "concurrent", False) and len(self.parts) > 1:
+            self._pool = ThreadPoolExecutor(len(self.parts), thread_name_prefix="pdps-pserver-call")
+
+    def _address_of(self, index: int, *, wait: bool = False) -> str | None:
+        key = self._keys.pserver(index)
+        if wait:
+            raw = wait_for_key(self._store, key, f"pserver {index}")
+        else:
+            kv = self._store.get(key)
+            raw = None if kv is None else kv.value
+        return None if raw is None else decode_as(raw, key, lambda d: str(d["addr"]))
+
+    def _reconnect(self, part: Part) -> None:
+        """Follow ``ps/<i>`` to wherever pserver i serves now."""
+        try:
+            addr = self._address_of(part.index)
+        except (StoreError, CorruptRecord) as exc:
+            log.debug("cannot look pserver %d up: %s", part.index, exc)
+            return
+        if addr is not None and addr != part.address:
+            log.warning("pserver %d moved from %s to %s; reconnecting", part.index, part.address, addr)
+            part.channel.close()
+            part.channel = self._transport.connect(addr)
+            part.address = addr
+
+    def call(self, part: Part, method: str, request: Message, into: Sequence[Any] | None = None) -> Message:
+        """Call one pserver, pausing and retrying while it is unreachable or not ready.
+        ``into``: where the reply's tensors may be received (see ``Channel.call``)."""
+        retrying = Retry(UNREACHABLE_BACKOFF, deadline=self.patience)
+        last_log = 0.0
+        since = 0.0
+        while True:
+            try:
+                reply = part.channel.call(method, request) if into is None else part.channel.call(method, request, into=into)
+                if retrying.elapsed >= WAIT_LOG_EVERY:
+                    log.warning("pserver %d answers again after %.0fs", part.index, retrying.elapsed)
+                if retrying.failures and self._waits is not None:
+                    self._waits.done()
+                return reply
+            except NotInitialized:
+                raise  # the caller initializes it
+            except NotReady as exc:
+                error: PdpsError = exc
+            except TransportError as exc:
+                if isinstance(exc, Timeout):
+                    raise
+                error = exc
+                self._reconnect(part)
+            if not retrying.failures:
+                since = time.time()
+            if not retrying.note():
+                raise error
+            waited = retrying.elapsed
+            if waited >= WAIT_LOG_EVERY and waited - last_log >= WAIT_LOG_EVERY:
+                last_log = waited
+                if self._waits is not None:
+                    self._waits.waiting(f"{method}: {error}", [f"pserver {part.index} at {part.address}"], since)
+                else:
+                    log.warning("waiting %.0fs for pserver %d at %s: %s", waited, part.index, part.address, error)
+            retrying.pause()
+
+    def call_each(
+        self, method: str, requests: Sequence[tuple[Part, Message]], into: Callable[[Part], Sequence[Any]] | None = None
+    ) -> list[Message | StalePush]:
+        """Call several pservers, concurrently where the transport allows. A stale push
+        comes back in its place in the list; any other error is raised once all calls
+        ended (an :class:`EpochChanged` first: the caller must start over). ``into(part)``:
+        where a reply's tensors may be received."""
+
+        def one(part: Part, request: Message) -> Message | StalePush:
+            try:
+                return self.call(part, method, request, None if into is None else into(part))
+            except StalePush as exc:
+                return exc
+
+        if self._pool is None or len(requests) < 2:
+            results: list[Message | StalePush] = []
+            for part, req in requests:
+                results.append(one(part, req))
+            return results
+        futures = [self._pool.submit(one, part, req) for part, req in requests]
+        errors = [e for e in (f.exception() for f in futures) if e is not None]
+        if errors:
+            raise next((e for e in errors if isinstance(e, EpochChanged)), errors[0])
+        return [f.result() for f in futures]
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        for p in self.parts:
+            p.channel.close()
+
+

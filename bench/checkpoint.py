@@ -85,8 +85,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.machine import describe  # noqa: E402
-from pdps.adapters.fsspec_storage import FsspecStorage  # noqa: E402
 from pdps.adapters import safetensors_files as ckpt  # noqa: E402
+from pdps.adapters.fsspec_storage import FsspecStorage  # noqa: E402
 from pdps.core.checkpoints import PartInfo, checkpoint_id  # noqa: E402
 
 GB = 1e9

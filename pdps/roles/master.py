@@ -60,6 +60,7 @@ from pdps.core.audit import (
     encode_record_counts,
     roll_back_attempts,
 )
+from pdps.core.checkpoints import MASTER_PART, Epoch
 from pdps.core.errors import ConfigError, CorruptRecord, FencingError, LeaseExpired, PdpsError, StoreUnavailable
 from pdps.core.job import JobConfig, Keys, decode_as, decode_json
 from pdps.core.progress import TaskProgress
@@ -80,11 +81,10 @@ from pdps.core.tasks import (
 )
 from pdps.core.tasks import State as TaskState
 from pdps.core.txn import Decision, Done, Write
+from pdps.ports.checkpoints import CheckpointFiles
 from pdps.ports.coordination import Compare, CoordinationStore, Delete, EventType, Fence, KeyValue, Op, Put, TxnOp, WatchEvent
 from pdps.ports.data import DataSource
-from pdps.ports.checkpoints import CheckpointFiles
 from pdps.ports.transport import Endpoint, Message, Transport
-from pdps.core.checkpoints import MASTER_PART, Epoch
 from pdps.runtime import recovery
 from pdps.runtime.cas import read_modify_write
 

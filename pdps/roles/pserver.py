@@ -26,6 +26,7 @@ import time
 import uuid
 from collections import OrderedDict
 
+from pdps.core.checkpoints import Epoch, pserver_part
 from pdps.core.errors import (
     ConfigError,
     CorruptRecord,
@@ -44,11 +45,10 @@ from pdps.core.errors import (
 from pdps.core.job import JobConfig, Keys, decode_as, decode_json
 from pdps.core.sgd import Mode, RoundRecord, check_staleness, participants
 from pdps.core.slots import Layout, ParamSpec, SlotMap
+from pdps.ports.checkpoints import CheckpointFiles
 from pdps.ports.compute import Compute, ParameterShard
 from pdps.ports.coordination import Compare, CoordinationStore, Delete, EventType, Op, Put, TxnOp, WatchEvent
-from pdps.ports.checkpoints import CheckpointFiles
 from pdps.ports.transport import Endpoint, Message, Transport
-from pdps.core.checkpoints import Epoch, pserver_part
 from pdps.runtime import recovery
 
 log = logging.getLogger(__name__)

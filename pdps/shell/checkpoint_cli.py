@@ -19,11 +19,11 @@ from typing import Any
 
 import attrs
 
+from pdps.adapters import safetensors_files as files
+from pdps.core.checkpoints import PartInfo, is_checkpoint_id
 from pdps.core.errors import ConfigError, CorruptCheckpoint, NoSuchJob, PdpsError
 from pdps.core.job import JobConfig, Keys, decode_json
 from pdps.ports.coordination import CoordinationStore
-from pdps.adapters import safetensors_files as files
-from pdps.core.checkpoints import PartInfo, is_checkpoint_id
 from pdps.ports.storage import Storage
 from pdps.runtime import recovery
 from pdps.shell.status import epoch_text, job_config, job_state

@@ -16,16 +16,16 @@ import torch.nn.functional as F
 from torch import nn
 
 import pdps
+from pdps.adapters import safetensors_files as files
 from pdps.adapters.fsspec_storage import TEMP_PREFIX
 from pdps.adapters.memory_store import MemoryStore
 from pdps.adapters.parquet import ParquetSource
-from pdps.core.job import Keys, decode_json
-from pdps.adapters import safetensors_files as files
 from pdps.adapters.safetensors_files import SafetensorsFiles
+from pdps.core.job import Keys, decode_json
 from pdps.registry import open_checkpoint_files, open_storage
+from pdps.roles.pserver import Pserver
 from pdps.runtime import recovery
 from pdps.runtime.recovery import new_checkpoint_id
-from pdps.roles.pserver import Pserver
 from tests.integration.jobkit import leftovers_on_disk, start_job
 from tests.integration.test_inprocess_job import digits_like
 

@@ -107,10 +107,10 @@ def test_a_job_checkpoints_to_s3_and_rolls_back_from_it(s3_env, tmp_path):
     from torch import nn
 
     import pdps
+    from pdps.adapters import safetensors_files as files
     from pdps.adapters.memory_store import MemoryStore
     from pdps.adapters.parquet import write_parquet_shards
     from pdps.core.job import Keys
-    from pdps.adapters import safetensors_files as files
     from pdps.runtime import recovery
 
     rng = np.random.default_rng(2)

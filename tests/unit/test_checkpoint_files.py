@@ -13,15 +13,16 @@ import time
 import uuid
 import zlib
 
+import attrs
 import fsspec
 import pytest
 import safetensors.torch
 import torch
 
-from pdps.adapters.fsspec_storage import TEMP_PREFIX, FsspecStorage
-from pdps.core.errors import ConfigError, CorruptCheckpoint, StorageError
 from pdps.adapters import safetensors_files as ckpt
+from pdps.adapters.fsspec_storage import TEMP_PREFIX, FsspecStorage
 from pdps.core.checkpoints import Manifest, PartInfo
+from pdps.core.errors import ConfigError, CorruptCheckpoint, StorageError
 from pdps.runtime.recovery import new_checkpoint_id
 
 DTYPES = [
@@ -170,6 +171,32 @@ class CheckpointFilesTests:
                 assert_same(ckpt.read_part(storage, info), tensors)
                 manifest = Manifest(cid, "j", 1, 2, 0.0, {info.name: info})
                 assert ckpt.verify(storage, manifest) == []
+
+    def test_a_part_records_a_crc32_per_piece_and_a_flipped_byte_names_its_piece(self, storage, cid, monkeypatch):
+        monkeypatch.setattr(ckpt, "READ_PIECE", 4096)
+        info = self.write(storage, cid, {"values": random_tensor(torch.float32, (10_000,), 7)})
+        data = storage.get(info.path)
+        assert info.piece_bytes == 4096 and list(info.pieces) == [f"{c:08x}" for c in piece_crcs(data, 4096)]
+        bad = bytearray(data)
+        bad[5 * 4096 + 3] ^= 0x01
+        storage.put(info.path, bytes(bad))
+        self.assert_corrupt(storage, cid, info, "checksum", "bytes 20480..24576 (piece 5)")
+
+    @pytest.mark.parametrize("in_thread", [True, False])
+    def test_a_part_recorded_without_pieces_is_read_by_its_whole_crc32(self, storage, cid, monkeypatch, in_thread):
+        # as an older pdps recorded it: one crc32 of the whole part, read in order
+        monkeypatch.setattr(ckpt, "READ_PIECE", 4096)
+        monkeypatch.setattr(ckpt, "PIECE", 8192)
+        monkeypatch.setattr(ckpt, "_hash_in_thread", lambda nbytes: in_thread)
+        tensors = {"values": random_tensor(torch.float32, (10_000,), 8)}
+        info = attrs.evolve(self.write(storage, cid, tensors), pieces=None, piece_bytes=0)
+        assert "pieces" not in info.to_json()
+        assert_same(ckpt.read_part(storage, info), tensors)
+        assert ckpt.verify(storage, Manifest(cid, "j", 1, 2, 0.0, {info.name: info})) == []
+        data = bytearray(storage.get(info.path))
+        data[-5] ^= 0x01
+        storage.put(info.path, bytes(data))
+        self.assert_corrupt(storage, cid, info, "checksum", info.checksum)
 
     def test_unsupported_tensors_are_refused_before_writing(self, storage, cid):
         for bad in [

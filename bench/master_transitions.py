@@ -24,9 +24,9 @@ What runs, per backend (``--backends``, default memory etcd redis)
   transition writes ONE key holding gzip(JSON list of every task record of the
   queue) instead of the per-task Puts, fenced the same way and in the same
   transaction as the pass keys. Pass handling is the library's own code: the
-  subclass strips the per-task changes, lets ``Master._stage`` run, and adds the
-  snapshot to the ``_enqueue`` of its writes; one transition per transaction, as
-  the original wrote (no group commit). A bounded sample is timed:
+  subclass strips the per-task changes, lets ``Master._transition_ops`` run, and
+  stages the snapshot with its writes; one transition per transaction, as the
+  original wrote (no group commit). A bounded sample is timed:
   ``--baseline-transitions`` (default 200), the same clients, at most
   ``--baseline-seconds``.
   The baseline is made as cheap as it can be: each record's JSON is cached and
@@ -92,6 +92,7 @@ from pdps.ports.transport import Message  # noqa: E402
 from pdps.registry import open_store  # noqa: E402
 from pdps.runtime.lease import LeaseKeeper  # noqa: E402
 from pdps.roles.master import Master  # noqa: E402
+from pdps.runtime.group_commit import GroupCommitStore  # noqa: E402
 
 BACKENDS = ("memory", "etcd", "redis")
 ETCD_MAX_REQUEST_BYTES = 64 << 20
@@ -198,10 +199,10 @@ class SnapshotMaster(Master):
     gzip(JSON list of every task record), instead of one key per touched task.
 
     ``_stage`` drops the per-task changes and flags a snapshot; the library's
-    ``Master._stage`` then runs unchanged (pass keys, pass completion, next pass, job
-    done) and the ``_enqueue`` of the transition's writes carries the snapshot as well,
-    in the same fenced transaction. Group commit is off (``_take_batch``: one
-    transition per transaction), as in the original design. Each record's JSON is cached and re-encoded only when the
+    ``Master._transition_ops`` then runs unchanged (pass keys, pass completion, next
+    pass, job done) and the transition's writes carry the snapshot as well, in the same
+    fenced transaction. Group commit is off (:class:`OneAtATime`: one transition per
+    transaction), as in the original design. Each record's JSON is cached and re-encoded only when the
     record changes (a PassStarted re-encodes all), so the bytes are exactly
     ``gzip.compress(json.dumps([r.to_json() for r in queue.records()]).encode())``
     at a fraction of the Python cost.
@@ -209,6 +210,7 @@ class SnapshotMaster(Master):
 
     def __init__(self, *args: Any, gzip_level: int = 6, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self._store = OneAtATime(self._store.inner, max_txn_ops=self._store.max_txn_ops, on_failure=self._commit_failed)
         self.snapshot_key = self._keys.root + "snapshot"
         self.gzip_level = gzip_level
         self._rec_json: dict[int, str] | None = None
@@ -257,20 +259,21 @@ class SnapshotMaster(Master):
                     self._snapshot_due = True
                     self._rec_json = None  # every record was rewritten: re-encode all
                 rest.append(ch)
-        entry = super()._stage(rest)  # stages the pass keys through _enqueue, which adds the snapshot
-        if self._snapshot_due:  # the transition wrote nothing but task records: the snapshot alone
-            entry = self._enqueue([])
-        return entry
-
-    def _enqueue(self, ops: list[TxnOp], after: Sequence[Callable[[], None]] = ()) -> Any:
-        if self._snapshot_due:
+        ops: list[TxnOp] = []
+        after: list[Callable[[], None]] = []
+        self._transition_ops(rest, ops, after)  # the pass keys, ...
+        if self._snapshot_due:  # ... with the snapshot, in the same transaction
             self._snapshot_due = False
-            ops = [Put(self.snapshot_key, self.encode_snapshot()), *ops]
+            ops.insert(0, Put(self.snapshot_key, self.encode_snapshot()))
             self.snapshots += 1
-        return super()._enqueue(ops, after)
+        return self._store.stage(ops, fence=self._fence, after=after)
+
+
+class OneAtATime(GroupCommitStore):
+    """Group commit off: one transition per transaction, as in the original design
+    (each writes its own snapshot)."""
 
     def _take_batch(self) -> list[Any]:
-        """One transition per transaction, as in the original design (each writes its own snapshot)."""
         batch = self._staged[:1]
         del self._staged[:1]
         return batch

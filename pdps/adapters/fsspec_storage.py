@@ -36,14 +36,13 @@ import os
 import uuid
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import Protocol
 
 import attrs
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from pdps.core.errors import ConfigError, MissingExtraError, PdpsError, StorageError
-from pdps.ports.storage import Leftover
+from pdps.ports.storage import Leftover, Reader
 
 #: Prefix of the temporary files ``put`` writes on local filesystems. Object paths may
 #: not start a component with it, so ``list`` can drop leftovers of crashed writers.
@@ -134,9 +133,9 @@ class FsspecStorage:
     def open_reader(self, path: str) -> Iterator[Reader]:
         """The object at ``path`` opened once for many ``read_into(buffer, offset)`` calls.
 
-        Beyond the port (callers find it with ``getattr``): a checkpoint part is read in
-        pieces, and on local files each :meth:`read_into` opens the file again, which
-        restarts the kernel's read-ahead on a cold page cache. The reader of a local file
+        The port's optional :class:`~pdps.ports.storage.OpensReaders`: a checkpoint part is
+        read in pieces, and on local files each :meth:`read_into` opens the file again,
+        which restarts the kernel's read-ahead on a cold page cache. The reader of a local file
         holds one descriptor and reads with ``pread``, so it may be called from several
         threads at once (``reader.parallel``); an object store's reader makes one ranged
         GET per call, as :meth:`read_into` does. ``reader.size`` is the object's size when
@@ -386,15 +385,6 @@ def filesystem_for(url: str, **storage_options: object) -> tuple[fsspec.Abstract
         raise MissingExtraError(f"URL {url!r} needs an optional package ({exc}): {hint}") from exc
     except ValueError as exc:  # fsspec's "Protocol not known: ..."
         raise ConfigError(f"URL {url!r} cannot be opened: {exc}") from exc
-
-
-class Reader(Protocol):
-    """What :meth:`FsspecStorage.open_reader` yields."""
-
-    size: int
-    parallel: bool  # read_into may be called from several threads at once
-
-    def read_into(self, buffer: object, offset: int = 0) -> int: ...
 
 
 class _LocalReader:

@@ -29,6 +29,7 @@ import logging
 import math
 import socket
 import ssl
+import struct
 import sys
 import threading
 import time
@@ -45,6 +46,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from pdps.adapters import bulk
 from pdps.adapters.refusals import RefusalLog
+from pdps.core.backoff import Backoff
 from pdps.core.errors import (
     ConfigError,
     GradientRejected,
@@ -58,6 +60,7 @@ from pdps.core.errors import (
     error_classes,
 )
 from pdps.ports.transport import Handler, Message
+from pdps.runtime.retry import Retry
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +95,13 @@ DEFAULT_BULK_THRESHOLD = 1 << 20
 #: Seconds a client sends everything to a server over gRPC after its bulk port could not be reached.
 BULK_RETRY_AFTER = 60.0
 
+#: Seconds left above which a gRPC call has no deadline: grpcio reports none as about 2**63 s.
+_NO_DEADLINE = 1e12
+
+#: How a call to a server not (yet) listening pauses before it tries again.
 RETRY_FIRST = 0.05
 RETRY_MAX = 1.0
+RECONNECT = Backoff(first=RETRY_FIRST, longest=RETRY_MAX)
 
 #: Defaults of the server's connection limits (docs/transport.md, "Connections"): the
 #: handshake deadline and the idle time are the bulk channel's. Connections are capped
@@ -188,6 +196,7 @@ class Header:
     method: str
     meta_json: str
     tensors: tuple[TensorSpec, ...] = ()
+    timeout: float = 0.0  # a bulk request's: seconds its caller had left as it sent it; 0: none
 
 
 def _varint(n: int) -> bytes:
@@ -232,9 +241,10 @@ def _fields(buf: memoryview) -> Iterator[tuple[int, int, Any]]:
                 raise FrameError("length-delimited field runs past the end of the frame")
             value, pos = buf[pos : pos + size], pos + size
         elif wire in (1, 5):
-            pos += 8 if wire == 1 else 4
-            if pos > len(buf):
+            size = 8 if wire == 1 else 4
+            if pos + size > len(buf):
                 raise FrameError("fixed-size field runs past the end of the frame")
+            value, pos = buf[pos : pos + size], pos + size
         else:
             raise FrameError(f"unsupported wire type {wire} (field {field})")
         yield field, wire, value
@@ -275,8 +285,8 @@ def _decode_spec(buf: memoryview) -> TensorSpec:
 
 
 def _decode_header(buf: memoryview) -> Header:
-    method, meta, specs = "", "", []
-    for field, _wire, value in _fields(buf):
+    method, meta, specs, timeout = "", "", [], 0.0
+    for field, wire, value in _fields(buf):
         if field == 1:
             method = _text(value, "method")
         elif field == 2:
@@ -285,7 +295,13 @@ def _decode_header(buf: memoryview) -> Header:
             if not isinstance(value, memoryview):
                 raise FrameError("tensor spec is not a length-delimited field")
             specs.append(_decode_spec(value))
-    return Header(method, meta, tuple(specs))
+        elif field == 4:
+            if wire != 1:
+                raise FrameError("timeout is not a double")
+            (timeout,) = struct.unpack("<d", value)
+            if not (math.isfinite(timeout) and timeout >= 0):
+                raise FrameError(f"timeout must be a finite number of seconds >= 0, got {timeout}")
+    return Header(method, meta, tuple(specs), timeout)
 
 
 def decode_frame(data: bytes) -> Header | memoryview:
@@ -328,7 +344,20 @@ def encode_header(header: Header) -> bytes:
         if spec.nbytes:
             fields += _varint(3 << 3) + _varint(spec.nbytes)
         parts.append(_field_bytes(3, fields))
+    if header.timeout:
+        parts.append(_timeout_field(header.timeout))
     return _field_bytes(1, b"".join(parts))
+
+
+def _timeout_field(timeout: float) -> bytes:
+    return _varint(4 << 3 | 1) + struct.pack("<d", timeout)
+
+
+def with_timeout(frame: bytes, timeout: float) -> bytes:
+    """The header frame ``frame`` (which has no timeout) with ``timeout`` set, as
+    :func:`encode_header` would write it, without encoding the rest again."""
+    _, pos = _read_varint(memoryview(frame), 1)  # past the frame's tag: the header's length
+    return _field_bytes(1, frame[pos:] + _timeout_field(timeout))
 
 
 def chunk_prefix(size: int) -> bytes:
@@ -875,11 +904,13 @@ class GrpcEndpoint:
             raise _Rejected(grpc.StatusCode.UNIMPLEMENTED, f"no method {method!r} here (it serves {sorted(self._handlers)})")
         return handler
 
-    def _call_handler(self, handler: Handler, method: str, meta: dict, tensors: list[torch.Tensor]) -> tuple[bytes, list[memoryview]]:
+    def _call_handler(
+        self, handler: Handler, method: str, meta: dict, tensors: list[torch.Tensor], deadline: float | None
+    ) -> tuple[bytes, list[memoryview]]:
         """Call the handler of an accepted request: its reply's header frame and tensor
         views, or _Rejected carrying the error it raised."""
         try:
-            reply = handler(Message(meta, tensors))
+            reply = handler(Message(meta, tensors, deadline=deadline))
         except PdpsError as exc:
             raise _Rejected(_status_of(exc), str(exc), exc.code) from exc
         except Exception as exc:
@@ -909,8 +940,10 @@ class GrpcEndpoint:
             return
         # The client retries an UNAVAILABLE call only when it did not see this marker.
         context.send_initial_metadata(self._accepted_metadata)
+        remaining = context.time_remaining()  # gRPC's own deadline: the caller's timeout, less the time it took to get here
+        deadline = None if remaining is None or remaining > _NO_DEADLINE else time.monotonic() + remaining
         try:
-            header_frame, views = self._call_handler(handler, header.method, meta, tensors)
+            header_frame, views = self._call_handler(handler, header.method, meta, tensors, deadline)
         except _Rejected as exc:
             if exc.code is not None:
                 context.set_trailing_metadata(((ERROR_CODE_KEY, exc.code),))
@@ -931,6 +964,7 @@ class GrpcEndpoint:
             if length > MAX_FRAME_BYTES:
                 raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"header of {length} bytes, more than {MAX_FRAME_BYTES}")
             header, meta, inbound = _receive(bytes(conn.read_bytes(length, stall=stall)), self._transport.max_request_bytes, want_method=True)
+            deadline = time.monotonic() + header.timeout if header.timeout else None
             handler = self._handler(header.method)
             tensors = inbound.read_from(lambda view: conn.read_into(view, stall=stall))
         except _Rejected as exc:
@@ -943,7 +977,7 @@ class GrpcEndpoint:
             return False
         conn.send(bulk.ACCEPTED, b"", stall=stall)  # the client retries elsewhere only without it
         try:
-            header_frame, views = self._call_handler(handler, header.method, meta, tensors)
+            header_frame, views = self._call_handler(handler, header.method, meta, tensors, deadline)
         except _Rejected as exc:
             _send_bulk_error(conn, exc)
             return True
@@ -1019,10 +1053,7 @@ class GrpcChannel:
         if self._closed:
             raise TransportError(f"channel to {self.address} is closed")
         t0 = time.perf_counter()
-        meta = dict(request.meta)
-        if timeout is not None and "timeout" not in meta:
-            meta["timeout"] = timeout  # handlers that wait (a sync pull) honour it
-        header, views = _outgoing(method, meta, request.tensors)
+        header, views = _outgoing(method, request.meta, request.tensors)
         nbytes = sum(len(v) for v in views)
         tally = _Tally(encode=time.perf_counter() - t0)
         try:
@@ -1049,7 +1080,7 @@ class GrpcChannel:
         retry_until = start + self._transport.connect_timeout
         if deadline is not None:
             retry_until = min(retry_until, deadline)
-        backoff = RETRY_FIRST
+        unavailable = Retry(RECONNECT, deadline=max(0.0, retry_until - time.monotonic()))
         attempts = 0
         while True:
             attempts += 1
@@ -1064,10 +1095,9 @@ class GrpcChannel:
                 return self._seen(method, self._reply(call, method, tally, into))
             except grpc.RpcError as exc:
                 accepted = _metadata_value(call.initial_metadata(), ACCEPTED_KEY) is not None
-                if call.code() == grpc.StatusCode.UNAVAILABLE and not accepted and time.monotonic() + backoff < retry_until:
-                    log.debug("%s unavailable (%s); retrying %r in %.2f s", self.address, call.details(), method, backoff)
-                    time.sleep(backoff)
-                    backoff = min(backoff * 2, RETRY_MAX)
+                if call.code() == grpc.StatusCode.UNAVAILABLE and not accepted and unavailable.note():
+                    log.debug("%s unavailable (%s); retrying %r (try %d)", self.address, call.details(), method, attempts + 1)
+                    unavailable.pause()
                     continue
                 remote = _metadata_value(call.trailing_metadata(), ERROR_CODE_KEY)
                 spent = time.monotonic() - start
@@ -1206,6 +1236,11 @@ class GrpcChannel:
         accepted = in_step = False
         error: PdpsError | None = None  # raised after the socket errors are sorted out (Timeout is an OSError)
         try:
+            if deadline is not None:  # no gRPC deadline travels with it: the header carries the time left
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError
+                header = with_timeout(header, left)
             try:
                 conn.send(bulk.REQUEST, header, views, deadline=deadline)
             except TimeoutError:

@@ -2,19 +2,25 @@
 
 Nothing is serialized and no tensor is copied: the handler receives the caller's
 tensors and the caller receives the handler's (see the port for who may keep or
-write what). Errors raised by a handler reach the caller unchanged. Services live in
-a process-wide table, so any role in the process can reach any other by address.
+write what). A handler's PdpsError reaches the caller unchanged; any other exception
+is logged with its traceback and raised as the TransportError a gRPC caller would
+get. Services live in a process-wide table, so any role in the process can reach any
+other by address.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
-from pdps.core.errors import TransportError
+from pdps.core.errors import PdpsError, TransportError
 from pdps.ports.transport import Handler, Message
+
+log = logging.getLogger(__name__)
 
 _services: dict[str, Mapping[str, Handler]] = {}
 _services_lock = threading.Lock()
@@ -36,7 +42,7 @@ class InprocEndpoint:
             _services.pop(_name(self.address), None)
 
 
-def _tensor_bytes(tensors: object) -> int:
+def tensor_bytes(tensors: object) -> int:
     try:
         return sum(t.numel() * t.element_size() for t in tensors)  # type: ignore[attr-defined, union-attr]
     except (AttributeError, TypeError):
@@ -64,26 +70,33 @@ class InprocChannel:
         received = 0
         try:
             reply = self._call(method, request, timeout)
-            received = _tensor_bytes(reply.tensors)
+            received = tensor_bytes(reply.tensors)
             return reply
         finally:
             with self._stats_lock:
                 self.stats["calls"] += 1
-                self.stats["bytes_sent"] += _tensor_bytes(request.tensors)
+                self.stats["bytes_sent"] += tensor_bytes(request.tensors)
                 self.stats["bytes_received"] += received
 
     def _call(self, method: str, request: Message, timeout: float | None) -> Message:
-        # A deadline cannot interrupt a function running in this very thread, so it is
-        # handed to the handler as meta "timeout"; handlers that wait honour it.
-        if timeout is not None and "timeout" not in request.meta:
-            request = Message({**request.meta, "timeout": timeout}, request.tensors)
+        # A deadline cannot interrupt a function running in this very thread: handlers
+        # that wait end their wait by the request's deadline.
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if request.deadline != deadline:
+            request = Message(request.meta, request.tensors, deadline=deadline)
         handlers = _services.get(self._name)
         if handlers is None:
             raise TransportError(f"nothing is served at {self.address}")
         handler = handlers.get(method)
         if handler is None:
             raise TransportError(f"{self.address} has no method {method!r} (it serves {sorted(handlers)})")
-        reply = handler(request)
+        try:
+            reply = handler(request)
+        except PdpsError:
+            raise
+        except Exception as exc:
+            log.exception("handler %r at %s raised", method, self.address)
+            raise TransportError(f"{method!r} at {self.address} failed on the server: handler {method!r} raised {type(exc).__name__}: {exc}") from exc
         if not isinstance(reply, Message):
             raise TransportError(f"handler {method!r} at {self.address} returned {type(reply).__name__}, not Message")
         return reply

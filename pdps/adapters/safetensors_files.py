@@ -61,7 +61,7 @@ import attrs
 
 from pdps.core.checkpoints import MANIFEST, Manifest, PartInfo, check_id, checksum_text, id_order, is_checkpoint_id
 from pdps.core.errors import ConfigError, CorruptCheckpoint, StorageError
-from pdps.ports.storage import Leftover, Storage
+from pdps.ports.storage import CachedReads, Leftover, OpensReaders, Storage
 
 if TYPE_CHECKING:
     import torch
@@ -530,12 +530,12 @@ def _read_checked(storage: Storage, info: PartInfo) -> bytearray | mmap.mmap:
     size = _checked_size(storage, info)
     buf = _new_buffer(size)
     view = memoryview(buf)
-    open_reader = getattr(storage, "open_reader", None)
-    if open_reader is not None and size > READ_PIECE:
-        with open_reader(info.path) as reader:
+    if isinstance(storage, OpensReaders) and size > READ_PIECE:
+        with storage.open_reader(info.path) as reader:
             if info.pieces is not None and reader.parallel:
                 threads = 2 if _hash_in_thread(size) else 1
-                crcs = _read_pieces_hashed(reader.read_into, view, threads, getattr(reader, "read_cached", None), piece=info.piece_bytes)
+                cached = reader.read_cached if isinstance(reader, CachedReads) else None
+                crcs = _read_pieces_hashed(reader.read_into, view, threads, cached, piece=info.piece_bytes)
                 _check_pieces(storage, info, crcs)
             else:
                 _check(storage, info, _read_hashed(reader.read_into, view, READ_PIECE, info.piece_bytes or None))

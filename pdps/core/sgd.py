@@ -21,11 +21,12 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import attrs
 
 from pdps.core.errors import ConfigError, InvalidTransition, StalePush
+from pdps.core.machine import move
 
 
 class Mode(str, enum.Enum):
@@ -106,6 +107,32 @@ class Contribution:
         )
 
 
+class RoundState(str, enum.Enum):
+    OPEN = "open"  # trainers commit their contributions
+    CLOSED = "closed"  # decided: the record never changes again
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class RoundEvent(str, enum.Enum):
+    CONTRIBUTE = "contribute"  # a trainer commits its contribution
+    CLOSE = "close"  # a pserver closes the round, every participant having committed
+    APPLY = "apply"  # a pserver applies what the closed record names
+
+    def __str__(self) -> str:
+        return self.value
+
+
+#: The sync round's legal moves. A pserver's own place in the rounds is its open
+#: round number: applying round ``r`` moves it to ``r + 1``.
+ROUND_TRANSITIONS: Mapping[tuple[RoundState, RoundEvent], frozenset[RoundState]] = {
+    (RoundState.OPEN, RoundEvent.CONTRIBUTE): frozenset({RoundState.OPEN}),
+    (RoundState.OPEN, RoundEvent.CLOSE): frozenset({RoundState.CLOSED}),
+    (RoundState.CLOSED, RoundEvent.APPLY): frozenset({RoundState.CLOSED}),  # by every pserver, once each
+}
+
+
 @attrs.frozen
 class RoundRecord:
     """One sync round as the coordination store holds it: the *decision point* of the
@@ -127,8 +154,12 @@ class RoundRecord:
 
     round_no: int
     contributions: dict[str, Contribution] = attrs.field(factory=dict)
-    closed: bool = False
+    state: RoundState = RoundState.OPEN  # moved only through ROUND_TRANSITIONS
     checkpoint: str | None = None  # the checkpoint taken right after this round, if any
+
+    @property
+    def closed(self) -> bool:
+        return self.state is RoundState.CLOSED
 
     @property
     def total(self) -> int:
@@ -153,8 +184,9 @@ class RoundRecord:
         """
         if contribution.samples < 0:
             raise ConfigError(f"trainer {trainer!r} reported {contribution.samples} samples")
-        if self.closed:
+        if self.closed:  # the table refuses it too; for the trainer it means "pull and compute again"
             raise StalePush(f"round {self.round_no} is closed: pull and compute again")
+        self._move(RoundEvent.CONTRIBUTE)
         prior = self.contributions.get(trainer)
         if prior is not None:
             if prior == contribution:
@@ -170,11 +202,21 @@ class RoundRecord:
         return bool(self.contributions) and not self.waiting_for(participants)
 
     def close(self, checkpoint: str | None = None) -> RoundRecord:
-        if self.closed:
-            raise InvalidTransition(f"round {self.round_no}", "closed", "close")
+        """The record closed: from now on it never changes. Refused for a round nobody
+        contributed to (it would apply nothing and wait for nobody)."""
+        state = self._move(RoundEvent.CLOSE)
         if not self.contributions:
-            raise InvalidTransition(f"round {self.round_no}", "open", "close", "nobody contributed")
-        return attrs.evolve(self, closed=True, checkpoint=checkpoint)
+            raise InvalidTransition(f"round {self.round_no}", self.state, RoundEvent.CLOSE, "nobody contributed")
+        return attrs.evolve(self, state=state, checkpoint=checkpoint)
+
+    def weights_to_apply(self) -> list[tuple[str, float]]:
+        """:meth:`weights`, for a pserver applying the round: refused while it is open
+        (what an open record names may still grow)."""
+        self._move(RoundEvent.APPLY)
+        return self.weights()
+
+    def _move(self, event: RoundEvent) -> RoundState:
+        return move(ROUND_TRANSITIONS, f"round {self.round_no}", self.state, event)
 
     def to_json(self) -> dict:
         return {
@@ -189,7 +231,7 @@ class RoundRecord:
         return cls(
             round_no=int(d["round"]),
             contributions={str(t): Contribution.from_json(c) for t, c in dict(d["contributions"]).items()},
-            closed=bool(d["closed"]),
+            state=RoundState.CLOSED if d["closed"] else RoundState.OPEN,
             checkpoint=None if d.get("checkpoint") is None else str(d["checkpoint"]),
         )
 

@@ -38,6 +38,7 @@ from typing import Union
 import attrs
 
 from pdps.core.errors import ConfigError, InvalidTransition, UnknownTaskError
+from pdps.core.machine import move
 
 
 class State(str, enum.Enum):
@@ -517,9 +518,7 @@ class TaskQueue:
 
 
 def _check(rec: TaskRecord, event: Event, target: State) -> None:
-    allowed = TRANSITIONS.get((rec.state, event))
-    if allowed is None or target not in allowed:
-        raise InvalidTransition(f"task {rec.id}", rec.state, event)
+    move(TRANSITIONS, f"task {rec.id}", rec.state, event, target)
 
 
 def _check_config(failure_max: int, timeout: float, max_in_flight: int) -> None:

@@ -163,3 +163,12 @@ class Compute(Protocol):
         ...
 
     def shard(self, blocks: Sequence[Block], optimizer: str, optimizer_args: Mapping[str, Any]) -> ParameterShard: ...
+
+
+@runtime_checkable
+class ThreadedCompute(Protocol):
+    """A compute that knows how many CPU threads it computes with in this process (a
+    trainer weighs them against the host's cores before overlapping communication)."""
+
+    @property
+    def threads(self) -> int: ...

@@ -27,11 +27,16 @@ Paths are relative to the root, ``/``-separated. Contract (every adapter passes
   caller who decides, by how long a leftover has gone unmodified, that its writer
   is dead.
 * Paths with ``..``, ``.``, empty parts or a leading ``/`` are refused before any I/O.
+
+Optional capabilities, checked with ``isinstance``: :class:`OpensReaders` (an object
+opened once for many reads at offsets) and, on a :class:`Reader`, :class:`CachedReads`
+(a read that does not wait for the disk).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from contextlib import AbstractContextManager
 from typing import Protocol, runtime_checkable
 
 import attrs
@@ -105,4 +110,37 @@ class Storage(Protocol):
     def delete_leftover(self, path: str) -> None:
         """Delete the leftover at ``path`` (one :meth:`leftovers` listed); a missing one is
         a no-op. A path that cannot name a leftover (an object's) raises StorageError."""
+        ...
+
+
+@runtime_checkable
+class Reader(Protocol):
+    """One object opened for many reads; what :meth:`OpensReaders.open_reader` yields.
+    ``size`` is the object's size when it was opened; ``parallel``: ``read_into`` may be
+    called from several threads at once."""
+
+    size: int
+    parallel: bool
+
+    def read_into(self, buffer: Buffer, offset: int = 0) -> int:
+        """As :meth:`Storage.read_into`, of the opened object; the same errors."""
+        ...
+
+
+@runtime_checkable
+class OpensReaders(Protocol):
+    """A storage that can open an object once for many reads at offsets: a checkpoint
+    part is read in pieces, and reopening a local file for each piece restarts the
+    kernel's read-ahead on a cold page cache."""
+
+    def open_reader(self, path: str) -> AbstractContextManager[Reader]: ...
+
+
+@runtime_checkable
+class CachedReads(Protocol):
+    """A :class:`Reader` that can read what the page cache holds without waiting for the disk."""
+
+    def read_cached(self, buffer: Buffer, offset: int = 0) -> bool:
+        """Fill ``buffer`` from ``offset`` if that needs no wait for the disk: True when it
+        did, False when it would have waited (``buffer`` then holds an unknown part)."""
         ...

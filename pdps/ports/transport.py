@@ -12,19 +12,23 @@ Contract (every adapter passes ``tests/unit/contract_transport.py``):
   (the in-process adapter copies nothing): callers read or copy them and never write.
 * A handler raising a :class:`~pdps.core.errors.PdpsError` makes the call raise the
   same class with the same message on the caller's side.
+* A handler raising anything else has a bug: the server logs the traceback and goes
+  on serving; the caller gets a plain :class:`~pdps.core.errors.TransportError`
+  naming the address, the method, the exception's type and its message.
 * An unknown address or method raises :class:`~pdps.core.errors.TransportError`;
   a call running past ``timeout`` seconds raises :class:`~pdps.core.errors.Timeout`.
-  The in-process adapter runs the handler in the caller's thread and cannot
-  interrupt it: it hands the deadline to the handler as meta ``"timeout"``, and
-  handlers that wait (a sync pull at the barrier) honour it.
+* The handler receives the caller's ``timeout`` as the request's
+  :attr:`Message.deadline`: a :func:`time.monotonic` value of the handler's own
+  process (``None`` without a timeout). Handlers that wait (a sync pull at the
+  barrier) give up by then; the in-process adapter runs the handler in the caller's
+  thread and cannot interrupt it, so there the deadline is all that ends a wait. A
+  ``deadline`` the caller puts on its request is not sent: only ``timeout`` sets one.
 * Nothing is pickled: meta is JSON-safe, tensors travel as raw bytes.
 
-Optional: a channel may carry ``stats``, a dict of cumulative client-side floats for
-a per-step breakdown (both adapters here have it; read it with
-``getattr(channel, "stats", None)``, since other adapters need not): ``"serialize"``
-(seconds spent encoding requests and decoding replies into tensors, not waiting on
-the wire; 0.0 in process), ``"calls"``, ``"bytes_sent"`` and ``"bytes_received"``.
-docs/transport.md says what each adapter counts.
+Optional capabilities, which other adapters need not have, are small protocols
+checked with ``isinstance``: :class:`ChannelStats` (a channel's cumulative counters,
+for a per-step breakdown) and :class:`ConcurrentCalls` (a transport whose calls from
+several threads overlap). docs/transport.md says what each adapter has and counts.
 """
 
 from __future__ import annotations
@@ -37,8 +41,12 @@ import attrs
 
 @attrs.frozen
 class Message:
+    """A request or a reply. ``deadline`` is set by the transport on the request a
+    handler receives (see the module docstring); replies leave it ``None``."""
+
     meta: Mapping[str, Any] = attrs.field(factory=dict)
     tensors: Sequence[Any] = ()  # torch.Tensor
+    deadline: float | None = attrs.field(default=None, kw_only=True)
 
 
 Handler = Callable[[Message], Message]
@@ -53,10 +61,9 @@ class Endpoint(Protocol):
 
 
 class Channel(Protocol):
-    # Optional, not part of the protocol: stats: dict[str, float] (see the module docstring).
-
     def call(self, method: str, request: Message, *, timeout: float | None = None, into: Sequence[Any] | None = None) -> Message:
-        """Call ``method``. ``into`` is a hint: tensors the reply's tensors may be received
+        """Call ``method``; past ``timeout`` seconds it raises Timeout, and the handler
+        gets the deadline (see the module docstring). ``into`` is a hint: tensors the reply's tensors may be received
         into, sparing the caller a copy (the gRPC adapter does when they match; the reply
         then holds these very tensors). An adapter may ignore it."""
         ...
@@ -73,3 +80,22 @@ class Transport(Protocol):
         ...
 
     def connect(self, address: str) -> Channel: ...
+
+
+@runtime_checkable
+class ChannelStats(Protocol):
+    """A channel that counts: ``stats`` holds cumulative client-side floats, for a
+    per-step breakdown. ``"serialize"``: seconds spent encoding requests and decoding
+    replies into tensors, not waiting on the wire (0.0 in process); ``"calls"``;
+    ``"bytes_sent"`` and ``"bytes_received"``."""
+
+    stats: dict[str, float]
+
+
+@runtime_checkable
+class ConcurrentCalls(Protocol):
+    """A transport whose calls from several threads run at the same time (they release
+    the GIL while they wait on the wire), when ``concurrent`` is True: calls to several
+    servers are then worth making from a thread pool."""
+
+    concurrent: bool

@@ -17,13 +17,11 @@ Every transition also writes the audit of the touched task, ``audit/<pass>/<id>`
 queue never disagree; a master that takes over restores the current pass's audit so
 later attempts append to it.
 
-Group commit: a transition changes the in-memory queue under the master's lock and
-*stages* its writes; the lock is then released and the caller waits for a fenced
-transaction holding them. One transaction is in flight at a time; the transitions
-staged meanwhile (by other trainers' calls) go together in the next one, in the order
-they were made, up to ``max_txn_ops`` operations (etcd's ``--max-txn-ops``, less the
-fence's compares). So the store's round trip is shared by every transition waiting
-for it, and the queue's order is the store's order. A reply (task handed out, report
+Group commit: the master writes through a :class:`~pdps.runtime.group_commit.GroupCommitStore`
+around its store. A transition changes the in-memory queue under the master's lock and
+*stages* its writes; the lock is then released and the caller waits for the fenced
+transaction holding them, which it shares with the transitions other trainers' calls
+made meanwhile, in the order they were made. A reply (task handed out, report
 accepted, even "wait") is sent only once the transaction holding its transition (or,
 for a reply that changed nothing, every transition before it) succeeded. If a
 transaction fails, every transition staged with it or after it fails too, none is
@@ -43,7 +41,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import copy
 import json
 import logging
 import threading
@@ -87,16 +84,12 @@ from pdps.ports.data import DataSource
 from pdps.ports.transport import Endpoint, Message, Transport
 from pdps.runtime import recovery
 from pdps.runtime.cas import read_modify_write
+from pdps.runtime.group_commit import MAX_TXN_OPS, GroupCommitStore, Staged, copy_error
 
 log = logging.getLogger(__name__)
 
 #: How long a trainer told to wait should sleep before asking again.
 RETRY_IN = 0.05
-
-#: The most operations one transaction may hold: etcd's ``--max-txn-ops`` default. A
-#: group commit stays within it, the fence's compares included (etcd counts those
-#: against the same limit: a fenced transaction carries at most 126 writes).
-MAX_TXN_OPS = 128
 
 
 class _Read:
@@ -109,34 +102,6 @@ class _Read:
         self.live: set[str] = set()
         self.error: BaseException | None = None
         self.done = False
-
-
-class _Staged:
-    """The writes of one transition, waiting for the group commit that makes them durable.
-
-    ``after``: what to do once they are (e.g. mark the job done); ``error``: why they
-    were not written, once ``settled``. The thread that staged it parks on ``wake``
-    (held from the start; released once per park, by whoever sets ``parked`` back);
-    any other thread waiting for it waits on the master's ``_commits`` condition.
-    """
-
-    __slots__ = ("ops", "after", "settled", "error", "parked", "wake", "owner")
-
-    def __init__(self, ops: list[TxnOp], after: Sequence[Callable[[], None]] = ()) -> None:
-        self.ops = ops
-        self.after = after
-        self.settled = False
-        self.error: BaseException | None = None
-        self.parked = False
-        self.wake = threading.Lock()
-        self.wake.acquire()
-        self.owner = threading.get_ident()
-
-    def unpark(self) -> None:
-        """Wake the thread parked on this entry, if one is (``_commits`` held)."""
-        if self.parked:
-            self.parked = False
-            self.wake.release()
 
 
 def publish_job(store: CoordinationStore, config: JobConfig) -> JobConfig:
@@ -175,15 +140,12 @@ class Master:
         checkpoints: CheckpointFiles | None = None,
         max_txn_ops: int = MAX_TXN_OPS,
     ) -> None:
-        if max_txn_ops < 8:
-            raise ConfigError(f"max_txn_ops must be >= 8 (a transaction holds a transition and the fence), got {max_txn_ops}")
         self.config = config
-        self.max_txn_ops = max_txn_ops
         self._files = recovery.files_for(config, checkpoints)
         self._epoch = 0  # the job's epoch whose queue this master serves (see recovery)
         self._snapshots: set[str] = set()
         self._writers: list[threading.Thread] = []
-        self._store = store
+        self._store = GroupCommitStore(store, max_txn_ops=max_txn_ops, on_failure=self._commit_failed)
         self._transport = transport
         self._source = source
         self._address = address
@@ -206,22 +168,11 @@ class Master:
         #: The records as restored from the store when this master took over (before it
         #: re-queued the tasks of departed trainers); ``None`` for a new job.
         self.restored: list[TaskRecord] | None = None
-        # group commit (see the module docstring): the transitions staged and not yet
-        # sent, in the order the queue made them; guarded by _commits, never held with
-        # a store call in flight. Lock order: _lock, then _commits.
-        self._commits = threading.Condition(threading.Lock())
-        self._staged: list[_Staged] = []
-        self._last: _Staged | None = None  # the latest staged (a reply that changed nothing waits for it)
-        self._committing = False  # a transaction is in flight
-        self._watchers = 0  # threads waiting on _commits for an entry they did not stage
-        self._broken: BaseException | None = None  # a transaction failed: stage nothing until rebuilt
-        self._rebuild_due = False
+        self._rebuild_due = False  # a transaction failed: reload the queue before the next transition
         self._departures = 0  # trainers found gone, so a registration read outside the lock can be trusted
         self._reads = threading.Condition(threading.Lock())  # group read of registrations (see _registered)
         self._next_read: _Read | None = None  # joined by arriving calls until it starts
         self._reading = False
-        #: transactions and transitions committed by group commit (for tests and benchmarks)
-        self.commit_stats = {"transactions": 0, "transitions": 0, "ops": 0}
 
     # --- lifecycle --------------------------------------------------------------------
 
@@ -294,6 +245,11 @@ class Master:
     def address(self) -> str:
         assert self._endpoint is not None
         return self._endpoint.address
+
+    @property
+    def commit_stats(self) -> dict[str, int]:
+        """Transactions and transitions committed by group commit (for tests and benchmarks)."""
+        return self._store.stats
 
     def counts(self):
         with self._lock:
@@ -403,22 +359,22 @@ class Master:
         """Write ``ops`` in a fenced transaction, after every transition staged before
         them (lock held); returns once they are durable."""
         if ops:
-            self._await(self._enqueue(list(ops)))
+            self._store.commit((), ops, fence=self._fence)
 
     def _apply(self, changes: list[Change]) -> None:
         """Persist a transition and act on its notices (lock held); returns once durable."""
-        self._await(self._stage(changes))
+        self._store.wait(self._stage(changes))
 
-    def _stage(self, changes: list[Change]) -> _Staged | None:
+    def _stage(self, changes: list[Change]) -> Staged | None:
         """Stage the writes of a transition for the next group commit, and act on its
-        notices in memory (lock held). The caller must :meth:`_await` the result before
-        it tells anyone about the transition. One that writes nothing returns the latest
-        staged entry (or ``None``): what it answers may rest on the transitions before it."""
+        notices in memory (lock held). The caller must wait for the result before it
+        tells anyone about the transition. One that writes nothing returns the latest
+        staged writes (or ``None``): what it answers may rest on the transitions before it."""
         assert self._queue is not None
         ops: list[TxnOp] = []
         after: list[Callable[[], None]] = []
         self._transition_ops(changes, ops, after)
-        return self._enqueue(ops, after) if ops else self._last
+        return self._store.stage(ops, fence=self._fence, after=after)
 
     def _transition_ops(self, changes: list[Change], ops: list[TxnOp], after: list[Callable[[], None]]) -> None:
         assert self._queue is not None
@@ -449,142 +405,17 @@ class Master:
                 ops.append(Put(self._keys.state, json.dumps({"state": "done", "passes": self.passes_completed}).encode()))
                 after.append(self.done.set)  # "done" is said only once it is durable
 
-    # --- group commit -----------------------------------------------------------------
-
-    def _enqueue(self, ops: list[TxnOp], after: Sequence[Callable[[], None]] = ()) -> _Staged:
-        """Stage ``ops`` behind every transition staged before (lock held, so the staged
-        order is the order the queue changed in). After a failed transaction nothing
-        is staged until the queue is rebuilt: the entry comes back failed."""
-        entry = _Staged(ops, after)
-        with self._commits:
-            if self._broken is not None:
-                entry.settled, entry.error = True, self._broken
-            else:
-                self._staged.append(entry)
-            self._last = entry
-        return entry
-
-    def _await(self, entry: _Staged | None) -> None:
-        """Return once ``entry`` is durable; raise why, if it is not.
-
-        Leader/follower: a caller finding no transaction in flight leads: it commits
-        what is staged (its own entry and everything before it, up to
-        ``max_txn_ops``), batch after batch until its entry is settled, then wakes the
-        owner of the oldest staged entry to lead the next. The others park until their
-        entry is settled or they are woken to lead (a thread waiting for an entry it did
-        not stage waits on ``_commits``, notified after every batch). Must not be called
-        while holding ``_commits``; the master's lock may be held (the leader never takes it).
-        """
-        if entry is None:
-            return
-        cv = self._commits
-        own = entry.owner == threading.get_ident()
-        while True:
-            with cv:
-                if entry.settled:
-                    break
-                lead = not self._committing
-                if lead:
-                    self._committing = True
-                elif own:
-                    entry.parked = True
-                else:
-                    self._watchers += 1
-                    cv.wait()
-                    self._watchers -= 1
-                    continue
-            if lead:
-                self._lead(entry)
-            else:
-                entry.wake.acquire()  # until settled, or woken to lead
-        if entry.error is not None:
-            raise _copy_error(entry.error)
-
-    def _lead(self, entry: _Staged) -> None:
-        cv = self._commits
-        while True:
-            with cv:
-                batch = self._take_batch()  # entry is staged and nothing is in flight: never empty
-            error: BaseException | None = None
-            try:
-                self._commit_batch(batch)
-            except BaseException as exc:  # every transition of the batch, and all staged after it, fail
-                error = exc
-            with cv:
-                react = self._settle(batch, error)
-                if entry.settled:
-                    self._committing = False
-                    for e in self._staged:  # the next leader
-                        if e.parked:
-                            e.unpark()
-                            break
-                if self._watchers:
-                    cv.notify_all()
-            if react is not None:  # step down or stop: not while holding _commits
-                react()
-            if entry.settled:
-                return
-
-    def _take_batch(self) -> list[_Staged]:
-        """The oldest staged transitions that fit one transaction (at least one)."""
-        room = self.max_txn_ops - (len(self._fence.compares()) if self._fence is not None else 0)
-        n, ops = 1, len(self._staged[0].ops)  # one larger than the limit goes alone (and may be refused, as it would alone)
-        while n < len(self._staged) and ops + len(self._staged[n].ops) <= room:
-            ops += len(self._staged[n].ops)
-            n += 1
-        batch = self._staged[:n]
-        del self._staged[:n]
-        return batch
-
-    def _commit_batch(self, batch: list[_Staged]) -> None:
-        """One fenced transaction holding the batch's writes (no ``_commits`` held).
-
-        A key written by several of its transitions is written once, with its last
-        value (etcd refuses a key twice in one transaction; the outcome is the same)."""
-        if len(batch) == 1:
-            ops = batch[0].ops
-        else:
-            last: dict[str, TxnOp] = {}
-            for e in batch:
-                for op in e.ops:
-                    last.pop(op.key, None)  # keep the position of the last write
-                    last[op.key] = op
-            ops = list(last.values())
-        self._store.commit((), ops, fence=self._fence)
-        stats = self.commit_stats
-        stats["transactions"] += 1
-        stats["transitions"] += len(batch)
-        stats["ops"] += len(ops)
-
-    def _settle(self, batch: list[_Staged], error: BaseException | None) -> Callable[[], None] | None:
-        """Mark the batch written, or failed with every transition staged after it
-        (``_commits`` held); returns what the master must do about a failure."""
-        if error is None:
-            for e in batch:
-                for act in e.after:
-                    act()
-                e.settled = True
-                e.unpark()
-            return None
-        failed = batch + self._staged
-        self._staged.clear()
-        self._broken = error
-        for e in failed:
-            e.settled, e.error = True, error
-            e.unpark()
-        log.error("a transaction of %d transitions failed (%d staged after it fail with it): %s", len(batch), len(failed) - len(batch), error)
+    def _commit_failed(self, error: BaseException) -> Callable[[], None] | None:
+        """A group commit failed (none of its transitions was acknowledged): what the
+        master does about it, once the engine's lock is released."""
         if isinstance(error, FencingError):
             return lambda: self._step_down("its lock is held by another master")
         if isinstance(error, LeaseExpired):
             return lambda: self._step_down(f"its lease is gone: {error}")
         if isinstance(error, StoreUnavailable):  # the outage outlasted store_outage_deadline
             return lambda: self._fail(error)
-        self._rebuild_due = True  # the next transition first reloads the queue from the store
+        self._rebuild_due = True  # set before any caller hears of the failure: its next call reloads first
         return None
-
-    def _settle_all(self) -> None:
-        """Wait until every transition staged so far is durable (lock held); raise if one failed."""
-        self._await(self._last)
 
     def _rebuild(self) -> None:
         """Reload the queue and the audit from the store after a failed transaction (lock
@@ -592,8 +423,8 @@ class Master:
         failed was acknowledged."""
         assert self._queue is not None
         log.warning("master of job %r reloads its queue from the store after a failed transaction", self.config.name)
-        with self._commits:
-            self._broken, self._last, self._rebuild_due = None, None, False
+        self._store.resume()
+        self._rebuild_due = False
         restored = self.restored
         try:
             self._queue = self._load_queue(self._queue.specs())
@@ -680,7 +511,7 @@ class Master:
                     self._reading, read.done = False, True
                     cv.notify_all()
         if read.error is not None:
-            raise _copy_error(read.error)
+            raise copy_error(read.error)
         return key in read.live
 
     def _get_task(self, req: Message) -> Message:
@@ -712,7 +543,7 @@ class Master:
                 result, changes = self._queue.dispatch(trainer, self._clock())
             durable = self._stage(changes)
             epoch_now = self._epoch
-        self._await(durable)  # the lock is free for the transitions that join this one's transaction
+        self._store.wait(durable)  # the lock is free for the transitions that join this one's transaction
         if isinstance(result, Assignment):
             task = {"task": result.task.to_json(), "attempt": result.attempt, "pass": result.pass_no, "offset": result.offset}
             return Message({**task, "epoch": epoch_now})
@@ -732,7 +563,7 @@ class Master:
             else:
                 changes = event(task, attempt)
             durable = self._stage(changes)
-        self._await(durable)
+        self._store.wait(durable)
         ignored = next((c for c in changes if isinstance(c, Ignored)), None)
         return Message({"accepted": ignored is None, "reason": ignored.reason if ignored else None})
 
@@ -810,7 +641,7 @@ class Master:
         info = decode_json(info_kv.value, info_kv.key)
         if int(info.get("epoch", -1)) != self._epoch:
             return
-        self._settle_all()  # the snapshot holds only what is durable
+        self._store.flush()  # the snapshot holds only what is durable
         self._snapshots.add(ckpt_id)
         progress: dict[str, list] = {}
         if info.get("mode") == "sync" and int(info["round"]) > 0:
@@ -880,7 +711,7 @@ class Master:
         assert self._queue is not None
         if epoch.epoch <= self._epoch:
             return
-        self._settle_all()  # the transitions before the rollback are durable (or it waits for a rebuild)
+        self._store.flush()  # the transitions before the rollback are durable (or it waits for a rebuild)
         specs = self._queue.specs()
         pass_no, completed, progress = 0, 0, {}
         snapshot = [TaskRecord(id=s.id, pass_no=0, state=TaskState.TODO) for s in specs]
@@ -998,16 +829,6 @@ class Master:
 
     def _lease_lost(self) -> None:
         self._step_down("its lease expired")
-
-
-def _copy_error(exc: BaseException) -> BaseException:
-    """The error of a failed group commit, for one of the threads it failed (each raises its own copy)."""
-    try:
-        dup = copy.copy(exc)
-    except Exception:  # noqa: BLE001 - an exception that cannot be copied is raised as it is
-        return exc
-    dup.__cause__ = exc.__cause__
-    return dup
 
 
 def decode_record(kv: KeyValue, keys: Keys, pass_no: int, ids: set[int] | range | None = None) -> TaskRecord:

@@ -43,6 +43,7 @@ from pdps.core.errors import (
     TransportError,
 )
 from pdps.core.job import JobConfig, Keys, decode_as, decode_json
+from pdps.core.lifecycle import HALTED, UNSETTLED, PserverEvent, PserverState, next_state
 from pdps.core.sgd import Mode, RoundRecord, check_staleness, participants
 from pdps.core.slots import Layout, ParamSpec, SlotMap
 from pdps.ports.checkpoints import CheckpointFiles
@@ -172,7 +173,7 @@ class Pserver:
         self._ledger: OrderedDict[tuple[int, int], list[list[int]]] = OrderedDict()
         self._members: set[str] = set()  # registered trainers, as the watch reports them
         self._members_read = 0.0  # when _members was last read from the store
-        self._ready = False
+        self.state = PserverState.NEW  # moved only by _move, through pdps.core.lifecycle
         self.incarnation = uuid.uuid4().hex[:12]
         self.rollbacks = 0  # epochs entered after the first
         self.index: int | None = None
@@ -182,11 +183,18 @@ class Pserver:
         self._writers: list[threading.Thread] = []
         self._seen_checkpoints: set[str] = set()
         self._last_checkpoint = time.monotonic()
-        self._stopped = False
-        self._crashed = False
+        self.checkpoint_parts = 0  # parts of checkpoints written, and the seconds it took
+        self.checkpoint_seconds = 0.0
+
+    def _move(self, event: PserverEvent) -> None:
+        """Take ``event`` through the lifecycle table (lock held)."""
+        self.state = next_state(f"pserver {self.index}", self.state, event)
 
     def start(self) -> None:
         from pdps.runtime.lease import LeaseKeeper
+
+        with self._cond:
+            self._move(PserverEvent.START)
 
         self._compute.check_optimizer(self.config.optimizer, self.config.optimizer_args)  # never serve a bad rule
         self._endpoint = self._transport.serve(self._address, {"init": self._init, "push": self._push, "pull": self._pull, "applied": self._applied_records})
@@ -205,7 +213,9 @@ class Pserver:
             if self.config.mode is Mode.ASYNC:
                 self._watches.append(self._store.watch(self._keys.checkpoints, self._on_checkpoint_event))
             if not restart:
-                self._ready = True
+                with self._cond:
+                    if self.state is PserverState.STARTING:  # else an epoch that began meanwhile was entered
+                        self._move(PserverEvent.SERVE)
             elif self.config.mode is Mode.ASYNC and self.config.restore == "lost":
                 self._restore_own_slots()
             else:
@@ -226,10 +236,12 @@ class Pserver:
         self._halt(crashed=True)
 
     def _halt(self, *, crashed: bool) -> None:
-        self._stopped = True
-        self._crashed = crashed
         with self._cond:
+            halted = self.state in HALTED
+            self._move(PserverEvent.CRASH if crashed else PserverEvent.STOP)  # a halted pserver stays as it ended
             self._cond.notify_all()
+        if halted:
+            return
         for w in self._watches:
             w.cancel()
         if self._endpoint is not None:
@@ -261,8 +273,8 @@ class Pserver:
 
     def _check_epoch(self, req: Message) -> None:
         """Refuse a request of another epoch; the caller holds the lock."""
-        if not self._ready:
-            raise NotReady(f"pserver {self.index} is loading epoch {self.epoch}")
+        if self.state in UNSETTLED:
+            raise NotReady(f"pserver {self.index} is {self.state} (epoch {self.epoch})")
         epoch = _field(req, "epoch", int, None)
         if epoch is None or epoch == self.epoch:
             return
@@ -392,7 +404,7 @@ class Pserver:
 
     def _pull(self, req: Message) -> Message:
         after = _field(req, "after_round", int, None)
-        timeout = _field(req, "timeout", float, 600.0)
+        timeout = 600.0 if req.deadline is None else max(0.0, req.deadline - time.monotonic())
         slice_s = _field(req, "slice", float, None)
         with self._cond:
             self._check_epoch(req)
@@ -454,7 +466,7 @@ class Pserver:
         """Wait (lock held) until ``round_no`` is applied here; False if ``patience`` ran out."""
         start = last_log = time.monotonic()
         while self.round_no <= round_no:
-            if self._stopped:
+            if self.state in HALTED:
                 raise TransportError(f"pserver {self.index} stopped while round {round_no} was open")
             if self.epoch != epoch:
                 raise EpochChanged(f"pserver {self.index} rolled back to epoch {self.epoch} while round {round_no} was open")
@@ -523,14 +535,14 @@ class Pserver:
 
     def _apply_round(self, record: RoundRecord) -> None:
         assert self._shard is not None
-        weights = record.weights()
+        weights = record.weights_to_apply()
         missing = [t for t, _ in weights if t not in self._shard.staged()]
         if missing:
             # Only a pserver that lost its state can lack a committed gradient; the job
             # must roll back rather than apply a partial step.
             reason = f"pserver {self.index} lacks the committed gradients of {missing} for round {record.round_no}"
             log.error("%s", reason)
-            self._ready = False
+            self._move(PserverEvent.ROLL_BACK)
             threading.Thread(target=self._request_rollback, args=(reason,), daemon=True).start()
             raise EpochChanged(reason)
         if weights:
@@ -610,7 +622,7 @@ class Pserver:
             ckpt = str(info.get("id"))
             if info.get("state") != "writing" or int(info.get("epoch", -1)) != self.epoch or ckpt in self._seen_checkpoints:
                 return
-            if self._shard is None or not self._shard.initialized or not self._ready:
+            if self._shard is None or not self._shard.initialized or self.state is not PserverState.SERVING:
                 return
             self._snapshot(ckpt)
 
@@ -630,11 +642,15 @@ class Pserver:
         assert self._files is not None and self.index is not None
         name = pserver_part(self.index)
         try:
+            began = time.monotonic()
             part = self._files.write_part(f"{ckpt_id}/{name}.safetensors", state, name=name)
+            with self._cond:
+                self.checkpoint_parts += 1
+                self.checkpoint_seconds += time.monotonic() - began
             delay = float(os.environ.get(CHECKPOINT_DELAY_ENV, "0") or 0)
             if delay:
                 time.sleep(delay)
-            if self._crashed:
+            if self.state is PserverState.CRASHED:
                 return  # a dead process records nothing
             if recovery.record_part(self._store, self._keys, ckpt_id, part):
                 recovery.try_commit(self._store, self._files, self.config, ckpt_id)
@@ -665,10 +681,10 @@ class Pserver:
     def _enter_epoch(self, epoch: Epoch) -> None:
         """Drop the open round and load this pserver's part of the epoch's checkpoint."""
         with self._cond:
-            if epoch.epoch < self.epoch or (epoch.epoch == self.epoch and self._ready):
-                return
+            if self.state in HALTED or epoch.epoch < self.epoch or (epoch.epoch == self.epoch and self.state is PserverState.SERVING):
+                return  # a late event, or an epoch entered already
             self.epoch, self.round_no, self._prev = epoch.epoch, epoch.round, None
-            self._ready = False
+            self._move(PserverEvent.LOAD)
             self._round_checkpoint = None
             self._last_records.clear()  # the parameters go back: so does what they hold
             self._ledger.clear()
@@ -685,7 +701,7 @@ class Pserver:
                 else:
                     self.version = self._load_part(epoch.checkpoint, shard)
             self._last_checkpoint = time.monotonic()
-            self._ready = True
+            self._move(PserverEvent.SERVE)
             self._cond.notify_all()
         log.warning("pserver %s entered epoch %d from %s", self.index, epoch.epoch, epoch.checkpoint or "scratch")
 
@@ -712,12 +728,13 @@ class Pserver:
         """Async ``restore="lost"``: reload only this pserver's part; the others go on."""
         manifest = recovery.choose(self._store, self._files, self._keys) if self._files is not None else None
         with self._cond:
+            self._move(PserverEvent.LOAD)
             if manifest is not None:
                 self.version = self._load_part(manifest.id, self._ensure_shard())
                 log.warning("pserver %s restored its own slots from checkpoint %s; the other pservers keep theirs", self.index, manifest.id)
             else:
                 log.warning("pserver %s restarted with no checkpoint to restore; a trainer will initialize it with its values", self.index)
-            self._ready = True
+            self._move(PserverEvent.SERVE)
 
     # --- model ------------------------------------------------------------------------
 

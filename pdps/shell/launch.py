@@ -3,7 +3,8 @@
 The launcher creates the job in the store (its configuration is what every role
 reads), starts a master, the pservers and the trainers as ``python -m pdps ROLE``
 processes, relays their logs to stderr prefixed with the role's name, shows
-progress, restarts roles that die (``--restart on-failure``), and when the
+progress (a live table on a terminal, plain lines elsewhere: :mod:`pdps.shell.launch_view`),
+gives each role its metrics port, restarts roles that die (``--restart on-failure``), and when the
 trainers are done pulls the final parameters, stops the remaining roles and
 reports how the job ended. With ``--transport inproc`` the same job runs in this
 one process (threads, as :func:`pdps.simulate`).
@@ -41,6 +42,7 @@ import attrs
 from pdps.core.errors import ConfigError, PdpsError
 from pdps.core.job import JobConfig, Keys
 from pdps.roles.trainer.discovery import job_done
+from pdps.shell.launch_view import LiveView, PlainView, RoleRow, Snapshot, open_view, rates
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +68,8 @@ class Role:
     finished: bool = False  # exited 0 on its own (trainers: the job is done for them)
     result: dict | None = None  # a trainer's last stdout line
     threads: list[threading.Thread] = attrs.field(factory=list)
+    metrics_port: int | None = None  # what it is told to serve metrics on (None: none)
+    metrics_url: str | None = None  # where it says it does
     last_lines: deque[str] = attrs.field(factory=lambda: deque(maxlen=LAST_LINES))  # of stderr, this run
 
 
@@ -143,10 +147,14 @@ def launch(values: dict[str, Any], *, out: IO[str] = sys.stdout, err: IO[str] = 
     workdir = Path(tempfile.mkdtemp(prefix="pdps-launch-"))
     try:
         config = prepare(values, module, workdir)
-        if values["transport"] == "inproc":
-            result = _run_inproc(fn, values, config, err)
-        else:
-            result = Launcher(values, config, err).run()
+        view = open_view(config, err)
+        try:
+            if values["transport"] == "inproc":
+                result = _run_inproc(fn, values, config, view)
+            else:
+                result = Launcher(values, config, view).run()
+        finally:
+            view.close()
         evaluate = getattr(module, "evaluate", None)
         params = result.pop("params")
         evaluation = evaluate(params) if evaluate is not None else None
@@ -164,24 +172,13 @@ def launch(values: dict[str, Any], *, out: IO[str] = sys.stdout, err: IO[str] = 
     return 0
 
 
-def _progress_printer(config: JobConfig, err: IO[str]):
-    last = [""]
-
-    def show(p: Mapping[str, Any]) -> None:
-        line = f"pass {min(p['pass'] + 1, config.passes)}/{config.passes}  tasks {p['done'] + p['failed']}/{p.get('tasks', '?')}"
-        if p.get("extra"):
-            line += f"  {p['extra']}"
-        if line != last[0]:
-            print(line, file=err, flush=True)
-            last[0] = line
-
-    return show
-
-
-def _run_inproc(fn: Any, values: Mapping[str, Any], config: JobConfig, err: IO[str]) -> dict[str, Any]:
+def _run_inproc(fn: Any, values: Mapping[str, Any], config: JobConfig, view: PlainView | LiveView) -> dict[str, Any]:
+    """The job in this process (:func:`pdps.simulate`); it serves no metrics."""
     import pdps
 
-    show = _progress_printer(config, err)
+    def show(p: Mapping[str, Any]) -> None:
+        view.show(Snapshot(p["pass"], p["done"] + p["failed"], p["todo"] + p["pending"] + p["done"] + p["failed"], p.get("extra", "")))
+
     fields = config.to_json()
     dataset = fields.pop("dataset")
     try:
@@ -190,7 +187,7 @@ def _run_inproc(fn: Any, values: Mapping[str, Any], config: JobConfig, err: IO[s
             dataset=dataset,
             store=values["store"],
             transport="inproc",
-            progress=lambda p: show({**p, "tasks": p["todo"] + p["pending"] + p["done"] + p["failed"]}),
+            progress=show,
             timeout=values["timeout"],
             **fields,
         )
@@ -216,12 +213,12 @@ def _run_inproc(fn: Any, values: Mapping[str, Any], config: JobConfig, err: IO[s
 class Launcher:
     """Starts, watches and restarts the role processes of one job."""
 
-    def __init__(self, values: Mapping[str, Any], config: JobConfig, err: IO[str]) -> None:
+    def __init__(self, values: Mapping[str, Any], config: JobConfig, view: PlainView | LiveView) -> None:
         from pdps.shell.settings import role_env
 
         self.values = values
         self.config = config
-        self._err = err
+        self._view = view
         self._err_lock = threading.Lock()
         self._env = {k: v for k, v in os.environ.items() if not k.startswith("PDPS_")}
         self._env.update(role_env(values))
@@ -245,9 +242,9 @@ class Launcher:
         return [sys.executable, "-m", "pdps", kind, *extra]
 
     def _start(self, role: Role) -> None:
-        env = self._env
+        env = {**self._env, "PDPS_METRICS_PORT": "none" if role.metrics_port is None else str(role.metrics_port)}
         if role.kind in self._threads:
-            env = {**env, "OMP_NUM_THREADS": self._threads[role.kind]}
+            env["OMP_NUM_THREADS"] = self._threads[role.kind]
         role.proc = subprocess.Popen(
             role.argv,
             env=env,
@@ -258,6 +255,7 @@ class Launcher:
             start_new_session=True,  # a terminal's Ctrl-C reaches the launcher, which stops the roles in order
         )
         role.finished = False
+        role.metrics_url = None
         role.last_lines.clear()
         role.threads = [
             threading.Thread(target=self._relay, args=(role, role.proc.stderr), daemon=True, name=f"relay-{role.name}"),
@@ -271,21 +269,25 @@ class Launcher:
         for line in stream:
             role.last_lines.append(line.rstrip("\n"))
             with self._err_lock:
-                self._err.write(f"[{role.name}] {line}")
-                self._err.flush()
+                self._view.log(f"[{role.name}] {line.rstrip(chr(10))}")
 
     def _collect(self, role: Role, stream: IO[str]) -> None:
         for line in stream:
             line = line.strip()
             if line.startswith("{"):
                 try:
-                    role.result = json.loads(line)
+                    said = json.loads(line)
                 except ValueError:
-                    pass
+                    continue
+                if isinstance(said, dict) and "metrics" in said:
+                    role.metrics_url = str(said["metrics"])
+                    self._say(f"{role.name} serves metrics at {role.metrics_url}")
+                else:
+                    role.result = said
 
     def _say(self, text: str) -> None:
         with self._err_lock:
-            print(f"[launch] {text}", file=self._err, flush=True)
+            self._view.log(f"[launch] {text}")
 
     def _stop_all(self, kinds: tuple[str, ...]) -> None:
         """SIGTERM the live roles of ``kinds``; SIGKILL what is left after the grace period."""
@@ -314,13 +316,8 @@ class Launcher:
         try:
             if store.get(self._keys.config) is not None:
                 raise ConfigError(f"job {self.config.name!r} already exists in {self.values['store']}; pick another --job")
+            self._roles = self.plan()
             publish_job(store, self.config)
-            self._roles.append(Role("master", "master", self._argv("master")))
-            for i in range(self.config.pservers):
-                self._roles.append(Role(f"pserver-{i}", "pserver", self._argv("pserver", "--index", str(i))))
-            for i in range(self.config.trainers):
-                name = f"trainer-{i}"
-                self._roles.append(Role(name, "trainer", self._argv("trainer", "--trainer-id", name, self.values["target"])))
             start = time.monotonic()
             try:
                 for role in self._roles:
@@ -334,10 +331,63 @@ class Launcher:
         finally:
             store.close()
 
+    def plan(self) -> list[Role]:
+        """The roles to start, each with its metrics port: the master ``metrics_port``,
+        pserver i +1+i, trainer i +1+pservers+i (0: each a free one; None: none)."""
+        roles = [Role("master", "master", self._argv("master"))]
+        roles += [Role(f"pserver-{i}", "pserver", self._argv("pserver", "--index", str(i))) for i in range(self.config.pservers)]
+        roles += [Role(f"trainer-{i}", "trainer", self._argv("trainer", "--trainer-id", f"trainer-{i}", self.values["target"])) for i in range(self.config.trainers)]
+        base = self.values.get("metrics_port")
+        if base is None:
+            return roles
+        if base + len(roles) - 1 > 65535:
+            raise ConfigError(f"metrics_port {base} leaves no room for the job's {len(roles)} roles (up to port {base + len(roles) - 1}); pick at most {65536 - len(roles)}")
+        for offset, role in enumerate(roles):
+            role.metrics_port = base + offset if base else 0
+        return roles
+
+    def _snapshot(self, st: Mapping[str, Any], readings: dict[str, tuple[float, float]]) -> Snapshot:
+        """The job's progress; on a live view also each role's state and each trainer's
+        steps and samples/s, read from its metrics (``readings``: the last, kept across calls)."""
+        done = st["done"] + st["failed"]
+        if not self._view.live:
+            return Snapshot(st["pass"], done, st["tasks"])
+        now = time.monotonic()
+        counts = {r.name: self._trainer_counts(r) for r in self._roles if r.kind == "trainer" and r.metrics_url}
+        samples = {name: c["pdps_trainer_samples_total"] for name, c in counts.items() if c}
+        per_second = rates(readings, now, samples)
+        readings.update({name: (now, total) for name, total in samples.items()})
+        rows = []
+        for r in self._roles:
+            c = counts.get(r.name)
+            rows.append(RoleRow(r.name, self._state(r), r.restarts, None if not c else int(c["pdps_trainer_steps_total"]), per_second.get(r.name), r.metrics_url))
+        total = sum(per_second.values()) if per_second else None
+        return Snapshot(st["pass"], done, st["tasks"], roles=rows, samples_per_second=total)
+
+    @staticmethod
+    def _trainer_counts(role: Role) -> dict[str, float] | None:
+        import urllib.request
+
+        from pdps.adapters.prometheus_metrics import scrape
+
+        assert role.metrics_url is not None
+        try:
+            with urllib.request.urlopen(role.metrics_url, timeout=0.5) as reply:  # noqa: S310 - the role's own address
+                return scrape(reply.read().decode(), ["pdps_trainer_samples_total", "pdps_trainer_steps_total"])
+        except (OSError, ValueError):
+            return None  # not up yet, or gone: its row shows no figures this time
+
+    @staticmethod
+    def _state(role: Role) -> str:
+        if role.finished:
+            return "finished"
+        code = None if role.proc is None else role.proc.poll()
+        return "running" if code is None else f"exited {code}"
+
     def _watch(self, store: Any, start: float) -> None:
         from pdps.shell.status import job_status
 
-        show = _progress_printer(self.config, self._err)
+        readings: dict[str, tuple[float, float]] = {}
         last_progress = 0.0
         while True:
             now = time.monotonic()
@@ -363,8 +413,7 @@ class Launcher:
             if now - last_progress >= PROGRESS_EVERY:
                 last_progress = now
                 try:
-                    st = job_status(store, self.config.name)
-                    show({"pass": st["pass"], "done": st["done"], "failed": st["failed"], "tasks": st["tasks"]})
+                    self._view.show(self._snapshot(job_status(store, self.config.name), readings))
                 except PdpsError as exc:
                     log.debug("no progress this time: %s", exc)
             time.sleep(POLL)

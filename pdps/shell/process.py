@@ -13,6 +13,7 @@ A second signal, or ``grace`` seconds without an exit, ends the process hard.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import json
@@ -24,14 +25,17 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pdps.core.errors import ConfigError, PdpsError
 from pdps.core.job import JobConfig, Keys
 from pdps.ports.coordination import CoordinationStore
+
+if TYPE_CHECKING:
+    from pdps.adapters.prometheus_metrics import RoleMetrics
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +141,30 @@ class Shutdown:
         os._exit(128 + signum)
 
 
+def role_metrics(values: Mapping[str, Any], role: str, id: str) -> RoleMetrics:
+    from pdps.adapters.prometheus_metrics import RoleMetrics
+
+    return RoleMetrics(values["job"], role, id)
+
+
+@contextlib.contextmanager
+def serving_metrics(values: Mapping[str, Any], metrics: RoleMetrics) -> Iterator[None]:
+    """Serve the role's metrics while it runs, unless ``metrics_port`` is none. Where is
+    logged, and printed on stdout as ``{"metrics": URL}`` (how ``pdps launch`` learns it)."""
+    if values.get("metrics_port") is None:
+        yield
+        return
+    from pdps.adapters.prometheus_metrics import serve
+
+    server = serve(metrics, values.get("metrics_host") or "127.0.0.1", values["metrics_port"])
+    log.info("serving metrics at %s", server.url)
+    print(json.dumps({"metrics": server.url, "role": metrics.role, "id": metrics.id}), flush=True)
+    try:
+        yield
+    finally:
+        server.close()
+
+
 def _connect(values: Mapping[str, Any]) -> CoordinationStore:
     from pdps.registry import connect_store
 
@@ -154,13 +182,14 @@ def _stored_config(store: CoordinationStore, job: str, *, wait: bool) -> JobConf
     return None if kv is None else JobConfig.decode(kv.value, keys.config)
 
 
-def _resilient(store: CoordinationStore, config: JobConfig) -> CoordinationStore:
+def _resilient(store: CoordinationStore, config: JobConfig, metrics: RoleMetrics) -> CoordinationStore:
     from pdps.runtime.resilient import ResilientStore
 
-    return ResilientStore(store, deadline=config.store_outage_deadline)
+    # counted beneath the retries: every failed try of an outage counts
+    return ResilientStore(metrics.store(store), deadline=config.store_outage_deadline)
 
 
-def _join(values: Mapping[str, Any]) -> tuple[CoordinationStore, JobConfig, CoordinationStore]:
+def _join(values: Mapping[str, Any], metrics: RoleMetrics) -> tuple[CoordinationStore, JobConfig, CoordinationStore]:
     """Connect, wait for the job's config, and wrap the store to ride out outages.
     Returns the raw store (the caller closes it), the config and the wrapped store."""
     store = _connect(values)
@@ -170,15 +199,17 @@ def _join(values: Mapping[str, Any]) -> tuple[CoordinationStore, JobConfig, Coor
         store.close()
         raise
     assert config is not None
-    return store, config, _resilient(store, config)
+    return store, config, _resilient(store, config, metrics)
 
 
 def run_master(values: Mapping[str, Any]) -> int:
     """Serve the job's task queue until the job is done (or SIGTERM). Exit code."""
+    from pdps.adapters.prometheus_metrics import master_reading
     from pdps.registry import open_checkpoint_files, open_data_source
     from pdps.roles.master import Master
     from pdps.shell.settings import job_config
 
+    metrics = role_metrics(values, "master", f"{socket.gethostname()}-{os.getpid()}")
     store = _connect(values)
     try:
         config = _stored_config(store, values["job"], wait=False)
@@ -189,45 +220,50 @@ def run_master(values: Mapping[str, Any]) -> int:
             log.info("creating job %r", config.name)
         else:
             log.info("job %r exists; serving its stored configuration", config.name)
-        st = _resilient(store, config)
+        st = _resilient(store, config, metrics)
         master = Master(
-            st, open_role_transport(values), open_data_source(config.dataset), config,
+            st, metrics.transport(open_role_transport(values)), open_data_source(config.dataset), config,
             address=serve_address(values), checkpoints=open_checkpoint_files(config.checkpoint_url),
         )  # fmt: skip
+        metrics.watch(master_reading(master))
         shutdown = Shutdown(values["grace"], on_request=master.stop)
-        master.start(standby=True)
-        if shutdown.requested.is_set() or not master.leading.is_set():
-            return 0 if master.error is None else 2
-        keys = Keys(config.name)
-        done_at: float | None = None
-        while not shutdown.requested.wait(0.2):
-            if master.error is not None:
-                log.error("master stopped: %s", master.error)
-                return 2
-            if master.stopped:
-                log.error("master lost its lock; exiting so it can be restarted as a standby")
-                return EXIT_LOST
-            if master.done.is_set():
-                done_at = done_at or time.monotonic()
-                if not st.range(keys.trainers) or time.monotonic() - done_at > values["linger"]:
-                    log.info("job %r is done after %d passes", config.name, config.passes)
-                    break
-        master.stop()
-        return 0
+        with serving_metrics(values, metrics):
+            master.start(standby=True)
+            if shutdown.requested.is_set() or not master.leading.is_set():
+                return 0 if master.error is None else 2
+            keys = Keys(config.name)
+            done_at: float | None = None
+            while not shutdown.requested.wait(0.2):
+                if master.error is not None:
+                    log.error("master stopped: %s", master.error)
+                    return 2
+                if master.stopped:
+                    log.error("master lost its lock; exiting so it can be restarted as a standby")
+                    return EXIT_LOST
+                if master.done.is_set():
+                    done_at = done_at or time.monotonic()
+                    if not st.range(keys.trainers) or time.monotonic() - done_at > values["linger"]:
+                        log.info("job %r is done after %d passes", config.name, config.passes)
+                        break
+            master.stop()
+            return 0
     finally:
         store.close()
 
 
 def run_pserver(values: Mapping[str, Any]) -> int:
     """Serve a slice of the parameters until SIGTERM. Exit code."""
+    from pdps.adapters.prometheus_metrics import pserver_reading
     from pdps.registry import open_checkpoint_files, open_compute
     from pdps.roles.pserver import Pserver
 
-    store, config, st = _join(values)
+    # its id is the index it claims; until then, the one it asks for
+    metrics = role_metrics(values, "pserver", "unclaimed" if values.get("index") is None else str(values["index"]))
+    store, config, st = _join(values, metrics)
     try:
         ps = Pserver(
             st,
-            open_role_transport(values),
+            metrics.transport(open_role_transport(values)),
             open_compute("torch"),
             config,
             address=serve_address(values),
@@ -235,17 +271,20 @@ def run_pserver(values: Mapping[str, Any]) -> int:
             claim_wait=3 * config.lease_ttl,  # a restarted pserver's old claim outlives it by a TTL at most
             checkpoints=open_checkpoint_files(config.checkpoint_url),
         )
+        metrics.watch(pserver_reading(ps))
         shutdown = Shutdown(values["grace"])
-        ps.start()
-        print(json.dumps({"pserver": ps.index, "address": ps.address}), flush=True)
-        while not shutdown.requested.wait(0.2):
-            if ps.lease_lost:
-                log.error("pserver %s lost its lease; exiting so it can be restarted", ps.index)
-                ps.stop()
-                return EXIT_LOST
-        ps.stop()
-        log.info("pserver %s stopped", ps.index)
-        return 0
+        with serving_metrics(values, metrics):
+            ps.start()
+            metrics.id = str(ps.index)
+            print(json.dumps({"pserver": ps.index, "address": ps.address}), flush=True)
+            while not shutdown.requested.wait(0.2):
+                if ps.lease_lost:
+                    log.error("pserver %s lost its lease; exiting so it can be restarted", ps.index)
+                    ps.stop()
+                    return EXIT_LOST
+            ps.stop()
+            log.info("pserver %s stopped", ps.index)
+            return 0
     finally:
         store.close()
 
@@ -260,33 +299,38 @@ def run_trainer(values: Mapping[str, Any]) -> int:
     The last line of stdout is a JSON object: the trainer's id, its counters, and
     what the function returned (when it is JSON-safe).
     """
+    from pdps.adapters.prometheus_metrics import trainer_reading
     from pdps.registry import open_compute, open_data_source
     from pdps.roles.trainer import TrainerContext
 
     if not values.get("target"):
         raise ConfigError("pdps trainer needs a training function: TARGET (module:function or file.py:function)")
     fn, _module = load_target(values["target"])
-    store, config, st = _join(values)
+    trainer_id = values.get("trainer_id") or default_trainer_id()
+    metrics = role_metrics(values, "trainer", trainer_id)
+    store, config, st = _join(values, metrics)
     try:
         ctx = TrainerContext(
             st,
-            open_role_transport(values),
+            metrics.transport(open_role_transport(values)),
             open_compute("torch"),
             open_data_source(config.dataset),
             config,
-            trainer_id=values.get("trainer_id") or default_trainer_id(),
+            trainer_id=trainer_id,
         )
+        metrics.watch(trainer_reading(ctx))
         shutdown = Shutdown(values["grace"], on_request=ctx.request_stop)
-        ctx.register()
-        try:
-            result = fn(ctx)
-        except PdpsError:
-            raise
-        except Exception:
-            log.exception("trainer %s: the training function %s raised", ctx.trainer_id, values["target"])
-            return 1
-        finally:
-            ctx.leave()
+        with serving_metrics(values, metrics):
+            ctx.register()
+            try:
+                result = fn(ctx)
+            except PdpsError:
+                raise
+            except Exception:
+                log.exception("trainer %s: the training function %s raised", ctx.trainer_id, values["target"])
+                return 1
+            finally:
+                ctx.leave()
         line = {"trainer": ctx.trainer_id, "steps": ctx.steps, "tasks_done": ctx.tasks_done, "stopped": shutdown.requested.is_set()}
         try:
             line["result"] = json.loads(json.dumps(result))

@@ -59,6 +59,13 @@ def _optional_int(text: str) -> int | None:
     return None if text.strip().lower() in ("", "none") else int(text)
 
 
+def _port_or_none(text: str) -> int | None:
+    port = _optional_int(text)
+    if port is not None and not 0 <= port <= 65535:
+        raise ValueError(f"a port is 0 to 65535 (or none), got {port}")
+    return port
+
+
 @attrs.frozen
 class Setting:
     name: str
@@ -106,6 +113,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("connect_timeout", float, 10.0, ALL, "seconds to keep retrying an unreachable store at startup"),
     Setting("grace", float, 30.0, ALL, "seconds a role gets after SIGTERM to finish its batch and leave before it is stopped hard"),
     Setting("log_level", str.upper, "INFO", ALL, "logging level of the role's messages (stderr)", choices=("DEBUG", "INFO", "WARNING", "ERROR")),
+    Setting("metrics_port", _port_or_none, 0, ALL, "port serving this role's Prometheus metrics at /metrics (0: a free one, logged; none: no metrics); pdps launch gives its master this port, pserver i port+1+i and trainer i port+1+pservers+i"),
+    Setting("metrics_host", str, "127.0.0.1", ALL, "interface the metrics port listens on (0.0.0.0 in a pod, for Prometheus to scrape)"),
     Setting("index", _optional_int, None, (PSERVER,), "pserver index to claim (a StatefulSet's ordinal); default: the first free one"),
     Setting("trainer_id", str, None, (TRAINER,), "this trainer's id in the job (default: host-pid-random)"),
     Setting("target", str, None, (TRAINER, LAUNCH), "the training function, module:function or path/to/file.py:function"),
@@ -271,7 +280,7 @@ def role_env(values: Mapping[str, Any]) -> dict[str, str]:
     """The ``PDPS_*`` variables that hand a launcher's role settings to its children."""
     out = {}
     for s in SETTINGS:
-        if s.job or LAUNCH not in s.commands or s.name in ("target", "restart", "max_restarts", "timeout", "json"):
+        if s.job or LAUNCH not in s.commands or s.name in ("target", "restart", "max_restarts", "timeout", "json", "metrics_port"):
             continue
         value = values.get(s.name)
         if value is not None and s.name != "token_file":

@@ -252,3 +252,21 @@ def test_workload_sizes_match_the_job():
 def test_termination_grace_exceeds_the_grace_setting(workload, tmp_path):
     grace = _resolved(tmp_path, _role(_pod(workload)["containers"][0]))["grace"]
     assert _pod(workload)["terminationGracePeriodSeconds"] > grace
+
+
+@workload_ids
+def test_every_pod_exposes_its_metrics_to_prometheus(workload, tmp_path):
+    """The role serves /metrics on ``metrics_port`` on every interface of the pod, the
+    container declares that port, and the pod's annotations tell Prometheus to scrape it."""
+    role = _role(_pod(workload)["containers"][0])
+    values = _resolved(tmp_path, role)
+    port = values["metrics_port"]
+    assert port, "pdps.toml must set metrics_port: a free port changes at every start, and Prometheus cannot find it"
+    assert values["metrics_host"] == "0.0.0.0", "a role listening on 127.0.0.1 cannot be scraped from outside its pod"
+    annotations = workload["spec"]["template"]["metadata"].get("annotations", {})
+    assert annotations.get("prometheus.io/scrape") == "true"
+    assert annotations.get("prometheus.io/port") == str(port)
+    assert annotations.get("prometheus.io/path") == "/metrics"
+    for container in _pod(workload)["containers"]:
+        ports = {p.get("name"): p["containerPort"] for p in container.get("ports", [])}
+        assert ports.get("metrics") == port, f"{container['name']} declares no containerPort named metrics = {port}"

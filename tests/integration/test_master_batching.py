@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdps.roles.master import MAX_TXN_OPS
+from pdps.runtime.group_commit import MAX_TXN_OPS
 from tests.unit import test_master_batching as batching
 
 pytestmark = pytest.mark.integration

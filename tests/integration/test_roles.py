@@ -17,8 +17,9 @@ from pdps.adapters.inproc import InprocTransport
 from pdps.adapters.memory_store import MemoryStore
 from pdps.adapters.parquet import ParquetSource, write_parquet_shards
 from pdps.adapters.torch_compute import TorchCompute
-from pdps.core.errors import LeaseExpired, TransportError
+from pdps.core.errors import InvalidTransition, LeaseExpired, TransportError
 from pdps.core.job import Keys
+from pdps.core.lifecycle import PserverEvent, PserverState
 from pdps.core.sgd import Contribution, RoundRecord
 from pdps.ports.transport import Message
 from pdps.roles.master import Master
@@ -85,6 +86,19 @@ def test_stopping_a_pserver_wakes_a_trainer_waiting_at_the_barrier(job):
     ps.stop()
     t.join(timeout=10)
     assert not t.is_alive() and errors, "the trainer gives up once its patience runs out"
+
+
+def test_a_pserver_moves_only_as_its_lifecycle_table_allows(job):
+    ps = job.ps
+    assert ps.state is PserverState.SERVING
+    with pytest.raises(InvalidTransition) as err:
+        ps.start()  # it serves already
+    assert (err.value.subject, err.value.state, err.value.event) == ("pserver 0", PserverState.SERVING, PserverEvent.START)
+    assert ps.state is PserverState.SERVING and ps.lease_lost is False  # the refusal changed nothing
+    ps.stop()
+    assert ps.state is PserverState.STOPPED
+    ps.crash()
+    assert ps.state is PserverState.STOPPED  # a halted pserver stays as it ended
 
 
 def test_simulate_leaves_no_threads_behind(source):

@@ -20,6 +20,7 @@ from torch import nn
 import pdps
 from pdps.adapters.memory_store import MemoryStore
 from pdps.adapters.parquet import ParquetSource, write_parquet_shards
+from pdps.core.errors import Timeout
 from pdps.core.job import Keys, decode_as
 from pdps.core.sgd import RoundRecord
 from pdps.ports.transport import Message
@@ -145,3 +146,21 @@ def test_barrier_continues_without_a_killed_trainer_and_matches_a_replay(source)
     assert dead and len(dead) < len(rounds)
     got = torch.cat([p.reshape(-1) for p in result.params.values()])
     torch.testing.assert_close(got, replay(rounds, grads), rtol=0, atol=1e-10)
+
+
+def test_a_sync_pull_at_an_open_round_gives_up_at_the_callers_deadline(source):
+    """In process nothing can interrupt the pserver's wait at the barrier: it ends at
+    the deadline the transport hands over, not after the pserver's own 600 s."""
+    job = start_job(source, name="deadline", mode="sync", pservers=1, optimizer_args={"lr": LR})
+    try:
+        a = job.trainer("a")
+        a.register()
+        a.attach(make_model())
+        part = a._group.parts[0]
+        meta = {"trainer": "a", "epoch": a.epoch, "after_round": part.round_no}
+        start = time.monotonic()
+        with pytest.raises(Timeout, match=f"round {part.round_no} did not close"):
+            part.channel.call("pull", Message(meta), timeout=1.0)
+        assert time.monotonic() - start < 30
+    finally:
+        job.close()

@@ -14,6 +14,7 @@ import threading
 import time
 from pathlib import Path
 
+import attrs
 import grpc
 import pytest
 import torch
@@ -22,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pdps.adapters import grpc_transport as gt
 from pdps.adapters.grpc_transport import GrpcTransport, TlsConfig
 from pdps.core.errors import ConfigError, InvalidTransition, NotReady, StalePush, Timeout, TransportError
-from pdps.ports.transport import Message
+from pdps.ports.transport import ChannelStats, ConcurrentCalls, Message
 from tests.tls import make_tls
 from tests.unit.contract_transport import TransportContract, echo
 
@@ -195,24 +196,33 @@ def echo_from_8_threads(ch) -> None:
 def test_concurrent_calls_from_8_threads_on_one_channel(serve):
     ch = GrpcTransport().connect(serve({"echo": echo}).address)
     assert GrpcTransport.concurrent is True
+    assert isinstance(GrpcTransport(), ConcurrentCalls) and isinstance(ch, ChannelStats)
     echo_from_8_threads(ch)
 
 
 # --- meta, deadlines, errors --------------------------------------------------------
 
 
-def test_timeout_travels_as_deadline_and_as_meta(serve):
+@pytest.mark.parametrize("via", ["grpc", "bulk"])
+def test_timeout_travels_as_the_deadline_and_leaves_meta_alone(serve, via):
+    """Over gRPC the handler's deadline is gRPC's own (``time_remaining()``); over the
+    bulk channel it is the header's ``timeout``. The caller's meta arrives as sent."""
     seen = []
 
     def look(req: Message) -> Message:
-        seen.append(req.meta.get("timeout"))
+        seen.append((dict(req.meta), req.deadline))
         return Message({})
 
-    ch = GrpcTransport().connect(serve({"look": look}).address)
+    ep = serve({"look": look, "ping": ping})
+    ch = over_bulk(ep) if via == "bulk" else GrpcTransport(bulk_threshold=None).connect(ep.address)
+    start = time.monotonic()
     ch.call("look", Message({}), timeout=7.5)
-    ch.call("look", Message({"timeout": 99}), timeout=7.5)  # the caller's own value wins
+    ch.call("look", Message({"after_round": 99}), timeout=7.5)
+    end = time.monotonic()
     ch.call("look", Message({}))
-    assert seen == [7.5, 99, None]
+    assert [meta for meta, _ in seen] == [{}, {"after_round": 99}, {}]
+    assert all(start + 7.5 - 5 < d < end + 7.5 + 1 for _, d in seen[:2]) and seen[2][1] is None
+    assert ep.bulk_calls == (3 if via == "bulk" else 0)
 
 
 def test_deadline_raises_timeout(serve):
@@ -280,7 +290,7 @@ def test_call_retries_until_a_late_server_comes_up():
     starter.start()
     try:
         reply = GrpcTransport(connect_timeout=10).connect(f"grpc://127.0.0.1:{port}").call("echo", Message({"n": 1}), timeout=10)
-        assert reply.meta == {"echo": {"n": 1, "timeout": 10}}
+        assert reply.meta == {"echo": {"n": 1}}
     finally:
         starter.join()
         for ep in endpoints:
@@ -406,7 +416,7 @@ def test_mutual_tls_call_and_a_client_without_certificate_is_refused(serve, tls)
     server = GrpcTransport(tls=TlsConfig(cert=tls["server_cert"], key=tls["server_key"], ca=tls["ca"]))
     ep = serve({"echo": echo}, server)
     client = GrpcTransport(tls=TlsConfig(cert=tls["client_cert"], key=tls["client_key"], ca=tls["ca"]))
-    assert client.connect(ep.address).call("echo", Message({"m": 1}), timeout=10).meta == {"echo": {"m": 1, "timeout": 10}}
+    assert client.connect(ep.address).call("echo", Message({"m": 1}), timeout=10).meta == {"echo": {"m": 1}}
     with pytest.raises(TransportError, match=f"cannot reach {ep.address}"):
         GrpcTransport(tls=TlsConfig(ca=tls["ca"]), connect_timeout=0.5).connect(ep.address).call("echo", Message({}))
 
@@ -482,6 +492,8 @@ HEADERS = [
     gt.Header("push", '{"trainer":"t1","round":3}', (gt.TensorSpec("float32", (3, 4), 48), gt.TensorSpec("bool", (), 1))),
     gt.Header("ünïcode", '{"k":"✓"}', (gt.TensorSpec("bfloat16", (0, 5), 0), gt.TensorSpec("", (), 0))),
     gt.Header("m", "{}", (gt.TensorSpec("int64", (-1, 1 << 40), 1 << 62),)),  # negative dims encode as int64
+    gt.Header("pull", '{"after_round":4}', (), timeout=29.75),  # a bulk request's deadline
+    gt.Header("", "", (gt.TensorSpec("float32", (2,), 8),), timeout=1e-9),
 ]
 
 
@@ -493,6 +505,7 @@ def test_hand_codec_and_generated_classes_agree_on_headers(header):
     frame = pb.Frame.FromString(ours)
     assert frame.WhichOneof("body") == "header"
     assert frame.header.method == header.method and frame.header.meta_json == header.meta_json
+    assert frame.header.timeout == header.timeout
     specs = [gt.TensorSpec(s.dtype, tuple(s.shape), s.nbytes) for s in frame.header.tensors]
     assert specs == list(header.tensors)
     theirs = pb.Frame(
@@ -500,10 +513,22 @@ def test_hand_codec_and_generated_classes_agree_on_headers(header):
             method=header.method,
             meta_json=header.meta_json,
             tensors=[pb.TensorSpec(dtype=s.dtype, shape=s.shape, nbytes=s.nbytes) for s in header.tensors],
+            timeout=header.timeout,
         )
     ).SerializeToString()
     assert theirs == ours
     assert gt.decode_frame(theirs) == header
+    if header.timeout:  # what the bulk channel sends: the timeout added to a header encoded without it
+        assert gt.with_timeout(gt.encode_header(attrs.evolve(header, timeout=0.0)), header.timeout) == ours
+
+
+@pytest.mark.parametrize("timeout", [-1.0, float("nan"), float("inf")])
+def test_a_header_timeout_that_is_no_time_left_is_malformed(timeout):
+    from pdps.adapters.proto import transport_pb2 as pb
+
+    frame = pb.Frame(header=pb.Header(method="m", timeout=timeout)).SerializeToString()
+    with pytest.raises(gt.FrameError, match="timeout must be a finite number of seconds >= 0"):
+        gt.decode_frame(frame)
 
 
 @pytest.mark.parametrize("size", [0, 1, 127, 128, 300, 1 << 20])
@@ -618,7 +643,7 @@ def test_64_mib_tensor_roundtrips_over_bulk(serve):
     ch.call("ping", Message({}))
     big = torch.randn(16 << 20)
     reply = ch.call("same", Message({"k": "v"}, [big, torch.arange(5), torch.zeros(0)]), timeout=120)
-    assert reply.meta == {"k": "v", "timeout": 120}
+    assert reply.meta == {"k": "v"}
     assert torch.equal(reply.tensors[0], big) and torch.equal(reply.tensors[1], torch.arange(5)) and reply.tensors[2].shape == (0,)
     assert (ep.grpc_calls, ep.bulk_calls) == (1, 1)
 

@@ -6,10 +6,13 @@ serve at: ``inproc://`` or ``grpc://127.0.0.1:0``).
 
 from __future__ import annotations
 
+import logging
+import time
+
 import pytest
 import torch
 
-from pdps.core.errors import GradientRejected, TransportError
+from pdps.core.errors import GradientRejected, NotReady, StalePush, Timeout, TransportError
 from pdps.ports.transport import Message
 
 
@@ -25,10 +28,34 @@ def reject(req: Message) -> Message:
     raise GradientRejected(f"gradient for w from trainer {req.meta.get('trainer')!r} holds NaN")
 
 
+#: What ``raise_`` raises, by the request's meta ``"kind"``: typed errors and a bug.
+RAISED = {
+    "rejected": GradientRejected("gradient for w from trainer 't7' holds NaN"),
+    "not_ready": NotReady("pserver 2 holds no parameters yet; a trainer initializes it"),
+    "stale": StalePush("push of version 3 is 5 behind pserver 0 (staleness 2)"),
+    "timeout": Timeout("round 4 did not close in 3s; waiting for ['t2']"),
+    "bug": KeyError("weights"),
+}
+
+
+def raise_(req: Message) -> Message:
+    raise RAISED[req.meta["kind"]]
+
+
+#: The deadline each call to ``deadline`` saw: the request's, as the handler got it.
+DEADLINES: list[float | None] = []
+
+
+def deadline(req: Message) -> Message:
+    DEADLINES.append(req.deadline)
+    return Message({"left": None if req.deadline is None else req.deadline - time.monotonic()})
+
+
 class TransportContract:
     @pytest.fixture
     def served(self, transport, address):
-        endpoint = transport.serve(address, {"echo": echo, "total": total, "reject": reject})
+        handlers = {"echo": echo, "total": total, "reject": reject, "raise": raise_, "deadline": deadline}
+        endpoint = transport.serve(address, handlers)
         yield endpoint
         endpoint.close()
 
@@ -50,6 +77,47 @@ class TransportContract:
         with pytest.raises(GradientRejected, match="trainer 't7' holds NaN"):
             ch.call("reject", Message({"trainer": "t7"}))
         assert ch.call("total", Message({}, [torch.ones(3)])).meta["sum"] == 3.0  # still serving
+
+    @pytest.mark.parametrize("kind", ["rejected", "not_ready", "stale", "timeout"])
+    def test_every_typed_error_arrives_as_its_exact_class_and_message(self, transport, served, kind):
+        with pytest.raises(type(RAISED[kind])) as info:
+            transport.connect(served.address).call("raise", Message({"kind": kind}), timeout=30)
+        assert type(info.value) is type(RAISED[kind]) and str(info.value) == str(RAISED[kind])
+
+    def test_a_handler_bug_is_a_transport_error_naming_the_method_and_the_exception(self, transport, served, caplog):
+        """An exception that is no PdpsError is a bug of the server: the caller gets a
+        plain TransportError naming address, method, exception type and message; the
+        server logs the traceback and keeps serving."""
+        ch = transport.connect(served.address)
+        with caplog.at_level(logging.ERROR), pytest.raises(TransportError) as info:
+            ch.call("raise", Message({"kind": "bug"}))
+        assert type(info.value) is TransportError
+        for part in (served.address, "'raise'", "KeyError", "'weights'"):
+            assert part in str(info.value), part
+        logged = [r for r in caplog.records if r.exc_info and isinstance(r.exc_info[1], KeyError)]
+        assert len(logged) == 1 and "'raise'" in logged[0].getMessage() and served.address in logged[0].getMessage()
+        assert ch.call("total", Message({}, [torch.ones(2)])).meta == {"sum": 2.0}  # still serving
+
+    def test_the_callers_timeout_reaches_the_handler_as_its_deadline(self, transport, served):
+        """The deadline is ``time.monotonic()`` of the handler's process: in this one
+        process, about the caller's own ``now + timeout`` (gRPC rounds it up by a few
+        milliseconds). It is no meta key."""
+        ch = transport.connect(served.address)
+        DEADLINES.clear()
+        before = time.monotonic()
+        left = ch.call("deadline", Message({}), timeout=30).meta["left"]
+        after = time.monotonic()
+        assert 30 - (after - before) - 5 < left < 31
+        assert before + 30 - 5 < DEADLINES[0] < after + 31
+        assert ch.call("deadline", Message({})).meta == {"left": None}
+        assert DEADLINES[1] is None
+        assert ch.call("echo", Message({"a": 1}), timeout=30).meta == {"echo": {"a": 1}}  # meta arrives as sent
+
+    def test_a_deadline_the_caller_puts_on_its_request_is_not_sent(self, transport, served):
+        """Only ``timeout`` sets a deadline: the handler sees None without one."""
+        DEADLINES.clear()
+        transport.connect(served.address).call("deadline", Message({}, deadline=time.monotonic() + 5))
+        assert DEADLINES == [None]
 
     def test_unknown_method(self, transport, served):
         with pytest.raises(TransportError, match="nope"):

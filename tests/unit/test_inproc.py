@@ -7,7 +7,7 @@ import torch
 
 from pdps.adapters.inproc import InprocTransport
 from pdps.core.errors import TransportError
-from pdps.ports.transport import Message
+from pdps.ports.transport import ChannelStats, ConcurrentCalls, Message
 from tests.unit.contract_transport import TransportContract
 
 _names = itertools.count()
@@ -72,4 +72,14 @@ def test_channel_stats_count_calls_and_bytes_but_no_serialize_time():
     with pytest.raises(TransportError):
         channel.call("nope", Message({}))
     assert channel.stats == {"serialize": 0.0, "calls": 3.0, "bytes_sent": 2 * 4100.0, "bytes_received": 2 * 24.0}
+    ep.close()
+
+
+def test_optional_capabilities_are_checked_with_isinstance():
+    """Channels count (``stats``); calls run in the caller's thread, so the transport
+    does not declare concurrent calls."""
+    t = InprocTransport()
+    ep = t.serve("inproc://", {})
+    assert isinstance(t.connect(ep.address), ChannelStats)
+    assert not isinstance(t, ConcurrentCalls)
     ep.close()

@@ -15,6 +15,7 @@ import pytest
 
 from pdps.adapters.fsspec_storage import TEMP_PREFIX, FsspecStorage
 from pdps.core.errors import ConfigError, MissingExtraError, StorageError
+from pdps.ports.storage import CachedReads, OpensReaders, Reader
 from tests.unit.contract_storage import ProducerFailed, StorageContract
 
 
@@ -120,6 +121,14 @@ class _FsspecReaderContract(_FsspecContract):
                 reader.read_into(bytearray(10), len(data) - 5)
             with pytest.raises(StorageError, match="writable"):
                 reader.read_into(b"0123", 0)
+
+    def test_open_reader_is_a_declared_capability(self, storage):
+        storage.put("blob", b"x" * 10)
+        assert isinstance(storage, OpensReaders)
+        with storage.open_reader("blob") as reader:
+            assert isinstance(reader, Reader)
+            # only a local file's reader can ask the page cache (RWF_NOWAIT)
+            assert isinstance(reader, CachedReads) == storage.url.startswith("file://")
 
     def test_open_reader_of_a_missing_object_names_it(self, storage):
         with pytest.raises(StorageError, match="nothing-here"):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 
 import numpy as np
 import pytest
@@ -12,7 +11,7 @@ from torch import nn
 from pdps.adapters.torch_compute import ELEMENTWISE, REFUSED, TorchCompute, TorchReplica, TorchShard
 from pdps.core.errors import ConfigError, GradientRejected, NotReady, UnknownSchemeError
 from pdps.core.slots import Layout, SlotMap, cut_blocks
-from pdps.ports.compute import Compute
+from pdps.ports.compute import Compute, ThreadedCompute
 from pdps.registry import open_compute
 
 # Arguments that make every rule do something visible in a few steps; lists where
@@ -703,3 +702,8 @@ class TestShardPieces:
         assert torch.equal(shard.values, twin.values)
         shard.stage("t", [grads[i] for i in half], half)  # a new round starts from nothing staged
         assert shard.staged() == set()
+
+
+def test_threads_is_a_declared_capability():
+    compute = TorchCompute("cpu")
+    assert isinstance(compute, ThreadedCompute) and compute.threads == torch.get_num_threads()

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0ftransport.proto\x12\x11pdps.transport.v1\"M\n\x05\x46rame\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.pdps.transport.v1.HeaderH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04\x62ody\"[\n\x06Header\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x11\n\tmeta_json\x18\x02 \x01(\t\x12.\n\x07tensors\x18\x03 \x03(\x0b\x32\x1d.pdps.transport.v1.TensorSpec\":\n\nTensorSpec\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\x32K\n\tTransport\x12>\n\x04\x43\x61ll\x12\x18.pdps.transport.v1.Frame\x1a\x18.pdps.transport.v1.Frame(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0ftransport.proto\x12\x11pdps.transport.v1\"M\n\x05\x46rame\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.pdps.transport.v1.HeaderH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04\x62ody\"l\n\x06Header\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x11\n\tmeta_json\x18\x02 \x01(\t\x12.\n\x07tensors\x18\x03 \x03(\x0b\x32\x1d.pdps.transport.v1.TensorSpec\x12\x0f\n\x07timeout\x18\x04 \x01(\x01\":\n\nTensorSpec\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\x32K\n\tTransport\x12>\n\x04\x43\x61ll\x12\x18.pdps.transport.v1.Frame\x1a\x18.pdps.transport.v1.Frame(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,9 +34,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_FRAME']._serialized_start=38
   _globals['_FRAME']._serialized_end=115
   _globals['_HEADER']._serialized_start=117
-  _globals['_HEADER']._serialized_end=208
-  _globals['_TENSORSPEC']._serialized_start=210
-  _globals['_TENSORSPEC']._serialized_end=268
-  _globals['_TRANSPORT']._serialized_start=270
-  _globals['_TRANSPORT']._serialized_end=345
+  _globals['_HEADER']._serialized_end=225
+  _globals['_TENSORSPEC']._serialized_start=227
+  _globals['_TENSORSPEC']._serialized_end=285
+  _globals['_TRANSPORT']._serialized_start=287
+  _globals['_TRANSPORT']._serialized_end=362
 # @@protoc_insertion_point(module_scope)

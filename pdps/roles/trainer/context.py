@@ -42,10 +42,10 @@ from pdps.core.job import JobConfig, Keys, decode_json
 from pdps.core.sgd import Mode
 from pdps.core.slots import ParamSpec
 from pdps.core.tasks import TaskSpec
-from pdps.ports.compute import Compute, ModelReplica
+from pdps.ports.compute import Compute, ModelReplica, ThreadedCompute
 from pdps.ports.coordination import Compare, CoordinationStore, Put
 from pdps.ports.data import DataSource
-from pdps.ports.transport import Message, Transport
+from pdps.ports.transport import ChannelStats, ConcurrentCalls, Message, Transport
 from pdps.roles.trainer.discovery import DISCOVERY_TIMEOUT, Waits, wait_for_key
 from pdps.roles.trainer.master_client import MasterClient
 from pdps.roles.trainer.overlap import Pipeline
@@ -136,6 +136,7 @@ class TrainerContext(SyncRound, AsyncCadence):
         self.patience = DISCOVERY_TIMEOUT
         self.killed = False
         self.steps = 0  # mini-batches stepped
+        self.samples = 0  # their samples
         self.pushes = 0
         self.stale_pushes = 0
         self.tasks_done = 0
@@ -167,7 +168,7 @@ class TrainerContext(SyncRound, AsyncCadence):
             t = dict(self._times)
         out = {k: t.get(k, 0.0) for k in TIMINGS}
         channels = [] if self._group is None else [p.channel for p in self._group.parts]
-        out["serialize"] = sum(float((getattr(c, "stats", None) or {}).get("serialize", 0.0)) for c in channels)
+        out["serialize"] = sum(float(c.stats.get("serialize", 0.0)) for c in channels if isinstance(c, ChannelStats))
         out["network"] = max(0.0, t.get("comm", 0.0) - out["serialize"] - out["update"] - out["barrier"])
         return out
 
@@ -302,10 +303,9 @@ class TrainerContext(SyncRound, AsyncCadence):
         overlap, 0.38-0.45x without)."""
         if self.config.overlap != "auto":
             return self.config.overlap == "on"
-        if self.device != "cpu" or not getattr(self._transport, "concurrent", False):
+        if self.device != "cpu" or not (isinstance(self._transport, ConcurrentCalls) and self._transport.concurrent):
             return True
-        threads = getattr(self._compute, "threads", None)
-        return threads is not None and (os.cpu_count() or 1) > threads
+        return isinstance(self._compute, ThreadedCompute) and (os.cpu_count() or 1) > self._compute.threads
 
     def _init_part(self, part: Part) -> None:
         """Give pserver ``part`` this replica's values, unless it has some already."""
@@ -469,6 +469,7 @@ class TrainerContext(SyncRound, AsyncCadence):
                 loss.backward()
                 self._time("compute", time.perf_counter() - began)
             self.steps += 1
+            self.samples += samples
             self._stepped = self._batch
             if not sync and self._batch is not None:  # the records this push will carry
                 b = self._batch

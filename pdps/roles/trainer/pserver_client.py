@@ -16,7 +16,7 @@ from pdps.core.errors import CorruptRecord, EpochChanged, NotInitialized, NotRea
 from pdps.core.job import JobConfig, Keys, decode_as
 from pdps.core.slots import Block, Layout, ParamSpec, SlotMap
 from pdps.ports.coordination import CoordinationStore
-from pdps.ports.transport import Channel, Message, Transport
+from pdps.ports.transport import Channel, ConcurrentCalls, Message, Transport
 from pdps.roles.trainer.discovery import DISCOVERY_TIMEOUT, WAIT_LOG_EVERY, Waits, wait_for_key
 from pdps.runtime.retry import Retry
 
@@ -79,7 +79,7 @@ class PserverGroup:
         # Calls to different pservers overlap when the transport's calls release the GIL
         # (gRPC); in-process calls are plain function calls and stay on this thread.
         self._pool = None
-        if getattr(transport, "concurrent", False) and len(self.parts) > 1:
+        if isinstance(transport, ConcurrentCalls) and transport.concurrent and len(self.parts) > 1:
             self._pool = ThreadPoolExecutor(len(self.parts), thread_name_prefix="pdps-pserver-call")
 
     def _address_of(self, index: int, *, wait: bool = False) -> str | None:

@@ -630,3 +630,18 @@ def test_cuda_tensors_are_written_from_a_cpu_copy(tmp_path):
     cpu = random_tensor(torch.float32, (1000,), 9)
     info = ckpt.write_part(storage, f"{cid}/ps-0.safetensors", {"values": cpu.cuda(), "half": cpu.half().cuda()})
     assert_same(ckpt.read_part(storage, info), {"values": cpu, "half": cpu.half()})
+
+
+def test_a_role_of_a_job_that_keeps_checkpoints_is_refused_without_its_checkpoint_files(tmp_path):
+    from pdps.adapters.inproc import InprocTransport
+    from pdps.adapters.memory_store import MemoryStore
+    from pdps.core.job import JobConfig
+    from pdps.roles.pserver import Pserver
+    from pdps.runtime.recovery import files_for
+
+    config = JobConfig(name="j", dataset="memory://d", checkpoint_url=f"file://{tmp_path}", checkpoint_every=1)
+    with pytest.raises(ConfigError, match="open_checkpoint_files"):
+        Pserver(MemoryStore(), InprocTransport(), None, config)  # type: ignore[arg-type]
+    files = ckpt.SafetensorsFiles(FsspecStorage(f"file://{tmp_path}"))
+    assert files_for(config, files) is files and files.url == f"file://{tmp_path}"
+    assert files_for(JobConfig(name="j", dataset="memory://d"), None) is None

@@ -13,20 +13,20 @@ disk; ``--root /dev/shm`` measures RAM), through ``file://`` storage.
 
 * ``raw write``: ``os.open``, ``os.write`` of the three tensors' memory, ``fsync``,
   ``close``: the same bytes, without header, checksum, temporary name or rename.
-* ``write_part``: :func:`pdps.roles.checkpoint.write_part` (safetensors header, crc32
-  of every byte, ``put_chunks`` to a temporary file, fsync, rename, fsync of the
-  folder), with the crc32 in a helper thread and, in a second row, inline in the
-  writing thread. The row of the library's own choice (a helper thread for parts over
+* ``write_part``: :func:`pdps.adapters.safetensors_files.write_part` (safetensors
+  header, crc32s of every byte, of the whole part and of each 4 MiB piece,
+  ``put_chunks`` to a temporary file, fsync, rename, fsync of the folder), with the
+  crc32s in a helper thread and, in a second row, inline in the writing thread. The row of the library's own choice (a helper thread for parts over
   ``HASH_IN_THREAD_ABOVE``, whichever crc32) is marked ``*``; the ratios use it.
 * ``raw read``: a new buffer allocated as ``read_part`` allocates its own (anonymous
   mmap with transparent huge pages), filled with ``readinto`` from an unbuffered file.
   An extra row reads into a buffer reused across rounds (no page faults at all): the
   floor, printed, not used by a target.
-* ``read_part``: :func:`pdps.roles.checkpoint.read_part`: size check, one buffer, the
+* ``read_part``: :func:`pdps.adapters.safetensors_files.read_part`: size check, one buffer, the
   file opened once and read in 4 MiB pieces (``READ_PIECE``), each hashed right after
   it is read, the checksum check, header checks, and tensors as views of the buffer.
-  With a helper thread (two threads read and hash pieces, their crc32s combined) and,
-  in a second row, inline (one thread).
+  With a helper thread (two threads read and hash pieces, each piece checked against
+  its own crc32 in the manifest) and, in a second row, inline (one thread).
 * Reads run twice per round: **warm** (right after the write, the file is in the page
   cache) and **cold** (after ``posix_fadvise(POSIX_FADV_DONTNEED)`` on the file, which
   drops its clean pages from the cache without root; on tmpfs nothing is dropped).
@@ -85,8 +85,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.machine import describe  # noqa: E402
+from pdps.adapters import safetensors_files as ckpt  # noqa: E402
 from pdps.adapters.fsspec_storage import FsspecStorage  # noqa: E402
-from pdps.roles import checkpoint as ckpt  # noqa: E402
+from pdps.core.checkpoints import PartInfo, checkpoint_id  # noqa: E402
 
 GB = 1e9
 TARGET = 0.8
@@ -137,7 +138,7 @@ def raw_write(path: str, views: list[memoryview]) -> None:
 
 def raw_read(path: str, size: int, reuse: memoryview | None = None) -> Any:
     buf = ckpt._new_buffer(size) if reuse is None else None  # read_part's own allocation
-    view = reuse if reuse is not None else memoryview(buf.numpy())
+    view = reuse if reuse is not None else memoryview(buf)
     with open(path, "rb", buffering=0) as f:
         got = 0
         while got < size:
@@ -191,9 +192,9 @@ def _run(size_bytes: int, workdir: str, repeats: int, started: float) -> dict[st
     data_bytes = sum(v.nbytes for v in views)
     storage = FsspecStorage(f"file://{workdir}")
     raw_path = os.path.join(workdir, "raw.bin")
-    cid = ckpt.checkpoint_id(0, 1)
+    cid = checkpoint_id(0, 1, 0)
     paths = {"thread": f"{cid}/ps-thread.safetensors", "inline": f"{cid}/ps-inline.safetensors"}
-    infos: dict[str, ckpt.PartInfo] = {}
+    infos: dict[str, PartInfo] = {}
     library_choice = ckpt._hash_in_thread
     default_mode = "thread" if library_choice(data_bytes) else "inline"
     reuse = memoryview(np.ones(data_bytes, dtype=np.uint8))  # touched: its pages exist

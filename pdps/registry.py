@@ -114,5 +114,16 @@ def open_storage(url: str, **options: Any) -> Any:
     return _factory("storage", url)(url, **options)
 
 
+def open_checkpoint_files(url: str) -> Any:
+    """The :class:`~pdps.ports.checkpoints.CheckpointFiles` of the checkpoints kept under
+    the storage ``url`` (a job's ``checkpoint_url``): safetensors and JSON parts. None
+    for ``""`` (a job that keeps no checkpoints)."""
+    if not url:
+        return None
+    from pdps.adapters.safetensors_files import SafetensorsFiles
+
+    return SafetensorsFiles(open_storage(url))
+
+
 def open_data_source(url: str, **options: Any) -> Any:
     return _factory("data", url)(url, **options)

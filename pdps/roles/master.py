@@ -57,6 +57,7 @@ from pdps.core.audit import (
     encode_record_counts,
     roll_back_attempts,
 )
+from pdps.core.checkpoints import MASTER_PART, Epoch
 from pdps.core.errors import ConfigError, CorruptRecord, FencingError, LeaseExpired, PdpsError, StoreUnavailable
 from pdps.core.job import JobConfig, Keys, decode_as, decode_json
 from pdps.core.progress import TaskProgress
@@ -77,9 +78,6 @@ from pdps.core.tasks import (
 )
 from pdps.core.tasks import State as TaskState
 from pdps.core.txn import Decision, Done, Write
-from pdps.ports.coordination import Compare, CoordinationStore, Delete, EventType, Fence, KeyValue, Op, Put, TxnOp, WatchEvent
-from pdps.ports.data import DataSource
-from pdps.ports.storage import Storage
 from pdps.core.wire import (
     CheckpointReply,
     CheckpointRequest,
@@ -91,8 +89,12 @@ from pdps.core.wire import (
     ReportReply,
     TaskReport,
 )
+from pdps.ports.checkpoints import CheckpointFiles
+from pdps.ports.coordination import Compare, CoordinationStore, Delete, EventType, Fence, KeyValue, Op, Put, TxnOp, WatchEvent
+from pdps.ports.data import DataSource
 from pdps.ports.transport import Endpoint, Transport
-from pdps.roles import calls, recovery
+from pdps.roles import calls
+from pdps.runtime import recovery
 from pdps.runtime.cas import read_modify_write
 from pdps.runtime.group_commit import MAX_TXN_OPS, GroupCommitStore, Staged, copy_error
 
@@ -147,11 +149,11 @@ class Master:
         *,
         address: str = "inproc://",
         clock: Callable[[], float] = time.monotonic,
-        storage: Storage | None = None,
+        checkpoints: CheckpointFiles | None = None,
         max_txn_ops: int = MAX_TXN_OPS,
     ) -> None:
         self.config = config
-        self._storage = storage
+        self._files = recovery.files_for(config, checkpoints)
         self._epoch = 0  # the job's epoch whose queue this master serves (see recovery)
         self._snapshots: set[str] = set()
         self._writers: list[threading.Thread] = []
@@ -210,8 +212,6 @@ class Master:
         if self._fence is None:
             self._keeper.stop()
             raise ConfigError(f"job {self.config.name!r} already has a master (lock {self._keys.master_lock} is held)")
-        if self._storage is None:
-            self._storage = recovery.open_checkpoint_storage(self.config)
         try:
             self._queue = self._load_queue(specs)
             self._catch_up_epoch()
@@ -645,7 +645,7 @@ class Master:
     def _snapshot(self, ckpt_id: str) -> None:
         """Copy the queue for checkpoint ``ckpt_id`` now (lock held); write it in the background."""
         assert self._queue is not None
-        if ckpt_id in self._snapshots or self._storage is None:
+        if ckpt_id in self._snapshots or self._files is None:
             return
         info_kv = self._store.get(self._keys.checkpoint_info(ckpt_id))
         if info_kv is None:
@@ -676,13 +676,11 @@ class Master:
         t.start()
 
     def _write_snapshot(self, ckpt_id: str, state: dict) -> None:
-        from pdps.roles import checkpoint as files
-
-        assert self._storage is not None
+        assert self._files is not None
         try:
-            part = files.write_json_part(self._storage, f"{ckpt_id}/{recovery.MASTER_PART}.json", state, name=recovery.MASTER_PART)
+            part = self._files.write_json_part(f"{ckpt_id}/{MASTER_PART}.json", state, name=MASTER_PART)
             if recovery.record_part(self._store, self._keys, ckpt_id, part):
-                recovery.try_commit(self._store, self._storage, self.config, ckpt_id)
+                recovery.try_commit(self._store, self._files, self.config, ckpt_id)
         except PdpsError as exc:
             log.error("master could not write its part of checkpoint %s: %s", ckpt_id, exc)
 
@@ -699,7 +697,7 @@ class Master:
         if event.type is not EventType.PUT or self._stopped.is_set():
             return
         try:
-            epoch = recovery.Epoch.from_json(decode_json(event.value or b"", event.key))
+            epoch = Epoch.from_json(decode_json(event.value or b"", event.key))
         except (CorruptRecord, KeyError, TypeError, ValueError):
             log.error("master ignores an undecodable epoch record %r", (event.value or b"")[:200])
             return
@@ -713,7 +711,7 @@ class Master:
             except PdpsError as exc:
                 self._fail(exc)
 
-    def _restore_epoch(self, epoch: recovery.Epoch) -> None:
+    def _restore_epoch(self, epoch: Epoch) -> None:
         """Put the queue back where the epoch's checkpoint had it (lock held).
 
         Tasks done or failed at the checkpoint stay so; tasks pending then resume at
@@ -722,8 +720,6 @@ class Master:
         ignored. The job's ``state`` records the epoch last, so a master that dies
         half-way leaves the next one to redo the whole restore.
         """
-        from pdps.roles import checkpoint as files
-
         assert self._queue is not None
         if epoch.epoch <= self._epoch:
             return
@@ -731,9 +727,9 @@ class Master:
         specs = self._queue.specs()
         pass_no, completed, progress = 0, 0, {}
         snapshot = [TaskRecord(id=s.id, pass_no=0, state=TaskState.TODO) for s in specs]
-        if epoch.checkpoint is not None and self._storage is not None:
-            manifest = files.read_manifest(self._storage, epoch.checkpoint)
-            state = files.read_json_part(self._storage, manifest.parts[recovery.MASTER_PART])
+        if epoch.checkpoint is not None and self._files is not None:
+            manifest = self._files.read_manifest(epoch.checkpoint)
+            state = self._files.read_json_part(manifest.parts[MASTER_PART])
             snapshot = [TaskRecord.from_json(d) for d in state["records"]]
             progress = {int(k): (int(v[0]), int(v[1]), bool(v[2])) for k, v in state["progress"].items()}
             pass_no, completed = int(state["pass"]), int(state["passes_completed"])

@@ -11,7 +11,7 @@ compare-and-swap, says whose staged gradients every pserver applies.
 
 Recovery: a pserver that starts in a job whose pservers were already initialized is
 a *restart*. It rolls the whole job back to the latest sound checkpoint (a new
-epoch, :mod:`pdps.roles.recovery`), or, for an async job with ``restore="lost"``,
+epoch, :mod:`pdps.runtime.recovery`), or, for an async job with ``restore="lost"``,
 reloads only its own slots. Every pserver follows the ``epoch`` record: it loads its
 part of the epoch's checkpoint and refuses requests of older epochs
 (:class:`~pdps.core.errors.EpochChanged`).
@@ -27,6 +27,7 @@ import uuid
 from collections import OrderedDict
 
 from pdps.core.backoff import Backoff
+from pdps.core.checkpoints import Epoch, pserver_part
 from pdps.core.errors import (
     ConfigError,
     CorruptRecord,
@@ -49,11 +50,12 @@ from pdps.core.sgd import Mode, RoundRecord, check_staleness, participants
 from pdps.core.slots import Layout, ParamSpec, SlotMap
 from pdps.core.txn import Decision, Done, Write
 from pdps.core.wire import AppliedReply, AppliedRequest, InitReply, InitRequest, PserverRequest, PullReply, PullRequest, PushReply, PushRequest
+from pdps.ports.checkpoints import CheckpointFiles
 from pdps.ports.compute import Compute, ParameterShard
 from pdps.ports.coordination import Compare, CoordinationStore, Delete, EventType, KeyValue, Put, TxnOp, WatchEvent
-from pdps.ports.storage import Storage
 from pdps.ports.transport import Endpoint, Transport
-from pdps.roles import calls, recovery
+from pdps.roles import calls
+from pdps.runtime import recovery
 from pdps.runtime.cas import read_modify_write
 from pdps.runtime.retry import Retry, retry
 
@@ -122,7 +124,7 @@ class Pserver:
         address: str = "inproc://",
         index: int | None = None,
         claim_wait: float = 0.0,
-        storage: Storage | None = None,
+        checkpoints: CheckpointFiles | None = None,
     ) -> None:
         self.config = config
         self._want_index = index
@@ -131,7 +133,7 @@ class Pserver:
         self._transport = transport
         self._compute = compute
         self._address = address
-        self._storage = storage
+        self._files = recovery.files_for(config, checkpoints)
         self._keys = Keys(config.name)
         self._cond = threading.Condition(threading.RLock())
         self._shard: ParameterShard | None = None
@@ -176,8 +178,6 @@ class Pserver:
             self._move(PserverEvent.START)
 
         self._compute.check_optimizer(self.config.optimizer, self.config.optimizer_args)  # never serve a bad rule
-        if self._storage is None:
-            self._storage = recovery.open_checkpoint_storage(self.config)
         handlers = {InitRequest: self._init, PushRequest: self._push, PullRequest: self._pull, AppliedRequest: self._applied_records}
         self._endpoint = self._transport.serve(self._address, calls.serve(handlers))
         self._keeper = LeaseKeeper(self._store, self.config.lease_ttl, name="pserver")
@@ -551,30 +551,26 @@ class Pserver:
     def _checkpoint_due(self, round_no: int) -> str | None:
         """Sync: the id of a checkpoint to take right after ``round_no``, if one is due."""
         cfg = self.config
-        if not cfg.checkpoints or self._storage is None:
+        if not cfg.checkpoints or self._files is None:
             return None
         by_count = cfg.checkpoint_every and (round_no + 1) % cfg.checkpoint_every == 0
         by_time = cfg.checkpoint_seconds and time.monotonic() - self._last_checkpoint >= cfg.checkpoint_seconds
         if not (by_count or by_time) or self._writing():
             return None
-        from pdps.roles import checkpoint as files
-
-        return files.checkpoint_id(self.epoch, round_no + 1)
+        return recovery.new_checkpoint_id(self.epoch, round_no + 1)
 
     def _maybe_announce_async(self) -> None:
         """Async: pserver 0 announces a checkpoint every ``checkpoint_every`` updates or
         ``checkpoint_seconds``; every role snapshots when it sees the announcement."""
         cfg = self.config
-        if self.index != 0 or not cfg.checkpoints or self._storage is None:
+        if self.index != 0 or not cfg.checkpoints or self._files is None:
             return
         by_count = cfg.checkpoint_every and self.version % cfg.checkpoint_every == 0
         by_time = cfg.checkpoint_seconds and time.monotonic() - self._last_checkpoint >= cfg.checkpoint_seconds
         if not (by_count or by_time) or self._writing():
             return
-        from pdps.roles import checkpoint as files
-
         self._last_checkpoint = time.monotonic()
-        ckpt = files.checkpoint_id(self.epoch, self.version)
+        ckpt = recovery.new_checkpoint_id(self.epoch, self.version)
         try:
             self._store.commit((Compare.absent(self._keys.checkpoint_info(ckpt)),), (recovery.announce(self._keys, ckpt, self.epoch, self.version, "async"),))
         except StoreError as exc:
@@ -613,13 +609,11 @@ class Pserver:
     def _write_part(self, ckpt_id: str, state: dict) -> None:
         import os
 
-        from pdps.roles import checkpoint as files
-
-        assert self._storage is not None and self.index is not None
-        name = recovery.pserver_part(self.index)
+        assert self._files is not None and self.index is not None
+        name = pserver_part(self.index)
         try:
             began = time.monotonic()
-            part = files.write_part(self._storage, f"{ckpt_id}/{name}.safetensors", state, name=name)
+            part = self._files.write_part(f"{ckpt_id}/{name}.safetensors", state, name=name)
             with self._cond:
                 self.checkpoint_parts += 1
                 self.checkpoint_seconds += time.monotonic() - began
@@ -629,14 +623,14 @@ class Pserver:
             if self.state is PserverState.CRASHED:
                 return  # a dead process records nothing
             if recovery.record_part(self._store, self._keys, ckpt_id, part):
-                recovery.try_commit(self._store, self._storage, self.config, ckpt_id)
+                recovery.try_commit(self._store, self._files, self.config, ckpt_id)
         except PdpsError as exc:
             log.error("pserver %s could not write its part of checkpoint %s: %s", self.index, ckpt_id, exc)
 
     # --- rollbacks --------------------------------------------------------------------
 
-    def _rollback(self, reason: str) -> recovery.Epoch:
-        return recovery.rollback(self._store, self._storage, self._keys, reason, grace=self.config.checkpoint_orphan_grace)
+    def _rollback(self, reason: str) -> Epoch:
+        return recovery.rollback(self._store, self._files, self._keys, reason, grace=self.config.checkpoint_orphan_grace)
 
     def _request_rollback(self, reason: str) -> None:
         try:
@@ -648,13 +642,13 @@ class Pserver:
         if event.type is not EventType.PUT:
             return
         try:
-            epoch = recovery.Epoch.from_json(decode_json(event.value, event.key))
+            epoch = Epoch.from_json(decode_json(event.value, event.key))
         except (CorruptRecord, KeyError, TypeError, ValueError):
             log.error("pserver %s ignores an undecodable epoch record %r", self.index, event.value[:200])
             return
         self._enter_epoch(epoch)
 
-    def _enter_epoch(self, epoch: recovery.Epoch) -> None:
+    def _enter_epoch(self, epoch: Epoch) -> None:
         """Drop the open round and load this pserver's part of the epoch's checkpoint."""
         with self._cond:
             if self.state in HALTED or epoch.epoch < self.epoch or (epoch.epoch == self.epoch and self.state is PserverState.SERVING):
@@ -682,13 +676,12 @@ class Pserver:
         log.warning("pserver %s entered epoch %d from %s", self.index, epoch.epoch, epoch.checkpoint or "scratch")
 
     def _load_part(self, ckpt_id: str, shard: ParameterShard) -> int:
-        from pdps.roles import checkpoint as files
-
-        assert self._storage is not None and self.index is not None
+        assert self._files is not None and self.index is not None
+        files = self._files
 
         def load() -> int:
-            manifest = files.read_manifest(self._storage, ckpt_id)
-            tensors = files.read_part(self._storage, manifest.parts[recovery.pserver_part(self.index)])
+            manifest = files.read_manifest(ckpt_id)
+            tensors = files.read_part(manifest.parts[pserver_part(self.index)])
             version = int(tensors.pop("pdps.version"))
             shard.load_state_dict(tensors)
             log.info("pserver %s loaded checkpoint %s (version %d)", self.index, ckpt_id, version)
@@ -705,7 +698,7 @@ class Pserver:
 
     def _restore_own_slots(self) -> None:
         """Async ``restore="lost"``: reload only this pserver's part; the others go on."""
-        manifest = recovery.choose(self._store, self._storage, self._keys) if self._storage is not None else None
+        manifest = recovery.choose(self._store, self._files, self._keys) if self._files is not None else None
         with self._cond:
             self._move(PserverEvent.LOAD)
             if manifest is not None:

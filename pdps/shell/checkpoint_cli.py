@@ -1,9 +1,9 @@
 """A job's checkpoints as an operator sees and controls them (``pdps checkpoint``).
 
 ``list`` and ``inspect`` only read: the coordination store for which checkpoints
-exist and which one is committed (:mod:`pdps.roles.recovery`), the checkpoint
-storage for their files (:mod:`pdps.roles.checkpoint`). ``restore`` starts a new
-epoch through :func:`pdps.roles.recovery.rollback`, the same call a restarted
+exist and which one is committed (:mod:`pdps.runtime.recovery`), the checkpoint
+storage for their files (:mod:`pdps.adapters.safetensors_files`). ``restore`` starts a new
+epoch through :func:`pdps.runtime.recovery.rollback`, the same call a restarted
 pserver makes, after checking everything it can before any state changes: the job
 is not done, the checkpoint is committed (or forced) and every part passes its
 checksum. The roles then follow the new epoch by themselves.
@@ -19,12 +19,13 @@ from typing import Any
 
 import attrs
 
+from pdps.adapters import safetensors_files as files
+from pdps.core.checkpoints import PartInfo, is_checkpoint_id
 from pdps.core.errors import ConfigError, CorruptCheckpoint, NoSuchJob, PdpsError
 from pdps.core.job import JobConfig, Keys, decode_json
 from pdps.ports.coordination import CoordinationStore
 from pdps.ports.storage import Storage
-from pdps.roles import checkpoint as files
-from pdps.roles import recovery
+from pdps.runtime import recovery
 from pdps.shell.status import epoch_text, job_config, job_state
 
 #: The reason a restore gives in the epoch record (and the roles' logs).
@@ -46,11 +47,12 @@ class RestoreRefused(PdpsError):
 def open_job_storage(config: JobConfig, url: str | None = None) -> Storage | None:
     """The job's checkpoint storage: at ``url`` when given (the operator reaches it
     another way), else at the job's ``checkpoint_url``; None when there is neither."""
-    if url:
-        from pdps.registry import open_storage
+    url = url or config.checkpoint_url
+    if not url:
+        return None
+    from pdps.registry import open_storage
 
-        return open_storage(url)
-    return recovery.open_checkpoint_storage(config)
+    return open_storage(url)
 
 
 def list_checkpoints(store: CoordinationStore, storage: Storage | None, job: str) -> dict[str, Any]:
@@ -115,7 +117,7 @@ def inspect_checkpoint(store: CoordinationStore, storage: Storage | None, job: s
     try:
         manifest = files.read_manifest(storage, ckpt_id)
     except CorruptCheckpoint as exc:  # no manifest: show what the store recorded of its parts
-        parts = [files.PartInfo.from_json(decode_json(kv.value, kv.key)) for kv in store.range(keys.checkpoint_parts(ckpt_id))]
+        parts = [PartInfo.from_json(decode_json(kv.value, kv.key)) for kv in store.range(keys.checkpoint_parts(ckpt_id))]
         results = {p.name: "not verified: the checkpoint has no usable manifest" for p in parts}
         return {**report, "extra": {}, "parts": _parts(parts, results), "problems": [str(exc)], "sound": False}
     results = {}
@@ -151,7 +153,7 @@ def restore(store: CoordinationStore, storage: Storage | None, job: str, ckpt_id
         raise RestoreRefused(f"job {job!r} is done: no role is left to follow a new epoch (start a new job to train further)")
     previous = _epoch_record(store, keys)
     if entry is None:
-        manifest = recovery.choose(store, storage, keys)
+        manifest = recovery.choose(store, files.SafetensorsFiles(storage), keys)
         if manifest is None:
             committed = [i for i, e in known.items() if e["state"] in ("latest", "committed")]
             why = "none passes verification (see pdps checkpoint inspect ID)" if committed else "it has none"
@@ -171,7 +173,7 @@ def restore(store: CoordinationStore, storage: Storage | None, job: str, ckpt_id
         problems = files.verify(storage, manifest)
         if problems:
             raise RestoreRefused(f"checkpoint {ckpt_id} fails verification: {'; '.join(problems)}")
-    new = recovery.rollback(store, storage, keys, reason=RESTORE_REASON, checkpoint=manifest.id, grace=config.checkpoint_orphan_grace)
+    new = recovery.rollback(store, files.SafetensorsFiles(storage), keys, reason=RESTORE_REASON, checkpoint=manifest.id, grace=config.checkpoint_orphan_grace)
     if new.checkpoint != manifest.id or new.reason != RESTORE_REASON:
         # rollback() yields to a rollback that won the race (a restarting pserver's)
         raise RestoreRefused(
@@ -261,7 +263,7 @@ def _known(store: CoordinationStore, keys: Keys) -> dict[str, dict[str, Any]]:
 
 def _orphan(storage: Storage | None, job: str, ckpt_id: str, known: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The entry of a checkpoint the store does not know: one storage holds files of."""
-    if not files.is_checkpoint_id(ckpt_id):
+    if not is_checkpoint_id(ckpt_id):
         raise NoSuchCheckpoint(f"{ckpt_id!r} is not a checkpoint id (ckpt-<epoch>-<round>-<4 hex>){_known_text(known)}")
     if storage is None or not (storage.list(f"{ckpt_id}/") or storage.leftovers(f"{ckpt_id}/")):
         where = f" or in {storage.url}" if storage is not None else ""
@@ -279,7 +281,7 @@ def _known_text(known: dict[str, dict[str, Any]]) -> str:
 
 def _epoch_round(ckpt_id: str) -> tuple[int | None, int | None]:
     """The epoch and round a checkpoint id names (None, None for a name that is no id)."""
-    if not files.is_checkpoint_id(ckpt_id):
+    if not is_checkpoint_id(ckpt_id):
         return None, None
     _, epoch, round_no, _ = ckpt_id.split("-")
     return int(epoch), int(round_no)
@@ -296,7 +298,10 @@ def _epoch_record(store: CoordinationStore, keys: Keys) -> dict[str, Any] | None
 
 
 def _parts(parts: Any, results: dict[str, str]) -> list[dict[str, Any]]:
-    return [{**p.to_json(), "result": results[p.name]} for p in sorted(parts, key=lambda p: p.name)]
+    return [
+        {"name": p.name, "path": p.path, "bytes": p.bytes, "checksum": p.checksum, "result": results[p.name]}
+        for p in sorted(parts, key=lambda p: p.name)
+    ]
 
 
 def _when(t: float | None) -> str:

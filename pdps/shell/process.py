@@ -205,7 +205,7 @@ def _join(values: Mapping[str, Any], metrics: RoleMetrics) -> tuple[Coordination
 def run_master(values: Mapping[str, Any]) -> int:
     """Serve the job's task queue until the job is done (or SIGTERM). Exit code."""
     from pdps.adapters.prometheus_metrics import master_reading
-    from pdps.registry import open_data_source
+    from pdps.registry import open_checkpoint_files, open_data_source
     from pdps.roles.master import Master
     from pdps.shell.settings import job_config
 
@@ -221,7 +221,10 @@ def run_master(values: Mapping[str, Any]) -> int:
         else:
             log.info("job %r exists; serving its stored configuration", config.name)
         st = _resilient(store, config, metrics)
-        master = Master(st, metrics.transport(open_role_transport(values)), open_data_source(config.dataset), config, address=serve_address(values))
+        master = Master(
+            st, metrics.transport(open_role_transport(values)), open_data_source(config.dataset), config,
+            address=serve_address(values), checkpoints=open_checkpoint_files(config.checkpoint_url),
+        )  # fmt: skip
         metrics.watch(master_reading(master))
         shutdown = Shutdown(values["grace"], on_request=master.stop)
         with serving_metrics(values, metrics):
@@ -251,7 +254,7 @@ def run_master(values: Mapping[str, Any]) -> int:
 def run_pserver(values: Mapping[str, Any]) -> int:
     """Serve a slice of the parameters until SIGTERM. Exit code."""
     from pdps.adapters.prometheus_metrics import pserver_reading
-    from pdps.registry import open_compute
+    from pdps.registry import open_checkpoint_files, open_compute
     from pdps.roles.pserver import Pserver
 
     # its id is the index it claims; until then, the one it asks for
@@ -266,6 +269,7 @@ def run_pserver(values: Mapping[str, Any]) -> int:
             address=serve_address(values),
             index=values.get("index"),
             claim_wait=3 * config.lease_ttl,  # a restarted pserver's old claim outlives it by a TTL at most
+            checkpoints=open_checkpoint_files(config.checkpoint_url),
         )
         metrics.watch(pserver_reading(ps))
         shutdown = Shutdown(values["grace"])

@@ -78,7 +78,7 @@ def simulate(
     ``progress`` is called about once a second with the current pass's queue counts
     and each trainer's ``ctx.metrics``.
     """
-    from pdps.registry import connect_store, open_compute, open_data_source, open_transport
+    from pdps.registry import connect_store, open_checkpoint_files, open_compute, open_data_source, open_transport
     from pdps.runtime.resilient import ResilientStore
 
     _check_arguments(train, dataset, kill, store, transport, compute, timeout, progress)
@@ -104,8 +104,8 @@ def simulate(
             st.close()
         raise ConfigError(f"job {config.name!r} already exists in {st.url}; simulate runs a new job: pick another name or store")
     st = ResilientStore(st, deadline=config.store_outage_deadline)  # roles ride out outages up to the deadline
-    master = Master(st, tr, source, config)
-    pservers = [Pserver(st, tr, compute, config) for _ in range(config.pservers)]
+    master = Master(st, tr, source, config, checkpoints=open_checkpoint_files(config.checkpoint_url))
+    pservers = [Pserver(st, tr, compute, config, checkpoints=open_checkpoint_files(config.checkpoint_url)) for _ in range(config.pservers)]
     # trainer-0's model is the job's: the others attach after it, so a trainer with another
     # model is refused the same way in every run
     contexts = [TrainerContext(st, tr, compute, source, config, trainer_id=f"trainer-{i}", publisher="trainer-0") for i in range(config.trainers)]

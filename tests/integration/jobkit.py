@@ -14,6 +14,7 @@ from pdps.adapters.inproc import InprocTransport
 from pdps.adapters.memory_store import MemoryStore
 from pdps.adapters.torch_compute import TorchCompute
 from pdps.ports.transport import Transport
+from pdps.registry import open_checkpoint_files
 from pdps.roles.master import Master
 from pdps.roles.pserver import Pserver
 
@@ -56,9 +57,12 @@ def start_job(source: Any, *, transport: Transport | None = None, address: str =
     store, compute = MemoryStore(), TorchCompute("cpu")
     transport = transport or InprocTransport()
     config = pdps.JobConfig(dataset=source.url, **settings)
-    master = Master(store, transport, source, config, address=address)
+    master = Master(store, transport, source, config, address=address, checkpoints=open_checkpoint_files(config.checkpoint_url))
     master.start()
-    servers = [Pserver(store, transport, compute, config, address=address) for _ in range(config.pservers)]
+    servers = [
+        Pserver(store, transport, compute, config, address=address, checkpoints=open_checkpoint_files(config.checkpoint_url))
+        for _ in range(config.pservers)
+    ]
     for ps in servers:
         ps.start()
     return LiveJob(store, transport, compute, config, source, master, servers)

@@ -21,7 +21,7 @@ from pdps.adapters.fsspec_storage import TEMP_PREFIX
 from pdps.adapters.parquet import write_parquet_shards
 from pdps.core.job import Keys, decode_json
 from pdps.registry import open_storage
-from pdps.roles import recovery
+from pdps.runtime import recovery
 from tests.servers import free_port
 
 pytestmark = pytest.mark.integration

@@ -23,10 +23,10 @@ from pathlib import Path
 
 import pytest
 
+from pdps.adapters import safetensors_files as files
 from pdps.core.job import Keys, decode_json
 from pdps.registry import open_storage, open_store
-from pdps.roles import checkpoint as files
-from pdps.roles import recovery
+from pdps.runtime import recovery
 from pdps.shell.status import job_status, pass_audit
 from tests.integration.jobkit import leftovers_on_disk
 from tests.servers import EtcdServer

@@ -16,14 +16,16 @@ import torch.nn.functional as F
 from torch import nn
 
 import pdps
+from pdps.adapters import safetensors_files as files
 from pdps.adapters.fsspec_storage import TEMP_PREFIX
 from pdps.adapters.memory_store import MemoryStore
 from pdps.adapters.parquet import ParquetSource
+from pdps.adapters.safetensors_files import SafetensorsFiles
 from pdps.core.job import Keys, decode_json
-from pdps.registry import open_storage
-from pdps.roles import checkpoint as files
-from pdps.roles import recovery
+from pdps.registry import open_checkpoint_files, open_storage
 from pdps.roles.pserver import Pserver
+from pdps.runtime import recovery
+from pdps.runtime.recovery import new_checkpoint_id
 from tests.integration.jobkit import leftovers_on_disk, start_job
 from tests.integration.test_inprocess_job import digits_like
 
@@ -115,7 +117,10 @@ def test_a_restarted_pserver_restores_and_the_job_finishes(source, tmp_path, mod
         progress = (lambda: job.pservers[1].round_no) if mode == "sync" else (lambda: job.pservers[0].version)
         wait_until(lambda: progress() > committed["round"] + 3, 60, "steps after the checkpoint")
         job.pservers[1].crash()
-        replacement = Pserver(job.store, job.transport, job.compute, job.config, index=1, claim_wait=10.0)
+        replacement = Pserver(
+            job.store, job.transport, job.compute, job.config, index=1, claim_wait=10.0,
+            checkpoints=open_checkpoint_files(job.config.checkpoint_url),
+        )  # fmt: skip
         replacement.start()  # finds the job initialized: rolls everyone back
         job.pservers[1] = replacement
         for t in threads:
@@ -143,7 +148,7 @@ def test_half_written_checkpoint_is_never_restored_and_its_parts_are_cleaned_up(
     latest = pointer(store, job)["id"]
     # a checkpoint whose writers died between parts: ps-0 and the master wrote theirs, ps-1
     # was killed half-way through its part, and its temporary file stayed (a minute old)
-    half = files.checkpoint_id(0, 10_000)
+    half = new_checkpoint_id(0, 10_000)
     store.put(keys.checkpoint_info(half), json.dumps({"id": half, "epoch": 0, "round": 10_000, "mode": "sync", "state": "writing", "started": time.time()}).encode())
     for name in ("ps-0", "master"):
         part = files.write_part(storage, f"{half}/{name}.safetensors", {"values": torch.ones(4)}, name=name)
@@ -160,10 +165,10 @@ def test_half_written_checkpoint_is_never_restored_and_its_parts_are_cleaned_up(
 
     temp_file(half, "ps-1.safetensors", 61)
     temp_file(latest, "manifest.json", 61)  # a second committer killed while writing the manifest
-    writing = temp_file(files.checkpoint_id(0, 10_001), "ps-0.safetensors", 0)  # a live writer's: kept
-    assert not recovery.try_commit(store, storage, config, half)  # a part is missing: no commit
+    writing = temp_file(new_checkpoint_id(0, 10_001), "ps-0.safetensors", 0)  # a live writer's: kept
+    assert not recovery.try_commit(store, SafetensorsFiles(storage), config, half)  # a part is missing: no commit
     assert pointer(store, job)["id"] == latest
-    epoch = recovery.rollback(store, storage, keys, "test", grace=config.checkpoint_orphan_grace)
+    epoch = recovery.rollback(store, SafetensorsFiles(storage), keys, "test", grace=config.checkpoint_orphan_grace)
     assert epoch.checkpoint == latest
     assert half not in files.list_ids(storage), "the abandoned checkpoint's parts are deleted"
     assert not store.range(f"{keys.checkpoints}{half}/"), "and so are its records"
@@ -171,16 +176,16 @@ def test_half_written_checkpoint_is_never_restored_and_its_parts_are_cleaned_up(
     # a writer of the old epoch that finishes late can neither record nor commit
     part = files.write_part(storage, f"{half}/ps-1.safetensors", {"values": torch.ones(4)}, name="ps-1")
     assert not recovery.record_part(store, keys, half, part)
-    assert not recovery.try_commit(store, storage, config, half)
+    assert not recovery.try_commit(store, SafetensorsFiles(storage), config, half)
     # the next commit, whose ps-1 was written again after a first attempt was killed,
     # deletes that late part with its folder, and the killed attempt's file
-    after = files.checkpoint_id(1, 10_002)
+    after = new_checkpoint_id(1, 10_002)
     assert store.commit((), (recovery.announce(keys, after, 1, 10_002, "sync"),)).succeeded
     for name in ("ps-0", "ps-1", "master"):
         part = files.write_part(storage, f"{after}/{name}.safetensors", {"values": torch.ones(4)}, name=name)
         assert recovery.record_part(store, keys, after, part)
     temp_file(after, "ps-1.safetensors", 61)
-    assert recovery.try_commit(store, storage, config, after)
+    assert recovery.try_commit(store, SafetensorsFiles(storage), config, after)
     assert leftovers_on_disk(root) == [writing] and half not in files.list_ids(storage)
 
 
@@ -193,15 +198,15 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(source, tmp_pa
     data = bytearray(storage.get(path))
     data[-3] ^= 0xFF  # one flipped bit of a parameter value
     storage.put(path, bytes(data))
-    with caplog.at_level(logging.ERROR, logger="pdps.roles.recovery"):
-        epoch = recovery.rollback(store, storage, keys, "test")
+    with caplog.at_level(logging.ERROR, logger="pdps.runtime.recovery"):
+        epoch = recovery.rollback(store, SafetensorsFiles(storage), keys, "test")
     assert epoch.checkpoint == previous
     assert any("falling back to checkpoint " + previous in r.getMessage() for r in caplog.records)
     assert any(latest in r.getMessage() and "crc32" in r.getMessage() for r in caplog.records)
     assert pointer(store, job)["history"] == [previous, third]  # the pointer followed the rollback
     # a missing part is treated the same
     storage.delete(files.read_manifest(storage, previous).parts["master"].path)
-    assert recovery.choose(store, storage, keys).id == third
+    assert recovery.choose(store, SafetensorsFiles(storage), keys).id == third
 
 
 def test_a_rollback_to_an_older_checkpoint_moves_the_pointer_so_a_later_restart_keeps_it(source, tmp_path):
@@ -210,8 +215,8 @@ def test_a_rollback_to_an_older_checkpoint_moves_the_pointer_so_a_later_restart_
     store, storage, job = checkpointed_job(source, tmp_path)
     keys = Keys(job)
     newest, older = pointer(store, job)["history"][:2]
-    first = recovery.rollback(store, storage, keys, "operator", checkpoint=older)
+    first = recovery.rollback(store, SafetensorsFiles(storage), keys, "operator", checkpoint=older)
     assert first.checkpoint == older and pointer(store, job)["id"] == older
     assert newest not in pointer(store, job)["history"]
-    again = recovery.rollback(store, storage, keys, "pserver 1 restarted")
+    again = recovery.rollback(store, SafetensorsFiles(storage), keys, "pserver 1 restarted")
     assert (again.epoch, again.checkpoint) == (2, older)

@@ -107,11 +107,11 @@ def test_a_job_checkpoints_to_s3_and_rolls_back_from_it(s3_env, tmp_path):
     from torch import nn
 
     import pdps
+    from pdps.adapters import safetensors_files as files
     from pdps.adapters.memory_store import MemoryStore
     from pdps.adapters.parquet import write_parquet_shards
     from pdps.core.job import Keys
-    from pdps.roles import checkpoint as files
-    from pdps.roles import recovery
+    from pdps.runtime import recovery
 
     rng = np.random.default_rng(2)
     x = rng.normal(size=(320, 4)).astype(np.float32)
@@ -134,7 +134,7 @@ def test_a_job_checkpoints_to_s3_and_rolls_back_from_it(s3_env, tmp_path):
     # a checkpoint due while the last one is still being written is skipped: at least one
     assert history and set(history) <= set(files.list_ids(storage))
     assert all(files.verify(storage, files.read_manifest(storage, c)) == [] for c in history)
-    epoch = recovery.rollback(store, storage, keys, "test")
+    epoch = recovery.rollback(store, files.SafetensorsFiles(storage), keys, "test")
     assert epoch.checkpoint == history[0]
     part = files.read_part(storage, files.read_manifest(storage, epoch.checkpoint).parts["ps-0"])
     assert int(part["pdps.version"]) > 0 and torch.isfinite(part["values"]).all()

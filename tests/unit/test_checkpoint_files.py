@@ -1,4 +1,4 @@
-"""Checkpoint parts and manifests (pdps.roles.checkpoint) over file:// and memory://.
+"""Checkpoint parts and manifests (pdps.adapters.safetensors_files) over file:// and memory://.
 
 :class:`CheckpointFilesTests` holds every test; a subclass supplies the ``storage``
 fixture. tests/integration/test_storage_s3.py runs the same class on an S3 bucket.
@@ -13,14 +13,17 @@ import time
 import uuid
 import zlib
 
+import attrs
 import fsspec
 import pytest
 import safetensors.torch
 import torch
 
+from pdps.adapters import safetensors_files as ckpt
 from pdps.adapters.fsspec_storage import TEMP_PREFIX, FsspecStorage
+from pdps.core.checkpoints import Manifest, PartInfo
 from pdps.core.errors import ConfigError, CorruptCheckpoint, StorageError
-from pdps.roles import checkpoint as ckpt
+from pdps.runtime.recovery import new_checkpoint_id
 
 DTYPES = [
     torch.float64, torch.float32, torch.float16, torch.bfloat16,
@@ -63,11 +66,15 @@ def a_state() -> dict[str, torch.Tensor]:
     }
 
 
-def rewrite(storage, info: ckpt.PartInfo, data: bytes) -> ckpt.PartInfo:
+def piece_crcs(data: bytes, piece: int) -> list[int]:
+    return [zlib.crc32(data[i : i + piece]) for i in range(0, len(data), piece)]
+
+
+def rewrite(storage, info: PartInfo, data: bytes) -> PartInfo:
     """Put ``data`` at the part's path; return the PartInfo that *matches* it, so that
     only the structural checks (not size or checksum) can catch what is wrong."""
     storage.put(info.path, data)
-    return ckpt.PartInfo(info.name, info.path, len(data), f"crc32:{zlib.crc32(data):08x}")
+    return PartInfo(info.name, info.path, len(data), f"crc32:{zlib.crc32(data):08x}")
 
 
 def safetensors_file(header: dict, data: bytes, pad: bool = True) -> bytes:
@@ -84,7 +91,7 @@ class CheckpointFilesTests:
 
     @pytest.fixture
     def cid(self) -> str:
-        return ckpt.checkpoint_id(2, 1200)
+        return new_checkpoint_id(2, 1200)
 
     def write(self, storage, cid, tensors, name="ps-0"):
         return ckpt.write_part(storage, f"{cid}/{name}.safetensors", tensors, name=name)
@@ -126,7 +133,7 @@ class CheckpointFilesTests:
     def test_we_read_what_safetensors_writes(self, storage, cid):
         state = a_state()
         data = safetensors.torch.save(state, metadata={"by": "safetensors"})
-        info = rewrite(storage, ckpt.PartInfo("x", f"{cid}/x.safetensors", 0, "crc32:00000000"), data)
+        info = rewrite(storage, PartInfo("x", f"{cid}/x.safetensors", 0, "crc32:00000000"), data)
         assert_same(ckpt.read_part(storage, info), state)
 
     def test_an_unaligned_layout_is_read_by_copying(self, storage, cid):
@@ -135,7 +142,7 @@ class CheckpointFilesTests:
         header = {"a": {"dtype": "U8", "shape": [3], "data_offsets": [0, 3]},
                   "b": {"dtype": "F32", "shape": [2], "data_offsets": [3, 11]}}  # fmt: skip
         data = safetensors_file(header, bits(small) + bits(floats))
-        info = rewrite(storage, ckpt.PartInfo("x", f"{cid}/x.safetensors", 0, "crc32:00000000"), data)
+        info = rewrite(storage, PartInfo("x", f"{cid}/x.safetensors", 0, "crc32:00000000"), data)
         assert_same(ckpt.read_part(storage, info), {"a": small, "b": floats})
 
     def test_tensors_that_cannot_be_written_from_where_they_are(self, storage, cid):
@@ -162,8 +169,34 @@ class CheckpointFilesTests:
             monkeypatch.setattr(ckpt, "_hash_in_thread", lambda nbytes: in_thread)
             for info in (threaded, inline):
                 assert_same(ckpt.read_part(storage, info), tensors)
-                manifest = ckpt.Manifest(cid, "j", 1, 2, 0.0, {info.name: info})
+                manifest = Manifest(cid, "j", 1, 2, 0.0, {info.name: info})
                 assert ckpt.verify(storage, manifest) == []
+
+    def test_a_part_records_a_crc32_per_piece_and_a_flipped_byte_names_its_piece(self, storage, cid, monkeypatch):
+        monkeypatch.setattr(ckpt, "READ_PIECE", 4096)
+        info = self.write(storage, cid, {"values": random_tensor(torch.float32, (10_000,), 7)})
+        data = storage.get(info.path)
+        assert info.piece_bytes == 4096 and list(info.pieces) == [f"{c:08x}" for c in piece_crcs(data, 4096)]
+        bad = bytearray(data)
+        bad[5 * 4096 + 3] ^= 0x01
+        storage.put(info.path, bytes(bad))
+        self.assert_corrupt(storage, cid, info, "checksum", "bytes 20480..24576 (piece 5)")
+
+    @pytest.mark.parametrize("in_thread", [True, False])
+    def test_a_part_recorded_without_pieces_is_read_by_its_whole_crc32(self, storage, cid, monkeypatch, in_thread):
+        # as an older pdps recorded it: one crc32 of the whole part, read in order
+        monkeypatch.setattr(ckpt, "READ_PIECE", 4096)
+        monkeypatch.setattr(ckpt, "PIECE", 8192)
+        monkeypatch.setattr(ckpt, "_hash_in_thread", lambda nbytes: in_thread)
+        tensors = {"values": random_tensor(torch.float32, (10_000,), 8)}
+        info = attrs.evolve(self.write(storage, cid, tensors), pieces=None, piece_bytes=0)
+        assert "pieces" not in info.to_json()
+        assert_same(ckpt.read_part(storage, info), tensors)
+        assert ckpt.verify(storage, Manifest(cid, "j", 1, 2, 0.0, {info.name: info})) == []
+        data = bytearray(storage.get(info.path))
+        data[-5] ^= 0x01
+        storage.put(info.path, bytes(data))
+        self.assert_corrupt(storage, cid, info, "checksum", info.checksum)
 
     def test_unsupported_tensors_are_refused_before_writing(self, storage, cid):
         for bad in [
@@ -188,7 +221,7 @@ class CheckpointFilesTests:
         assert info.path in message and raised.value.path == info.path
         for word in words:
             assert word in message
-        manifest = ckpt.Manifest(cid, "j", 1, 2, 0.0, {info.name: info})
+        manifest = Manifest(cid, "j", 1, 2, 0.0, {info.name: info})
         problems = ckpt.verify(storage, manifest)
         assert len(problems) == 1 and info.path in problems[0]
         for word in words:
@@ -226,7 +259,7 @@ class CheckpointFilesTests:
 
     def test_a_wrong_checksum_in_the_record_is_caught(self, storage, cid):
         info = self.write(storage, cid, a_state())
-        self.assert_corrupt(storage, cid, ckpt.PartInfo(info.name, info.path, info.bytes, "crc32:00000000"), "checksum")
+        self.assert_corrupt(storage, cid, PartInfo(info.name, info.path, info.bytes, "crc32:00000000"), "checksum")
 
     F32x2 = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
 
@@ -254,14 +287,14 @@ class CheckpointFilesTests:
         ],
     )
     def test_a_bad_header_is_caught_even_with_a_matching_checksum(self, storage, cid, data, what):
-        info = rewrite(storage, ckpt.PartInfo("ps-0", f"{cid}/ps-0.safetensors", 0, "crc32:00000000"), data)
+        info = rewrite(storage, PartInfo("ps-0", f"{cid}/ps-0.safetensors", 0, "crc32:00000000"), data)
         self.assert_corrupt(storage, cid, info, what)
 
     def test_a_header_longer_than_a_piece_is_checked_too(self, storage, cid, monkeypatch):
         monkeypatch.setattr(ckpt, "PIECE", 64)
         tensors = {f"name-{i}": torch.tensor([i], dtype=torch.int32) for i in range(20)}
         info = self.write(storage, cid, tensors)
-        assert ckpt.verify(storage, ckpt.Manifest(cid, "j", 1, 2, 0.0, {info.name: info})) == []
+        assert ckpt.verify(storage, Manifest(cid, "j", 1, 2, 0.0, {info.name: info})) == []
         data = bytearray(storage.get(info.path))
         data[data.index(b'"I32"') + 2] = ord("X")  # "IX2": a dtype no reader knows
         info = rewrite(storage, info, bytes(data))
@@ -293,14 +326,14 @@ class CheckpointFilesTests:
 
     # --- manifests ----------------------------------------------------------------------
 
-    def manifest(self, storage, cid) -> ckpt.Manifest:
+    def manifest(self, storage, cid) -> Manifest:
         parts = {"ps-0": self.write(storage, cid, a_state())}
         parts["master"] = ckpt.write_json_part(storage, f"{cid}/master.json", {"pass": 1})
-        return ckpt.Manifest(id=cid, job="digits", round=1200, epoch=2, created=1.7e9, parts=parts, extra={"pservers": 1})
+        return Manifest(id=cid, job="digits", round=1200, epoch=2, created=1.7e9, parts=parts, extra={"pservers": 1})
 
     def test_manifest_round_trip(self, storage, cid):
         manifest = self.manifest(storage, cid)
-        assert ckpt.Manifest.from_json(json.loads(json.dumps(manifest.to_json()))) == manifest
+        assert Manifest.from_json(json.loads(json.dumps(manifest.to_json()))) == manifest
         ckpt.write_manifest(storage, manifest)
         assert manifest.path == f"{cid}/manifest.json"
         assert ckpt.read_manifest(storage, cid) == manifest
@@ -315,8 +348,8 @@ class CheckpointFilesTests:
         assert "master.json" in problems[0] + problems[1] and "ps-0.safetensors" in problems[0] + problems[1]
 
     def test_verify_checks_other_parts_by_size_and_checksum_only(self, storage, cid):
-        good = rewrite(storage, ckpt.PartInfo("raw", f"{cid}/raw.bin", 0, "crc32:00000000"), b"not safetensors")
-        manifest = ckpt.Manifest(cid, "j", 1, 2, 0.0, {"raw": good})
+        good = rewrite(storage, PartInfo("raw", f"{cid}/raw.bin", 0, "crc32:00000000"), b"not safetensors")
+        manifest = Manifest(cid, "j", 1, 2, 0.0, {"raw": good})
         assert ckpt.verify(storage, manifest) == []
         storage.put(good.path, b"not safetensorz")
         assert "checksum" in ckpt.verify(storage, manifest)[0]
@@ -341,7 +374,7 @@ class CheckpointFilesTests:
 
     def test_a_manifest_of_another_checkpoint_is_corrupt(self, storage, cid):
         manifest = self.manifest(storage, cid)
-        other = ckpt.checkpoint_id(2, 1300)
+        other = new_checkpoint_id(2, 1300)
         storage.put(f"{other}/manifest.json", json.dumps(manifest.to_json()).encode())
         with pytest.raises(CorruptCheckpoint, match=f"manifest of {cid}, not of {other}"):
             ckpt.read_manifest(storage, other)
@@ -354,7 +387,7 @@ class CheckpointFilesTests:
     # --- list and delete ----------------------------------------------------------------
 
     def test_list_ids_and_delete(self, storage):
-        ids = [ckpt.checkpoint_id(e, r) for e, r in [(10_000, 1), (0, 5), (1, 0), (0, 40)]]
+        ids = [new_checkpoint_id(e, r) for e, r in [(10_000, 1), (0, 5), (1, 0), (0, 40)]]
         for cid in ids:
             self.manifest(storage, cid)
         storage.put("data/shard-0.npy", b"not a checkpoint")
@@ -404,7 +437,7 @@ class TestOnFile(CheckpointFilesTests):
 
     def test_dead_writers_leftovers_go_and_so_does_a_deleted_checkpoints_folder(self, storage, tmp_path):
         root, now = tmp_path / "ckpts", time.time()
-        kept, gone, live = ckpt.checkpoint_id(0, 10), ckpt.checkpoint_id(0, 5), ckpt.checkpoint_id(0, 15)
+        kept, gone, live = new_checkpoint_id(0, 10), new_checkpoint_id(0, 5), new_checkpoint_id(0, 15)
         self.write(storage, kept, a_state())
         self.write(storage, gone, a_state())
         (root / live).mkdir()
@@ -442,77 +475,9 @@ class TestOnMemory(CheckpointFilesTests):
             fs.rm(f"/{name}", recursive=True)
 
 
-# --- pure: ids and records ------------------------------------------------------------
-
-
-def test_checkpoint_ids_sort_by_epoch_then_round():
-    ids = [ckpt.checkpoint_id(e, r) for e, r in [(0, 0), (0, 9), (0, 10), (1, 0), (12, 3)]]
-    assert ids == sorted(ids)
-    assert all(ckpt.is_checkpoint_id(i) for i in ids)
-    assert ckpt.checkpoint_id(3, 7).startswith("ckpt-0003-0000000007-")
-    for bad in [(-1, 0), (0, -1), (1.0, 2), (True, 2)]:
-        with pytest.raises(ConfigError):
-            ckpt.checkpoint_id(*bad)
-
-
-@pytest.mark.parametrize(
-    "bad",
-    [
-        None, [], {},
-        {"name": "", "path": "p", "bytes": 1, "checksum": "crc32:00000000"},
-        {"name": "a", "path": 3, "bytes": 1, "checksum": "crc32:00000000"},
-        {"name": "a", "path": "p", "bytes": -1, "checksum": "crc32:00000000"},
-        {"name": "a", "path": "p", "bytes": True, "checksum": "crc32:00000000"},
-        {"name": "a", "path": "p", "bytes": 1, "checksum": "sha256:00"},
-        {"name": "a", "path": "p", "bytes": 1, "checksum": "crc32:0000000G"},
-    ],
-)  # fmt: skip
-def test_part_info_from_json_refuses_bad_records(bad):
-    with pytest.raises(CorruptCheckpoint):
-        ckpt.PartInfo.from_json(bad)
-
-
-def test_part_info_json_round_trip():
-    info = ckpt.PartInfo("ps-0", "ckpt-0000-0000000001-abcd/ps-0.safetensors", 123, "crc32:0badf00d")
-    assert ckpt.PartInfo.from_json(json.loads(json.dumps(info.to_json()))) == info
-
-
-def _manifest_json(**changes):
-    cid = "ckpt-0001-0000000002-abcd"
-    d = {
-        "format": "pdps-checkpoint", "version": 1, "checksum": "crc32", "id": cid, "job": "j",
-        "epoch": 1, "round": 2, "created": 5.5, "extra": {},
-        "parts": {"ps-0": {"name": "ps-0", "path": f"{cid}/ps-0.safetensors", "bytes": 8, "checksum": "crc32:00000000"}},
-    }  # fmt: skip
-    d.update(changes)
-    return d
-
-
-@pytest.mark.parametrize(
-    "changes",
-    [
-        {"format": "x"}, {"version": 2}, {"checksum": "sha256"}, {"id": "x"}, {"job": None},
-        {"epoch": -1}, {"round": "2"}, {"created": "now"}, {"created": float("inf")}, {"parts": []},
-        {"extra": None},
-        {"parts": {"ps-1": {"name": "ps-0", "path": "ckpt-0001-0000000002-abcd/p", "bytes": 8, "checksum": "crc32:00000000"}}},
-        {"parts": {"ps-0": {"name": "ps-0", "path": "elsewhere/p", "bytes": 8, "checksum": "crc32:00000000"}}},
-    ],
-)  # fmt: skip
-def test_manifest_from_json_refuses_bad_manifests(changes):
-    assert ckpt.Manifest.from_json(_manifest_json()).round == 2
-    with pytest.raises(CorruptCheckpoint):
-        ckpt.Manifest.from_json(_manifest_json(**changes))
-
-
-def test_a_manifest_keeps_its_parts_in_its_folder():
-    info = ckpt.PartInfo("ps-0", "other/ps-0.safetensors", 1, "crc32:00000000")
-    with pytest.raises(ConfigError, match="not inside the folder"):
-        ckpt.Manifest("ckpt-0001-0000000002-abcd", "j", 2, 1, 0.0, {"ps-0": info})
-
-
 def test_write_manifest_refuses_extra_that_is_not_json(tmp_path):
     storage = FsspecStorage(f"file://{tmp_path}")
-    manifest = ckpt.Manifest("ckpt-0001-0000000002-abcd", "j", 2, 1, 0.0, {}, extra={"x": object()})
+    manifest = Manifest("ckpt-0001-0000000002-abcd", "j", 2, 1, 0.0, {}, extra={"x": object()})
     with pytest.raises(ConfigError, match="extra"):
         ckpt.write_manifest(storage, manifest)
     assert storage.list() == []
@@ -532,14 +497,20 @@ def test_only_big_parts_get_a_thread_whichever_crc32(monkeypatch):
 
 
 @pytest.mark.parametrize("piece", [1, 7, 64, 4096])
-@pytest.mark.parametrize("size", [1, 63, 64, 65, 10_000])
-def test_the_crc32s_of_pieces_combine_into_the_whole_ones(piece, size):
+@pytest.mark.parametrize("size", [0, 1, 63, 64, 65, 10_000])
+def test_the_crc32s_of_each_piece_and_of_the_whole_whatever_the_chunks(piece, size, monkeypatch):
+    monkeypatch.setattr(ckpt, "READ_PIECE", 50)  # slices of at most 50 bytes, across pieces and chunks
     data = random_tensor(torch.uint8, (size,), size + piece).numpy().tobytes()
-    crcs = [zlib.crc32(data[i : i + piece]) for i in range(0, size, piece)]
-    last = size - (len(crcs) - 1) * piece
-    assert ckpt._crc32_of_pieces(crcs, piece, last) == zlib.crc32(data)
-    third = size // 3
-    assert ckpt._crc32_combine(zlib.crc32(data[:third]), zlib.crc32(data[third:]), size - third) == zlib.crc32(data)
+    for threaded in (True, False):
+        hasher = ckpt._Hasher(threaded, whole=True, piece=piece)
+        try:
+            for start in range(0, size, 37):  # chunks that start anywhere in a piece
+                hasher.update(memoryview(data)[start : start + 37])
+            hasher.result()
+        finally:
+            hasher.close()
+        assert hasher.whole == zlib.crc32(data)
+        assert hasher.pieces == piece_crcs(data, piece)
 
 
 def test_pieces_the_helper_cannot_take_are_hashed_by_the_reader(monkeypatch):
@@ -560,7 +531,7 @@ def test_pieces_the_helper_cannot_take_are_hashed_by_the_reader(monkeypatch):
             gate.set()
 
     monkeypatch.setattr(ckpt, "_crc32", slow_crc32)
-    assert ckpt._read_pieces_hashed(read_into, memoryview(bytearray(len(data))), 2) == zlib.crc32(data)
+    assert ckpt._read_pieces_hashed(read_into, memoryview(bytearray(len(data))), 2) == piece_crcs(data, 100)
 
 
 @pytest.mark.parametrize("in_cache", [True, False], ids=["side-by-side", "one-reader"])
@@ -576,7 +547,7 @@ def test_both_ways_of_reading_with_a_helper_hash_every_byte(in_cache, monkeypatc
         return in_cache
 
     out = bytearray(len(data))
-    assert ckpt._read_pieces_hashed(read_into, memoryview(out), 2, cached) == zlib.crc32(data)
+    assert ckpt._read_pieces_hashed(read_into, memoryview(out), 2, cached) == piece_crcs(data, 1000)
     assert bytes(out) == data
 
 
@@ -591,7 +562,7 @@ def test_parallel_piece_reads_hash_every_byte_in_order(threads, monkeypatch):
         view[:] = data[offset : offset + view.nbytes]
 
     out = bytearray(len(data))
-    assert ckpt._read_pieces_hashed(read_into, memoryview(out), threads) == zlib.crc32(data)
+    assert ckpt._read_pieces_hashed(read_into, memoryview(out), threads) == piece_crcs(data, 1000)
     assert bytes(out) == data
     assert seen == [(i, min(1000, len(data) - i)) for i in range(0, len(data), 1000)]  # in order: one reader
 
@@ -624,7 +595,7 @@ def test_a_failing_crc32_in_the_helper_thread_is_raised(monkeypatch):
 def test_a_part_truncated_between_size_and_read_is_a_storage_error(tmp_path, monkeypatch):
     monkeypatch.setattr(ckpt, "READ_PIECE", 4096)
     storage = FsspecStorage(f"file://{tmp_path}")
-    cid = ckpt.checkpoint_id(0, 1)
+    cid = new_checkpoint_id(0, 1)
     info = ckpt.write_part(storage, f"{cid}/ps-0.safetensors", {"v": random_tensor(torch.float32, (10_000,), 3)})
     real_open_reader = FsspecStorage.open_reader
 
@@ -641,7 +612,7 @@ def test_a_part_truncated_between_size_and_read_is_a_storage_error(tmp_path, mon
 def test_parts_checksummed_by_one_crc32_read_with_the_other(tmp_path, monkeypatch):
     # A checkpoint written where ISA-L is installed restores where it is not, and back.
     storage = FsspecStorage(f"file://{tmp_path}")
-    cid = ckpt.checkpoint_id(0, 1)
+    cid = new_checkpoint_id(0, 1)
     state = a_state()
     first = ckpt.write_part(storage, f"{cid}/ps-0.safetensors", state)
     monkeypatch.setattr(ckpt, "_crc32", zlib.crc32)
@@ -655,7 +626,22 @@ def test_parts_checksummed_by_one_crc32_read_with_the_other(tmp_path, monkeypatc
 @pytest.mark.gpu
 def test_cuda_tensors_are_written_from_a_cpu_copy(tmp_path):
     storage = FsspecStorage(f"file://{tmp_path}")
-    cid = ckpt.checkpoint_id(0, 1)
+    cid = new_checkpoint_id(0, 1)
     cpu = random_tensor(torch.float32, (1000,), 9)
     info = ckpt.write_part(storage, f"{cid}/ps-0.safetensors", {"values": cpu.cuda(), "half": cpu.half().cuda()})
     assert_same(ckpt.read_part(storage, info), {"values": cpu, "half": cpu.half()})
+
+
+def test_a_role_of_a_job_that_keeps_checkpoints_is_refused_without_its_checkpoint_files(tmp_path):
+    from pdps.adapters.inproc import InprocTransport
+    from pdps.adapters.memory_store import MemoryStore
+    from pdps.core.job import JobConfig
+    from pdps.roles.pserver import Pserver
+    from pdps.runtime.recovery import files_for
+
+    config = JobConfig(name="j", dataset="memory://d", checkpoint_url=f"file://{tmp_path}", checkpoint_every=1)
+    with pytest.raises(ConfigError, match="open_checkpoint_files"):
+        Pserver(MemoryStore(), InprocTransport(), None, config)  # type: ignore[arg-type]
+    files = ckpt.SafetensorsFiles(FsspecStorage(f"file://{tmp_path}"))
+    assert files_for(config, files) is files and files.url == f"file://{tmp_path}"
+    assert files_for(JobConfig(name="j", dataset="memory://d"), None) is None

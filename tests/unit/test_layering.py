@@ -74,11 +74,6 @@ def every_import(path: Path) -> set[str]:
     return names
 
 
-# Leaving roles/ (checkpoint, recovery: moved by the ckpt helper): until they have
-# left, only the adapter rule holds for them.
-LEAVING_ROLES = {"checkpoint.py", "recovery.py"}
-
-
 def test_roles_import_no_adapter_registry_or_torch():
     """Roles drive ports: the composition roots choose the adapters (through the
     registry) and hand them in, and tensors are the compute port's business. No import
@@ -86,7 +81,7 @@ def test_roles_import_no_adapter_registry_or_torch():
     checked = 0
     for path in sorted((PKG / "roles").rglob("*.py")):
         rel = path.relative_to(PKG / "roles").as_posix()
-        banned = ("pdps.adapters",) if rel in LEAVING_ROLES else ("pdps.adapters", "pdps.registry", "torch")
+        banned = ("pdps.adapters", "pdps.registry", "torch")
         for name in every_import(path):
             assert not any(name == b or name.startswith(b + ".") for b in banned), f"roles/{rel} imports {name}: roles use ports only"
         checked += 1

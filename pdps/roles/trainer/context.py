@@ -267,7 +267,7 @@ class TrainerContext(SyncRound, AsyncCadence):
         with :class:`ConfigError` naming the difference. Returns the same model, whose
         parameters now hold the job's current values.
         """
-        from pdps.roles import recovery
+        from pdps.runtime import recovery
 
         self.register()
         if self._publisher is not None:
@@ -576,7 +576,7 @@ class TrainerContext(SyncRound, AsyncCadence):
 
     def _resync(self) -> None:
         """Follow the job into its current epoch: drop the step, re-fetch the parameters."""
-        from pdps.roles import recovery
+        from pdps.runtime import recovery
 
         assert self._replica is not None
         self._abandon = self._batch is not None

@@ -1,57 +1,70 @@
-"""Checkpoint files: the parts (safetensors, JSON) and the manifest that binds them.
+"""Checkpoint files in storage: parts as safetensors and JSON, the manifest, integrity.
 
-What this module owns: the bytes of a checkpoint in storage and their integrity.
-Which checkpoints exist, which one is committed and which one a job runs from is
-:mod:`pdps.roles.recovery`'s (the coordination store's pointer, not these files).
+What this module owns: the bytes of a checkpoint in a :class:`~pdps.ports.storage.Storage`
+and their integrity (:class:`SafetensorsFiles` is the :class:`~pdps.ports.checkpoints.CheckpointFiles`
+port over one storage; the functions take the storage as their first argument). Which
+checkpoints exist, which one is committed and what each record holds are
+:mod:`pdps.core.checkpoints`' rules, applied by :mod:`pdps.runtime.recovery`.
 
 Layout under the checkpoint storage's root, one folder per checkpoint::
 
-    ckpt-0003-0000001200-9f2c/        a checkpoint_id(): epoch, round, 4 random hex
+    ckpt-0003-0000001200-9f2c/        a checkpoint id: epoch, round, 4 hex
         ps-0.safetensors              a pserver's shard (values, optimizer state)
         ps-1.safetensors
         master.json                   the master's queue snapshot
-        manifest.json                 written last: every part's path, size and crc32
+        manifest.json                 written last: every part's path, size and crc32s
 
 Rules:
 
-* A part is written atomically (``put_chunks``) straight from tensor memory; its
-  crc32 is computed over exactly the bytes written, while they are written.
-* A reader trusts nothing it has not checked: a part's size, then its crc32, then
-  its header, all before a tensor is built. Anything wrong raises
-  :class:`CorruptCheckpoint` naming the object and what is wrong; an unreachable
-  storage stays a plain :class:`StorageError` (retry it; a corrupt part, fall back).
+* A part is written atomically (``put_chunks``) straight from tensor memory; the crc32
+  of the whole part and of each ``READ_PIECE`` piece are computed over exactly the
+  bytes written, while they are written.
+* A reader trusts nothing it has not checked: a part's size, then its crc32s, then its
+  header, all before a tensor is built. Anything wrong raises :class:`CorruptCheckpoint`
+  naming the object and what is wrong; an unreachable storage stays a plain
+  :class:`StorageError` (retry it; a corrupt part, fall back). Pieces are checked each
+  on its own, so two threads can read one part; a part recorded without pieces (by an
+  older pdps) is read in order and checked by its whole crc32.
 * Tensors are safetensors files (8-byte little-endian header length, a JSON header
   of dtype/shape/data_offsets padded with spaces to 8 bytes, raw little-endian data):
-  any safetensors reader loads them, and nothing is ever unpickled.
+  any safetensors reader loads them, and nothing is ever unpickled. The header is
+  built and checked here: the ``safetensors`` package parses only whole files by local
+  path (``safe_open``) or whole ``bytes`` (``deserialize``, a copy of every tensor),
+  so it cannot check a part read from an object store into one buffer, and its
+  errors do not say which fault (a gap or an overlap) a header has. The tests read
+  our files with it and read its files with us.
 * Parts live under their checkpoint's folder, so ``delete`` of a checkpoint removes
   all of it (the manifest first: a half-deleted checkpoint is never taken for whole),
   the folder last.
 * A writer killed mid-write leaves a temporary file (a *leftover*) in the folder;
   :func:`delete_leftovers` deletes those nobody has written to for a grace period.
+
+torch is imported where tensors are written or read, so that a master (whose part is
+JSON) and ``pdps checkpoint`` start without it.
 """
 
 from __future__ import annotations
 
-import functools
 import itertools
 import json
 import logging
 import math
 import mmap
 import queue
-import re
-import secrets
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
-import torch
 
+from pdps.core.checkpoints import MANIFEST, Manifest, PartInfo, check_id, checksum_text, id_order, is_checkpoint_id
 from pdps.core.errors import ConfigError, CorruptCheckpoint, StorageError
 from pdps.ports.storage import CachedReads, Leftover, OpensReaders, Storage
+
+if TYPE_CHECKING:
+    import torch
 
 try:  # ISA-L's crc32 (pip install 'pdps[isal]'): the same checksums, 24 GB/s here
     from isal.isal_zlib import crc32 as _crc32
@@ -60,28 +73,23 @@ except ImportError:  # zlib's: 5.7-6 GB/s here, slower than reading from the pag
 
 log = logging.getLogger(__name__)
 
-#: The checksum of every part: CRC-32 as zlib computes it, by :data:`CRC32_IMPLEMENTATION`.
-#: zlib's runs at 5.7 GB/s here (sha256: 1.6 GB/s, too slow to save within 0.8x of a
-#: raw write). It guards against torn and bit-rotted files, not against an attacker
-#: who can write the bucket.
-CHECKSUM = "crc32"
+#: zlib's crc32 runs at 5.7 GB/s here (sha256: 1.6 GB/s, too slow to save within 0.8x
+#: of a raw write); ISA-L's at 24 GB/s.
 CRC32_IMPLEMENTATION = f"{_crc32.__module__}.crc32"
-MANIFEST = "manifest.json"
-FORMAT = "pdps-checkpoint"
-FORMAT_VERSION = 1
 
-#: Big parts are written in pieces of this size, so that the crc32 of one piece is
+#: Big parts are written in pieces of this size, so that the crc32s of one piece are
 #: computed while the next is written; storages without ``open_reader`` (object
 #: stores, other adapters) are read in pieces of this size too, one request each.
 PIECE = 64 * 2**20
 
-#: Parts read through a storage's ``open_reader`` (local files: ``pread`` on one
-#: descriptor) are read in pieces of this size, each hashed right after it was read,
-#: while its bytes are still in the CPU cache: the crc32 then costs a fraction of a
-#: pass over memory (ISA-L here: 17 GB/s from memory, 53 GB/s from the cache for
-#: pieces of up to 4 MiB). One descriptor read in order for the whole part keeps the
-#: kernel's read-ahead going on a cold page cache. A multiple of 2 MiB, the huge page
-#: the buffer is made of.
+#: The pieces a part's crc32s are recorded for (``PartInfo.piece_bytes``), and what a
+#: part read through a storage's ``open_reader`` (local files: ``pread`` on one
+#: descriptor) is read in: each piece is hashed right after it was read, while its
+#: bytes are still in the CPU cache, so the crc32 costs a fraction of a pass over
+#: memory (ISA-L here: 17 GB/s from memory, 53 GB/s from the cache for pieces of up to
+#: 4 MiB). One descriptor read in order for the whole part keeps the kernel's
+#: read-ahead going on a cold page cache. A multiple of 2 MiB, the huge page the
+#: buffer is made of. A 1 GiB part records 256 crc32s (2.8 kB of manifest).
 READ_PIECE = 4 * 2**20
 
 #: Parts bigger than this get a helper thread beside the caller's (crc32, file I/O
@@ -99,87 +107,68 @@ HASH_IN_THREAD_ABOVE = 8 * 2**20
 # the page cache (0.1 s); with 2 MiB pages, about 0.01 s.
 _HUGE_PAGES_ABOVE = 4 * 2**20
 
-# safetensors' dtype names; every entry is a plain little-endian element type.
-_DTYPES: dict[torch.dtype, str] = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
+# safetensors' dtype names: the torch dtype of each and its size in bytes. Every one is
+# a plain little-endian element type.
+_DTYPES: dict[str, tuple[str, int]] = {
+    "F64": ("float64", 8),
+    "F32": ("float32", 4),
+    "F16": ("float16", 2),
+    "BF16": ("bfloat16", 2),
+    "I64": ("int64", 8),
+    "I32": ("int32", 4),
+    "I16": ("int16", 2),
+    "I8": ("int8", 1),
+    "U8": ("uint8", 1),
+    "BOOL": ("bool", 1),
 }
-_BY_NAME = {name: dtype for dtype, name in _DTYPES.items()}
-
-_ID = re.compile(r"ckpt-(\d{4,})-(\d{10,})-([0-9a-f]{4})")
-_CHECKSUM = re.compile(r"crc32:[0-9a-f]{8}")
-
-
-# --- ids --------------------------------------------------------------------------------
-
-
-def checkpoint_id(epoch: int, round_no: int) -> str:
-    """A new checkpoint's id: ``ckpt-<epoch:04d>-<round:010d>-<4 random hex>``.
-
-    Ids of one job sort as their (epoch, round) do, as strings too while the epoch
-    has at most 4 digits; the random part keeps two attempts at the same round apart.
-    """
-    for what, value in (("epoch", epoch), ("round", round_no)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ConfigError(f"checkpoint {what} must be an int >= 0, got {value!r}")
-    return f"ckpt-{epoch:04d}-{round_no:010d}-{secrets.token_hex(2)}"
-
-
-def is_checkpoint_id(name: str) -> bool:
-    """Whether ``name`` is an id :func:`checkpoint_id` makes."""
-    return isinstance(name, str) and _ID.fullmatch(name) is not None
-
-
-def _check_id(ckpt_id: object, error: type[StorageError] = StorageError) -> str:
-    if not is_checkpoint_id(ckpt_id):  # type: ignore[arg-type]
-        # Only names checkpoint_id() makes: a storage root shared with other data never
-        # has that data taken for a checkpoint (and deleted by a clean-up).
-        raise error(f"{ckpt_id!r} is not a checkpoint id (ckpt-<epoch>-<round>-<4 hex>, as checkpoint_id() makes)")
-    return ckpt_id  # type: ignore[return-value]
-
-
-# --- parts ------------------------------------------------------------------------------
-
-
-def _checksum(value: int) -> str:
-    return f"{CHECKSUM}:{value:08x}"
 
 
 @attrs.frozen
-class PartInfo:
-    """One written part: where it is, how many bytes it holds and their crc32."""
+class SafetensorsFiles:
+    """The :class:`~pdps.ports.checkpoints.CheckpointFiles` of the checkpoints in
+    ``storage``: this module's functions, bound to it."""
 
-    name: str
-    path: str
-    bytes: int
-    checksum: str  # "crc32:%08x"
+    storage: Storage
 
-    def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "path": self.path, "bytes": self.bytes, "checksum": self.checksum}
+    @property
+    def url(self) -> str:
+        return self.storage.url
 
-    @classmethod
-    def from_json(cls, d: object) -> PartInfo:
-        """Raises :class:`CorruptCheckpoint` naming the first field that is wrong."""
-        if not isinstance(d, dict):
-            raise CorruptCheckpoint(f"a checkpoint part record must be a JSON object, got {d!r:.200}")
-        name, path, size, checksum = d.get("name"), d.get("path"), d.get("bytes"), d.get("checksum")
-        if not isinstance(name, str) or not name:
-            raise CorruptCheckpoint(f"checkpoint part record {d!r:.200}: 'name' must be a non-empty string")
-        if not isinstance(path, str) or not path:
-            raise CorruptCheckpoint(f"checkpoint part {name!r}: 'path' must be a non-empty string, got {path!r}")
-        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-            raise CorruptCheckpoint(f"checkpoint part {name!r}: 'bytes' must be an int >= 0, got {size!r}", path)
-        if not isinstance(checksum, str) or not _CHECKSUM.fullmatch(checksum):
-            raise CorruptCheckpoint(f"checkpoint part {name!r}: 'checksum' must look like crc32:0123abcd, got {checksum!r}", path)
-        return cls(name=name, path=path, bytes=size, checksum=checksum)
+    def write_part(self, path: str, tensors: Mapping[str, torch.Tensor], *, name: str | None = None) -> PartInfo:
+        return write_part(self.storage, path, tensors, name=name)
+
+    def read_part(self, part: PartInfo) -> dict[str, torch.Tensor]:
+        return read_part(self.storage, part)
+
+    def write_json_part(self, path: str, obj: Any, *, name: str | None = None) -> PartInfo:
+        return write_json_part(self.storage, path, obj, name=name)
+
+    def read_json_part(self, part: PartInfo) -> Any:
+        return read_json_part(self.storage, part)
+
+    def write_manifest(self, manifest: Manifest) -> None:
+        write_manifest(self.storage, manifest)
+
+    def read_manifest(self, ckpt_id: str) -> Manifest:
+        return read_manifest(self.storage, ckpt_id)
+
+    def verify(self, manifest: Manifest) -> list[str]:
+        return verify(self.storage, manifest)
+
+    def list_ids(self) -> list[str]:
+        return list_ids(self.storage)
+
+    def leftovers(self) -> list[Leftover]:
+        return leftovers(self.storage)
+
+    def delete_leftovers(self, *, older_than: float) -> list[Leftover]:
+        return delete_leftovers(self.storage, older_than=older_than)
+
+    def delete(self, ckpt_id: str) -> int:
+        return delete(self.storage, ckpt_id)
+
+
+# --- parts ------------------------------------------------------------------------------
 
 
 def write_part(storage: Storage, path: str, tensors: Mapping[str, torch.Tensor], *, name: str | None = None) -> PartInfo:
@@ -195,14 +184,17 @@ def write_part(storage: Storage, path: str, tensors: Mapping[str, torch.Tensor],
     Raises ConfigError for a dtype safetensors has no name for, or a name that is not
     a string; StorageError when the write fails (nothing is then visible at ``path``).
     """
+    import torch
+
+    names = {getattr(torch, attr): key for key, (attr, _) in _DTYPES.items()}
     items = []
     for key, t in tensors.items():
         if not isinstance(key, str) or not key or key == "__metadata__":
             raise ConfigError(f"checkpoint part {path}: tensor names must be non-empty strings other than '__metadata__', got {key!r}")
         if not isinstance(t, torch.Tensor) or t.layout is not torch.strided:
             raise ConfigError(f"checkpoint part {path}: {key!r} is a {type(t).__name__}, not a dense tensor")
-        if t.dtype not in _DTYPES:
-            supported = ", ".join(str(d).removeprefix("torch.") for d in _DTYPES)
+        if t.dtype not in names:
+            supported = ", ".join(attr for attr, _ in _DTYPES.values())
             raise ConfigError(f"checkpoint part {path}: {key!r} is {t.dtype}; checkpoints hold {supported}")
         items.append((key, t.detach()))
     items.sort(key=lambda kv: (-kv[1].element_size(), kv[0]))
@@ -210,7 +202,7 @@ def write_part(storage: Storage, path: str, tensors: Mapping[str, torch.Tensor],
     offset = 0
     for key, t in items:
         nbytes = t.numel() * t.element_size()
-        header[key] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        header[key] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # the data then starts 8-aligned
@@ -243,21 +235,25 @@ def write_json_part(storage: Storage, path: str, obj: Any, *, name: str | None =
 def read_part(storage: Storage, info: PartInfo) -> dict[str, torch.Tensor]:
     """The tensors of a part :func:`write_part` wrote, checked against ``info``.
 
-    The object is read into one new buffer; its size and crc32 are checked before any
+    The object is read into one new buffer; its size and crc32s are checked before any
     tensor is built, then every tensor is a view of that buffer (they keep it alive
     together: copy what must outlive the rest). Raises :class:`CorruptCheckpoint`
     naming the object and the fault: missing, wrong size, wrong checksum, a bad header
     (unknown dtype, offsets outside the data or leaving gaps); StorageError when the
     storage cannot be read.
     """
+    import torch
+
     buf = _read_checked(storage, info)
-    entries, data_start = _parse_header(memoryview(buf.numpy()), buf.numel(), _where(storage, info.path), info.path)
+    entries, data_start = _parse_header(memoryview(buf), len(buf), _where(storage, info.path), info.path)
+    data = torch.frombuffer(buf, dtype=torch.uint8)  # the tensors keep the buffer alive
     out: dict[str, torch.Tensor] = {}
-    for key, dtype, shape, begin, end in entries:
-        raw = buf[data_start + begin : data_start + end]
-        if (data_start + begin) % dtype.itemsize:
+    for key, dtype_name, shape, begin, end in entries:
+        attr, itemsize = _DTYPES[dtype_name]
+        raw = data[data_start + begin : data_start + end]
+        if (data_start + begin) % itemsize:
             raw = raw.clone()  # another writer's unaligned layout: a copy is the only way
-        out[key] = raw.view(dtype).reshape(shape)
+        out[key] = raw.view(getattr(torch, attr)).reshape(shape)
     return out
 
 
@@ -265,7 +261,7 @@ def read_json_part(storage: Storage, info: PartInfo) -> Any:
     """The value of a part :func:`write_json_part` wrote, checked as :func:`read_part` does."""
     buf = _read_checked(storage, info)
     try:
-        return json.loads(memoryview(buf.numpy()).tobytes().decode("utf-8"))
+        return json.loads(memoryview(buf).tobytes().decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
         raise CorruptCheckpoint(f"checkpoint part {_where(storage, info.path)} is not JSON: {exc}", info.path) from exc
 
@@ -273,124 +269,28 @@ def read_json_part(storage: Storage, info: PartInfo) -> Any:
 # --- manifests --------------------------------------------------------------------------
 
 
-@attrs.frozen
-class Manifest:
-    """What a checkpoint holds: its parts (by name) and where the job was when it was taken.
-
-    ``created`` is seconds since the epoch (the caller's clock); ``extra`` is any
-    JSON-safe detail the caller wants kept (mode, pservers, ...).
-    """
-
-    id: str
-    job: str
-    round: int
-    epoch: int
-    created: float
-    parts: dict[str, PartInfo]
-    extra: dict[str, Any] = attrs.field(factory=dict)
-
-    def __attrs_post_init__(self) -> None:
-        _check_id(self.id, ConfigError)  # type: ignore[arg-type]
-        for key, part in self.parts.items():
-            if not isinstance(part, PartInfo) or part.name != key:
-                raise ConfigError(f"checkpoint {self.id}: parts must map each part's name to its PartInfo, got {key!r}: {part!r}")
-            if not part.path.startswith(f"{self.id}/") or part.path == self.path:
-                # delete() removes the folder: a part elsewhere would outlive its
-                # checkpoint, or vanish under it when another checkpoint is deleted.
-                raise ConfigError(f"checkpoint {self.id}: part {key!r} at {part.path!r} is not inside the folder {self.id}/")
-
-    @property
-    def path(self) -> str:
-        return f"{self.id}/{MANIFEST}"
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "format": FORMAT,
-            "version": FORMAT_VERSION,
-            "id": self.id,
-            "job": self.job,
-            "epoch": self.epoch,
-            "round": self.round,
-            "created": self.created,
-            "checksum": CHECKSUM,
-            "parts": {key: part.to_json() for key, part in self.parts.items()},
-            "extra": self.extra,
-        }
-
-    @classmethod
-    def from_json(cls, d: object) -> Manifest:
-        """Raises :class:`CorruptCheckpoint` naming the first field that is wrong."""
-        if not isinstance(d, dict) or d.get("format") != FORMAT:
-            raise CorruptCheckpoint(f"not a pdps checkpoint manifest (no \"format\": {FORMAT!r}): {d!r:.200}")
-        if d.get("version") != FORMAT_VERSION or d.get("checksum") != CHECKSUM:
-            raise CorruptCheckpoint(
-                f"checkpoint manifest of version {d.get('version')!r} with {d.get('checksum')!r} checksums; "
-                f"this pdps reads version {FORMAT_VERSION} with {CHECKSUM!r}"
-            )
-        ckpt_id, job, parts, extra = d.get("id"), d.get("job"), d.get("parts"), d.get("extra", {})
-        _check_id(ckpt_id, CorruptCheckpoint)
-        where = f"checkpoint manifest {ckpt_id}"
-        if not isinstance(job, str):
-            raise CorruptCheckpoint(f"{where}: 'job' must be a string, got {job!r}")
-        for field in ("epoch", "round"):
-            value = d.get(field)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise CorruptCheckpoint(f"{where}: {field!r} must be an int >= 0, got {value!r}")
-        created = d.get("created")
-        if isinstance(created, bool) or not isinstance(created, (int, float)) or not math.isfinite(created):
-            raise CorruptCheckpoint(f"{where}: 'created' must be a number, got {created!r}")
-        if not isinstance(parts, dict) or not isinstance(extra, dict):
-            raise CorruptCheckpoint(f"{where}: 'parts' and 'extra' must be JSON objects")
-        try:
-            return cls(
-                id=ckpt_id,  # type: ignore[arg-type]
-                job=job,
-                round=d["round"],
-                epoch=d["epoch"],
-                created=float(created),
-                parts={key: PartInfo.from_json(p) for key, p in parts.items()},
-                extra=extra,
-            )
-        except ConfigError as exc:
-            raise CorruptCheckpoint(f"{where}: {exc}") from exc
-
-
 def write_manifest(storage: Storage, manifest: Manifest) -> None:
     """Write ``<id>/manifest.json`` (atomically). Write it after every part: a manifest
     names parts that exist. Raises ConfigError when ``extra`` is not JSON-safe."""
-    try:
-        data = json.dumps(manifest.to_json(), indent=1, allow_nan=False).encode()
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"checkpoint {manifest.id}: the manifest's extra is not JSON-safe: {exc}") from exc
-    storage.put(manifest.path, data)
+    storage.put(manifest.path, manifest.encode())
 
 
 def read_manifest(storage: Storage, ckpt_id: str) -> Manifest:
     """The manifest of checkpoint ``ckpt_id``; CorruptCheckpoint when it is missing or
     undecodable (or ``ckpt_id`` cannot name one), StorageError when storage fails."""
-    path = f"{_check_id(ckpt_id, CorruptCheckpoint)}/{MANIFEST}"
+    path = f"{check_id(ckpt_id, CorruptCheckpoint)}/{MANIFEST}"
     try:
         data = storage.get(path)
     except StorageError as exc:
         _raise_if_missing(storage, path, exc, "has no manifest (never finished, or deleted)")
         raise
-    try:
-        d = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise CorruptCheckpoint(f"checkpoint manifest {_where(storage, path)} is not JSON: {exc}", path) from exc
-    try:
-        manifest = Manifest.from_json(d)
-    except CorruptCheckpoint as exc:
-        raise CorruptCheckpoint(f"{_where(storage, path)}: {exc}", path) from exc
-    if manifest.id != ckpt_id:
-        raise CorruptCheckpoint(f"{_where(storage, path)} is the manifest of {manifest.id}, not of {ckpt_id} (copied?)", path)
-    return manifest
+    return Manifest.decode(data, ckpt_id, _where(storage, path))
 
 
 def verify(storage: Storage, manifest: Manifest) -> list[str]:
     """What is wrong with the checkpoint's parts; ``[]`` when every part is sound.
 
-    Reads every part fully (size, crc32, and the header of a ``.safetensors`` part or
+    Reads every part fully (size, crc32s, and the header of a ``.safetensors`` part or
     the text of a ``.json`` part), in pieces, without holding a big part in memory.
     Corruption is reported in the list; a storage that fails to answer raises
     StorageError, since it says nothing about the checkpoint.
@@ -411,14 +311,13 @@ def list_ids(storage: Storage) -> list[str]:
     """Ids of the checkpoints with any object or leftover in ``storage``, oldest (epoch,
     round) first.
 
-    Only folders named as :func:`checkpoint_id` names them count; whether a checkpoint
-    is complete is for :func:`read_manifest` and :func:`verify` to say. A folder that
-    holds nothing but a killed writer's leftover counts, so that a clean-up finds it.
+    Only folders named as checkpoint ids count; whether a checkpoint is complete is for
+    :func:`read_manifest` and :func:`verify` to say. A folder that holds nothing but a
+    killed writer's leftover counts, so that a clean-up finds it.
     """
     paths = storage.list() + [left.path for left in storage.leftovers()]
     found = {p.split("/", 1)[0] for p in paths if "/" in p}
-    ids = [i for i in found if is_checkpoint_id(i)]
-    return sorted(ids, key=_sort_key)
+    return sorted((i for i in found if is_checkpoint_id(i)), key=id_order)
 
 
 def leftovers(storage: Storage) -> list[Leftover]:
@@ -450,7 +349,7 @@ def delete(storage: Storage, ckpt_id: str) -> int:
     leftover of a writer that may still live keeps the folder (and the checkpoint's
     id in :func:`list_ids`) until :func:`delete_leftovers` takes it.
     """
-    prefix = f"{_check_id(ckpt_id)}/"
+    prefix = f"{check_id(ckpt_id)}/"
     paths = storage.list(prefix)
     paths.sort(key=lambda p: p != f"{prefix}{MANIFEST}")
     for p in paths:
@@ -462,12 +361,6 @@ def delete(storage: Storage, ckpt_id: str) -> int:
 # --- internals --------------------------------------------------------------------------
 
 
-def _sort_key(ckpt_id: str) -> tuple[int, int, str]:
-    m = _ID.fullmatch(ckpt_id)
-    assert m is not None
-    return int(m.group(1)), int(m.group(2)), ckpt_id
-
-
 def _where(storage: Storage, path: str) -> str:
     return f"{storage.url.rstrip('/')}/{path}"
 
@@ -475,6 +368,8 @@ def _where(storage: Storage, path: str) -> str:
 def _bytes_of(t: torch.Tensor) -> memoryview:
     """The tensor's bytes as a flat memoryview of its own memory (copied only when the
     tensor is not a contiguous CPU tensor, which cannot be written from where it is)."""
+    import torch
+
     if t.device.type != "cpu":
         t = t.to("cpu")
     if not t.is_contiguous():
@@ -492,115 +387,79 @@ def _hash_in_thread(nbytes: int) -> bool:
     return nbytes > HASH_IN_THREAD_ABOVE
 
 
-# CRC-32 (zlib's polynomial, reflected) as arithmetic in GF(2)[x] mod p, after zlib's
-# crc32_combine: the crc32 of a concatenation from the crc32s of its pieces.
-_POLY = 0xEDB88320
+class _Hasher:
+    """The crc32s of the buffers given in order: of them all (``whole``) and of each
+    ``piece`` bytes of them (``pieces``, when ``piece`` is given); in a helper thread
+    when ``threaded``.
 
-
-def _multmodp(a: int, b: int) -> int:
-    """a * b mod p, in zlib's reflected bit order (bit 31 is x^0)."""
-    m, p = 1 << 31, 0
-    while True:
-        if a & m:
-            p ^= b
-            if not a & (m - 1):
-                return p
-        m >>= 1
-        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
-
-
-def _x8n(nbytes: int) -> int:
-    """x^(8 * nbytes) mod p: what appending ``nbytes`` bytes multiplies a crc32 by."""
-    p, square, n = 1 << 31, 1 << 23, nbytes  # 1 << 23 is x^8, one byte
-    while n:
-        if n & 1:
-            p = _multmodp(square, p)
-        square = _multmodp(square, square)
-        n >>= 1
-    return p
-
-
-def _crc32_combine(crc1: int, crc2: int, len2: int) -> int:
-    """The crc32 of ``A + B`` from crc32(A), crc32(B) and len(B), as zlib's crc32_combine."""
-    return _multmodp(_x8n(len2), crc1) ^ crc2
-
-
-@functools.lru_cache(maxsize=8)
-def _shift_tables(nbytes: int) -> tuple[list[int], ...]:
-    """Byte tables of c -> c * x^(8 * nbytes) mod p (a linear map): one lookup per byte."""
-    xn = _x8n(nbytes)
-    tables = []
-    for k in range(4):
-        table = [0] * 256
-        for j in range(8):
-            table[1 << j] = _multmodp(xn, 1 << (8 * k + j))
-        for b in range(3, 256):
-            low = b & -b
-            if b != low:
-                table[b] = table[b ^ low] ^ table[low]
-        tables.append(table)
-    return tuple(tables)
-
-
-def _crc32_of_pieces(crcs: list[int], piece: int, last: int) -> int:
-    """The crc32 of pieces of ``piece`` bytes (the last one ``last`` bytes) from theirs."""
-    t0, t1, t2, t3 = _shift_tables(piece)
-    value = crcs[0]
-    for c in crcs[1:-1]:
-        value = t0[value & 0xFF] ^ t1[(value >> 8) & 0xFF] ^ t2[(value >> 16) & 0xFF] ^ t3[value >> 24] ^ c
-    if len(crcs) > 1:
-        value = _crc32_combine(value, crcs[-1], last)
-    return value
-
-
-class _Crc32:
-    """The running crc32 of buffers given in order; in a helper thread when ``threaded``.
-
-    One worker runs the updates in the order they were submitted, so the chained value
-    is right; the caller's thread meanwhile does the I/O.
+    One worker runs the updates in the order they were submitted, so the chained values
+    are right; the caller's thread meanwhile does the I/O. A buffer is hashed in slices
+    of at most ``READ_PIECE``, each slice by both crc32s in turn while it is in the CPU
+    cache.
     """
 
-    def __init__(self, threaded: bool) -> None:
-        self.value = 0
+    def __init__(self, threaded: bool, *, whole: bool, piece: int | None) -> None:
+        self.whole = 0
+        self.pieces: list[int] = []
+        self._with_whole = whole
+        self._piece = piece
+        self._filled = 0  # bytes of the last piece hashed so far; 0: a new piece starts
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="pdps-crc32") if threaded else None
 
     def update(self, data: memoryview | bytes) -> Future[None] | None:
         if self._pool is None:
-            self.value = _crc32(data, self.value)
+            self._update(data)
             return None
         return self._pool.submit(self._update, data)
 
     def _update(self, data: memoryview | bytes) -> None:
-        self.value = _crc32(data, self.value)
+        view = memoryview(data).cast("B")
+        pos, size = 0, view.nbytes
+        while pos < size:
+            take = min(size - pos, READ_PIECE)
+            if self._piece is not None:
+                take = min(take, self._piece - self._filled)
+            chunk = view[pos : pos + take]
+            if self._with_whole:
+                self.whole = _crc32(chunk, self.whole)
+            if self._piece is not None:
+                if self._filled == 0:
+                    self.pieces.append(0)
+                self.pieces[-1] = _crc32(chunk, self.pieces[-1])
+                self._filled = (self._filled + take) % self._piece
+            pos += take
 
-    def result(self) -> int:
+    def result(self) -> _Hasher:
+        """Itself, once every update is done."""
         if self._pool is not None:
             self._pool.shutdown(wait=True)
-        return self.value
+        return self
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _hashed(chunks: Iterable[memoryview | bytes], crc: _Crc32) -> Iterator[memoryview | bytes]:
+def _hashed(chunks: Iterable[memoryview | bytes], hasher: _Hasher) -> Iterator[memoryview | bytes]:
     for chunk in chunks:
-        crc.update(chunk)  # hashed (in the helper) while the storage writes it
+        hasher.update(chunk)  # hashed (in the helper) while the storage writes it
         yield chunk
 
 
 def _write(storage: Storage, path: str, chunks: Iterable[memoryview | bytes], expected: int, name: str | None) -> PartInfo:
-    crc = _Crc32(threaded=_hash_in_thread(expected))
+    piece = READ_PIECE
+    hasher = _Hasher(threaded=_hash_in_thread(expected), whole=True, piece=piece)
     try:
-        written = storage.put_chunks(path, _hashed(chunks, crc))
-        value = crc.result()
+        written = storage.put_chunks(path, _hashed(chunks, hasher))
+        hasher.result()
     finally:
-        crc.close()
+        hasher.close()
     if written != expected:  # the storage's own accounting disagrees: nothing to trust
         raise StorageError(f"checkpoint part {_where(storage, path)}: wrote {written} bytes, expected {expected}")
     if name is None:
         name = path.rsplit("/", 1)[-1].split(".", 1)[0]
-    return PartInfo(name=name, path=path, bytes=written, checksum=_checksum(value))
+    pieces = tuple(f"{c:08x}" for c in hasher.pieces)
+    return PartInfo(name=name, path=path, bytes=written, checksum=checksum_text(hasher.whole), pieces=pieces, piece_bytes=piece)
 
 
 def _raise_if_missing(storage: Storage, path: str, exc: StorageError, what: str = "is missing") -> None:
@@ -627,93 +486,112 @@ def _checked_size(storage: Storage, info: PartInfo) -> int:
     return size
 
 
-def _check_crc(storage: Storage, info: PartInfo, value: int) -> None:
-    if _checksum(value) != info.checksum:
+def _check_pieces(storage: Storage, info: PartInfo, crcs: list[int]) -> None:
+    assert info.pieces is not None
+    for i, (got, want) in enumerate(zip(crcs, info.pieces)):
+        if f"{got:08x}" != want:
+            start = i * info.piece_bytes
+            raise CorruptCheckpoint(
+                f"checkpoint part {_where(storage, info.path)} fails its checksum: {checksum_text(got)} for bytes "
+                f"{start}..{min(start + info.piece_bytes, info.bytes)} (piece {i}), the manifest says crc32:{want}",
+                info.path,
+            )
+
+
+def _check(storage: Storage, info: PartInfo, hasher: _Hasher) -> None:
+    if info.pieces is not None:
+        _check_pieces(storage, info, hasher.pieces)
+    elif checksum_text(hasher.whole) != info.checksum:
         raise CorruptCheckpoint(
-            f"checkpoint part {_where(storage, info.path)} fails its checksum: {_checksum(value)}, "
+            f"checkpoint part {_where(storage, info.path)} fails its checksum: {checksum_text(hasher.whole)}, "
             f"the manifest says {info.checksum}",
             info.path,
         )
 
 
-def _new_buffer(size: int) -> torch.Tensor:
-    """A new uint8 tensor of ``size`` bytes for a part to be read into."""
+def _new_buffer(size: int) -> bytearray | mmap.mmap:
+    """A new writable buffer of ``size`` bytes for a part to be read into."""
     if size < _HUGE_PAGES_ABOVE or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return torch.empty(size, dtype=torch.uint8)
+        return bytearray(size)
     m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
         m.madvise(mmap.MADV_HUGEPAGE)
     except OSError:
         pass  # a kernel without transparent huge pages: 4 KiB pages, slower to touch
-    return torch.frombuffer(m, dtype=torch.uint8)  # the tensor keeps the mapping alive
+    return m
 
 
-def _read_checked(storage: Storage, info: PartInfo) -> torch.Tensor:
-    """The whole part in one new buffer, its size and crc32 checked."""
+def _read_checked(storage: Storage, info: PartInfo) -> bytearray | mmap.mmap:
+    """The whole part in one new buffer, its size and crc32s checked.
+
+    Pieces are checked each on its own: a local part is read by two threads side by
+    side when the page cache holds it. A part recorded without pieces is read in order,
+    chaining its crc32."""
     size = _checked_size(storage, info)
     buf = _new_buffer(size)
-    view = memoryview(buf.numpy())
+    view = memoryview(buf)
     if isinstance(storage, OpensReaders) and size > READ_PIECE:
         with storage.open_reader(info.path) as reader:
-            if reader.parallel:
+            if info.pieces is not None and reader.parallel:
+                threads = 2 if _hash_in_thread(size) else 1
                 cached = reader.read_cached if isinstance(reader, CachedReads) else None
-                value = _read_pieces_hashed(reader.read_into, view, 2 if _hash_in_thread(size) else 1, cached)
+                crcs = _read_pieces_hashed(reader.read_into, view, threads, cached, piece=info.piece_bytes)
+                _check_pieces(storage, info, crcs)
             else:
-                value = _read_hashed(reader.read_into, view)
+                _check(storage, info, _read_hashed(reader.read_into, view, READ_PIECE, info.piece_bytes or None))
     else:
-        value = _read_hashed(lambda piece, start: storage.read_into(info.path, piece, start), view)
-    _check_crc(storage, info, value)
+        read_into = lambda piece, start: storage.read_into(info.path, piece, start)  # noqa: E731
+        _check(storage, info, _read_hashed(read_into, view, PIECE, info.piece_bytes or None))
     return buf
 
 
-def _read_hashed(read_into: Any, view: memoryview) -> int:
-    """Fill ``view`` in PIECE pieces with ``read_into(piece, offset)``, one after the
-    other; return its crc32, each piece hashed (in a helper thread for a big part)
-    while the next is read."""
+def _read_hashed(read_into: Any, view: memoryview, step: int, piece: int | None) -> _Hasher:
+    """Fill ``view`` in ``step`` pieces with ``read_into(chunk, offset)``, one after the
+    other, each hashed (in a helper thread for a big part) while the next is read: the
+    crc32 of each ``piece`` bytes, or (``piece`` None) of the whole."""
     size = view.nbytes
-    crc = _Crc32(threaded=_hash_in_thread(size))
+    hasher = _Hasher(threaded=_hash_in_thread(size), whole=piece is None, piece=piece)
     try:
-        for start in range(0, size, PIECE):
-            piece = view[start : start + PIECE]
-            read_into(piece, start)
-            crc.update(piece)  # hashed while the next piece is read
-        return crc.result()
+        for start in range(0, size, step):
+            chunk = view[start : start + step]
+            read_into(chunk, start)
+            hasher.update(chunk)  # hashed while the next chunk is read
+        return hasher.result()
     finally:
-        crc.close()
+        hasher.close()
 
 
-def _read_pieces_hashed(read_into: Any, view: memoryview, threads: int, cached: Any = None) -> int:
-    """Fill ``view`` in READ_PIECE pieces with ``read_into(piece, offset)``, in order;
-    return its crc32. Each piece is hashed right after it was read, while its bytes
-    are still in the CPU cache.
+def _read_pieces_hashed(read_into: Any, view: memoryview, threads: int, cached: Any = None, *, piece: int | None = None) -> list[int]:
+    """Fill ``view`` in pieces of ``piece`` bytes (default ``READ_PIECE``) with
+    ``read_into(chunk, offset)``, in order; return the crc32 of each piece. Each piece
+    is hashed right after it was read, while its bytes are still in the CPU cache.
 
     This thread reads every piece, one after the other, so that the kernel sees one
     sequential reader and keeps its read-ahead going on a cold page cache. With
     ``threads`` > 1 a helper thread hashes the pieces this one hands it while this one
     reads on; when the helper falls behind (the other cores are busy), this thread
     hashes the piece itself instead of queueing it, so no piece waits long enough to
-    leave the cache, and the reading never waits for the helper. The pieces' crc32s
-    are combined, in order, into the part's.
+    leave the cache, and the reading never waits for the helper.
 
-    ``cached(piece, 0)``, when given, reads the first piece if the storage can without
+    ``cached(chunk, 0)``, when given, reads the first piece if the storage can without
     waiting for a disk (it is in the page cache) and says whether it did: then the
     rest is read by two threads side by side (:func:`_read_pieces_side_by_side`).
     """
-    size, piece = view.nbytes, READ_PIECE
-    if threads <= 1:
-        value = 0
-        for start in range(0, size, piece):
-            chunk = view[start : start + piece]
-            read_into(chunk, start)
-            value = _crc32(chunk, value)
-        return value
+    size, piece = view.nbytes, piece or READ_PIECE
     count = -(-size // piece)
     crcs = [0] * count
+    if threads <= 1:
+        for i in range(count):
+            chunk = view[i * piece : (i + 1) * piece]
+            read_into(chunk, i * piece)
+            crcs[i] = _crc32(chunk)
+        return crcs
     if cached is not None and cached(view[:piece], 0):
         # In the page cache (a part just written, or read before): no read-ahead to keep
         # going, so two threads read and hash pieces side by side, each taking the next.
         crcs[0] = _crc32(view[:piece])
-        return _read_pieces_side_by_side(read_into, view, crcs, 1)
+        _read_pieces_side_by_side(read_into, view, crcs, 1, piece)
+        return crcs
     todo: queue.SimpleQueue[int | None] = queue.SimpleQueue()
     done = [0]  # pieces the helper has hashed (only it writes this)
     failures: list[BaseException] = []
@@ -743,14 +621,14 @@ def _read_pieces_hashed(read_into: Any, view: memoryview, threads: int, cached: 
         helper.join()
     if failures:
         raise failures[0]
-    return _crc32_of_pieces(crcs, piece, size - (count - 1) * piece)
+    return crcs
 
 
-def _read_pieces_side_by_side(read_into: Any, view: memoryview, crcs: list[int], first: int) -> int:
-    """Pieces ``first``.. of ``view`` read and hashed by this thread and a helper, each
-    taking the next piece not yet taken (a thread held back by the scheduler costs only
-    the piece it holds); returns the crc32 of the whole, ``crcs`` holding the first's."""
-    size, piece, count = view.nbytes, READ_PIECE, len(crcs)
+def _read_pieces_side_by_side(read_into: Any, view: memoryview, crcs: list[int], first: int, piece: int) -> None:
+    """Pieces ``first``.. of ``view`` read and hashed into ``crcs`` by this thread and a
+    helper, each taking the next piece not yet taken (a thread held back by the
+    scheduler costs only the piece it holds)."""
+    count = len(crcs)
     take = itertools.count(first).__next__  # atomic under the GIL: each piece goes to one thread
     failures: list[BaseException] = []
 
@@ -772,7 +650,6 @@ def _read_pieces_side_by_side(read_into: Any, view: memoryview, crcs: list[int],
     helper.join()
     if failures:
         raise failures[0]
-    return _crc32_of_pieces(crcs, piece, size - (count - 1) * piece)
 
 
 def _scan(storage: Storage, info: PartInfo, *, safetensors: bool) -> None:
@@ -782,21 +659,21 @@ def _scan(storage: Storage, info: PartInfo, *, safetensors: bool) -> None:
     bufs = [bytearray(min(size, PIECE)) for _ in range(2 if size > PIECE else 1)]
     pending: list[Future[None] | None] = [None] * len(bufs)
     header_fault: CorruptCheckpoint | None = None
-    crc = _Crc32(threaded=_hash_in_thread(size))
+    hasher = _Hasher(threaded=_hash_in_thread(size), whole=info.pieces is None, piece=info.piece_bytes or None)
     try:
         for i, start in enumerate(range(0, size, PIECE)):
             slot = i % len(bufs)
             if pending[slot] is not None:
                 pending[slot].result()  # type: ignore[union-attr]  # hashed: the buffer is free
-            piece = memoryview(bufs[slot])[: min(PIECE, size - start)]
-            storage.read_into(info.path, piece, start)
+            chunk = memoryview(bufs[slot])[: min(PIECE, size - start)]
+            storage.read_into(info.path, chunk, start)
             if start == 0 and safetensors:
-                header_fault = _header_fault(storage, info, piece, size, where)
-            pending[slot] = crc.update(piece)
-        value = crc.result()
+                header_fault = _header_fault(storage, info, chunk, size, where)
+            pending[slot] = hasher.update(chunk)
+        hasher.result()
     finally:
-        crc.close()
-    _check_crc(storage, info, value)
+        hasher.close()
+    _check(storage, info, hasher)
     if size == 0 and safetensors:
         header_fault = _header_fault(storage, info, memoryview(b""), 0, where)
     if header_fault is not None:
@@ -818,9 +695,7 @@ def _header_fault(storage: Storage, info: PartInfo, first: memoryview, size: int
     return None
 
 
-def _parse_header(
-    view: memoryview, size: int, where: str, path: str
-) -> tuple[list[tuple[str, torch.dtype, list[int], int, int]], int]:
+def _parse_header(view: memoryview, size: int, where: str, path: str) -> tuple[list[tuple[str, str, list[int], int, int]], int]:
     """The (name, dtype, shape, begin, end) of each tensor of a safetensors file of
     ``size`` bytes whose start is in ``view``, and where its data starts.
 
@@ -858,9 +733,9 @@ def _parse_header(
             continue
         if not isinstance(entry, dict):
             raise corrupt(f"the entry of {key!r} is not an object")
-        dtype = _BY_NAME.get(entry.get("dtype"))  # type: ignore[arg-type]
-        if dtype is None:
-            raise corrupt(f"{key!r} has dtype {entry.get('dtype')!r}; pdps reads {', '.join(_BY_NAME)}")
+        dtype = entry.get("dtype")
+        if not isinstance(dtype, str) or dtype not in _DTYPES:
+            raise corrupt(f"{key!r} has dtype {dtype!r}; pdps reads {', '.join(_DTYPES)}")
         shape, offsets = entry.get("shape"), entry.get("data_offsets")
         if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
             raise corrupt(f"{key!r} has shape {shape!r}")
@@ -869,8 +744,8 @@ def _parse_header(
         begin, end = offsets
         if not 0 <= begin <= end <= data_len:
             raise corrupt(f"{key!r} spans bytes {begin}..{end}, outside the {data_len} bytes of data")
-        if end - begin != math.prod(shape) * dtype.itemsize:
-            raise corrupt(f"{key!r} is {shape} {entry['dtype']} but spans {end - begin} bytes")
+        if end - begin != math.prod(shape) * _DTYPES[dtype][1]:
+            raise corrupt(f"{key!r} is {shape} {dtype} but spans {end - begin} bytes")
         entries.append((key, dtype, shape, begin, end))
     pos = 0
     for key, _, _, begin, end in sorted(entries, key=lambda e: (e[3], e[4])):

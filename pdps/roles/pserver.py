@@ -78,14 +78,21 @@ def claim_index(store: CoordinationStore, keys: Keys, lease: int, value: bytes, 
     desired = int(kv.value)
     if index is not None and not 0 <= index < desired:
         raise ConfigError(f"pserver index {index} is out of range: job {keys.job!r} has {desired} pservers (0..{desired - 1})")
+    candidates = range(desired) if index is None else (index,)
+
+    def claim(held: dict[int, KeyValue | None]) -> Decision:
+        for i, kv in held.items():
+            if kv is None:
+                return Write((Compare.absent(keys.pserver(i)),), (Put(keys.pserver(i), value, lease),), result=i)
+            if kv.value == value and kv.lease == lease:
+                return Done(i)  # our own claim, whose reply an outage lost (the value names our address)
+        return Done(None)  # all taken
+
     waiting = Retry(CLAIM_POLL, deadline=wait)
     while True:
-        for i in range(desired) if index is None else (index,):
-            if store.commit((Compare.absent(keys.pserver(i)),), (Put(keys.pserver(i), value, lease),)).succeeded:
-                return i
-            kv = store.get(keys.pserver(i))
-            if kv is not None and kv.value == value and kv.lease == lease:
-                return i  # our own claim, whose reply an outage lost (the value names our address)
+        claimed = read_modify_write(store, lambda: {i: store.get(keys.pserver(i)) for i in candidates}, claim, what="claiming a pserver index")
+        if claimed is not None:
+            return claimed
         if not waiting.failed():
             break
     if index is not None:

@@ -4,7 +4,8 @@
 * :mod:`pdps.runtime.cas` — the one compare-and-set loop, applying pure decisions
   (:mod:`pdps.core.txn`) to a store;
 * :mod:`pdps.runtime.resilient` — riding out store outages;
-* :mod:`pdps.runtime.lease` — keeping a lease alive on a thread.
+* :mod:`pdps.runtime.lease` — keeping a lease alive on a thread;
+* :mod:`pdps.runtime.counting` — a store that counts what is asked of it (the scale benchmark's meter).
 
 It imports the core and the ports only: never an adapter, a role, the registry or torch.
 """

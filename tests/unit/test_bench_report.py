@@ -78,7 +78,26 @@ def e2e_json(grpc=0.6, inproc=0.9, torch=1000.0):
     }
 
 
-FAKES = {"transport": transport_json, "master": master_json, "checkpoint": checkpoint_json, "end-to-end": e2e_json}
+def scale_json(step_ops=11.0, memory=600.0):
+    def r(name, value, figure, axis, small, large, **fixed):
+        return {name: {"value": value, "figure": figure, "axis": axis, "from": small, "to": large, "size_growth": large / small, **fixed}}
+
+    ratios = {
+        **r("step_ops_trainers", step_ops, "store_ops_per_step", "trainers", 10, 100, pservers=4),
+        **r("step_bytes_trainers", 9.0, "bytes_per_step", "trainers", 10, 100, pservers=4),
+        **r("step_conflicts_trainers", 9.0, "conflicts_per_step", "trainers", 10, 100, pservers=4),
+        **r("step_messages_trainers", 10.0, "messages_per_step", "trainers", 10, 100, pservers=4),
+        **r("step_ops_pservers", 2.0, "store_ops_per_step", "pservers", 4, 16, trainers=100),
+        **r("task_ops_tasks", 1.0, "store_ops_per_task", "tasks", 10_000, 100_000),
+        **r("task_bytes_tasks", 1.05, "bytes_written_per_task", "tasks", 10_000, 100_000),
+        **r("task_memory_tasks", 1.0, "master_bytes_per_task", "tasks", 10_000, 100_000),
+    }
+    steps = [{"trainers": t, "pservers": 4, "store_ops_per_step": 30.0 * t, "bytes_per_step": 900.0 * t} for t in (10, 100)]
+    tasks = [{"tasks": n, "master_bytes_per_task": memory, "store_ops_per_task": 4.0} for n in (10_000, 100_000)]
+    return {"bench": "scale", "config": {"trainers": [10, 100]}, "steps": steps, "tasks": tasks, "master_bytes_per_task": memory, "ratios": ratios}
+
+
+FAKES = {"transport": transport_json, "master": master_json, "checkpoint": checkpoint_json, "end-to-end": e2e_json, "scale": scale_json}
 MACHINE = {"cpu_count": 2, "cpu_model": "Fake CPU 9000", "memory_gib": 7.5, "python": "3.11.7", "torch": "2.13.0", "etcd": "etcd Version: 3.4.23"}
 
 
@@ -219,6 +238,26 @@ def test_a_failed_suite_fails_with_or_without_check():
     assert "OSError: disk full" in text
 
 
+def test_an_at_most_target_is_met_up_to_its_threshold_and_its_best_run_is_the_lowest():
+    verdicts = by_id(tg.evaluate({"scale": [scale_json(step_ops=12.0, memory=1024.0), scale_json(step_ops=30.0, memory=1025.0)]}))
+    ops = verdicts["scale.step_ops_trainers"]
+    assert ops["status"] == tg.MISSED and ops["comparison"] == "<=" and ops["best"] == 12.0
+    assert verdicts["scale.master_memory"]["status"] == tg.MISSED
+    once = by_id(tg.evaluate({"scale": [scale_json(step_ops=12.0, memory=1024.0)]}))
+    assert once["scale.step_ops_trainers"]["status"] == tg.MET and once["scale.master_memory"]["status"] == tg.MET
+    assert "stability.scale.master_memory" not in once  # not a ratio
+
+
+def test_markdown_shows_every_run_of_a_missed_at_most_target_and_its_threshold():
+    results = results_of({"scale": ran(scale_json(step_ops=30.0), scale_json(step_ops=31.0))})
+    text = rp.render_markdown(results, {})
+    assert "| <= 12x | 30.000x | 31.000x | **MISSED** |" in text
+    assert "### MISSED: `scale.step_ops_trainers`" in text
+    assert "Measured: 30.000x at best (best run), threshold <= 12x." in text
+    assert "- run 2: store_ops_per_step at trainers 10 -> 100 (size x10.0): 31.00x" in text
+    assert "| <= 1,024 B/task | 600 B/task | 600 B/task | **MET** |" in text
+
+
 def test_check_lines_one_per_target_with_figures_and_threshold():
     results = results_of({"checkpoint": ran(checkpoint_json(save=0.9, warm=0.5), checkpoint_json(save=0.92, warm=0.5))})
     lines = rp.check_lines(results)
@@ -258,6 +297,7 @@ def full_results(**checkpoint):
         "master": ran(master_json(), master_json()),
         "checkpoint": ran(checkpoint_json(**checkpoint), checkpoint_json(**checkpoint)),
         "end-to-end": ran(e2e_json(), e2e_json()),
+        "scale": ran(scale_json(), scale_json()),
     })
 
 

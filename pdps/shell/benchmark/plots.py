@@ -33,6 +33,8 @@ PLOTS: dict[str, PlotSpec] = {
                           lines=("tcp", "torch-rpc"), log=True),
     "master": PlotSpec("Master: task transitions/s by backend", "transitions/s", "transitions/s (log scale)", log=True),
     "checkpoint": PlotSpec("Checkpoint: save and restore throughput vs raw I/O", "GB/s", "GB/s"),
+    "scale": PlotSpec("Scale: each cost at the largest size / at the smallest (linear in trainers: 10x; flat in tasks: 1x)",
+                      "x", "growth (log scale)", log=True),
 }
 
 

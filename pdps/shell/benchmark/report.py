@@ -249,7 +249,7 @@ def render_markdown(results: Mapping[str, Any], notes: Mapping[str, str], *, res
     rows = []
     for v in verdicts:
         vals = list(v["values"]) + [None] * (runs - len(v["values"]))
-        if v["comparison"] == "<=":  # a stability verdict: one value, under the last run
+        if _is_stability(v):  # one value, under the last run
             cells = [""] * (runs - 1) + [tg.format_value(v["values"][0], v["unit"])]
         else:
             cells = [tg.format_value(x, v["unit"]) for x in vals[:runs]]
@@ -260,15 +260,19 @@ def render_markdown(results: Mapping[str, Any], notes: Mapping[str, str], *, res
             continue
         out += ["", f"### {v['status']}: `{v['id']}`", ""]
         if v["best"] is not None:
-            out += [f"Measured: {tg.format_value(v['best'], v['unit'])} at best ({'lowest spread' if v['comparison'] == '<=' else 'best run'}), "
+            out += [f"Measured: {tg.format_value(v['best'], v['unit'])} at best ({'lowest spread' if _is_stability(v) else 'best run'}), "
                     f"threshold {tg.format_threshold(v)}."]
         for i, d in enumerate(v["details"], 1):
-            out += [f"- run {i}: {d}" if v["comparison"] == ">=" else f"- {d}"]
+            out += [f"- {d}" if _is_stability(v) else f"- run {i}: {d}"]
         for e in v["errors"]:
             out += [f"- error: {e}"]
         note = notes.get(v["id"])
         out += ["", note.strip() if note else "_No explanation yet: add one to `bench/notes.toml` under this target's id._"]
     return "\n".join(out) + "\n"
+
+
+def _is_stability(verdict: Mapping[str, Any]) -> bool:
+    return str(verdict["id"]).startswith("stability.")
 
 
 def _breakdown(runs: Sequence[Mapping[str, Any]]) -> list[str]:

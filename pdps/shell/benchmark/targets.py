@@ -6,7 +6,8 @@ object the suite's program prints: the figures of the report's tables
 verdicts (:func:`evaluate`). The results JSON, ``docs/performance.md`` and
 ``--check`` all take the verdicts from :func:`evaluate`, so they cannot disagree.
 
-A target is MET when every run meets its threshold. Each ratio target also gets a
+A target is MET when every run meets its threshold (at least it, or with ``at_most`` at
+most it: a cost that must not grow faster than its size). Each ratio target also gets a
 stability verdict: consecutive runs must agree within :data:`STABILITY`
 (``|a - b| / max(a, b)``, the worst consecutive pair). A figure that cannot be read
 from a suite's JSON (a renamed key) is an ERROR naming the key, never a silent pass.
@@ -23,7 +24,7 @@ from pdps.core.errors import PdpsError
 
 MET, MISSED, ERROR, NOT_RUN, NOT_CHECKED = "MET", "MISSED", "ERROR", "NOT RUN", "NOT CHECKED"
 STABILITY = 0.15  # two consecutive runs agree on each ratio within 15%
-SUITES = ("transport", "master", "checkpoint", "end-to-end")
+SUITES = ("transport", "master", "checkpoint", "end-to-end", "scale")
 
 
 class BenchError(PdpsError):
@@ -43,7 +44,8 @@ Report = Mapping[str, Any]
 
 @attrs.frozen
 class Target:
-    """One target: ``figure(report)`` of ``suite``'s JSON must be at least ``threshold``.
+    """One target: ``figure(report)`` of ``suite``'s JSON must be at least ``threshold``
+    (with ``at_most``: at most).
 
     ``unit`` is ``"x"`` for a ratio (the stability rule applies to it) or the unit of an
     absolute figure. ``detail(report)`` names the figures behind the value (the
@@ -57,10 +59,18 @@ class Target:
     figure: Callable[[Report], float]
     detail: Callable[[Report], str]
     unit: str = "x"
+    at_most: bool = False
 
     @property
     def is_ratio(self) -> bool:
         return self.unit == "x"
+
+    @property
+    def comparison(self) -> str:
+        return "<=" if self.at_most else ">="
+
+    def meets(self, value: float) -> bool:
+        return value <= self.threshold if self.at_most else value >= self.threshold
 
 
 # --- reading a suite's JSON -------------------------------------------------------------
@@ -230,6 +240,41 @@ def checkpoint_detail(name: str) -> Callable[[Report], str]:
     return detail
 
 
+# scale: {"ratios": {name: {"value", "figure", "axis", "from", "to", "size_growth"}}, "steps": [...], "tasks": [...],
+#         "master_bytes_per_task"}
+
+
+def scale_ratio(name: str) -> Callable[[Report], float]:
+    def figure(report: Report) -> float:
+        return number(get(report, "ratios", name, "value", suite="scale"), f"ratios.{name}.value", suite="scale")
+
+    return figure
+
+
+def scale_detail(name: str) -> Callable[[Report], str]:
+    def detail(report: Report) -> str:
+        r = get(report, "ratios", name, suite="scale")
+        return (
+            f"{r.get('figure')} at {r.get('axis')} {r.get('from')} -> {r.get('to')} (size x{r.get('size_growth')}): "
+            f"{float(r.get('value', float('nan'))):.2f}x"
+        )
+
+    return detail
+
+
+def scale_memory(report: Report) -> float:
+    return number(get(report, "master_bytes_per_task", suite="scale"), "master_bytes_per_task", suite="scale")
+
+
+def scale_memory_detail(report: Report) -> str:
+    rows = get(report, "tasks", suite="scale")
+    return "; ".join(f"{r.get('tasks'):,} tasks: {float(r.get('master_bytes_per_task', float('nan'))):,.0f} B/task" for r in rows)
+
+
+def _scale(id: str, description: str, threshold: float) -> Target:
+    return Target(f"scale.{id}", "scale", description, threshold, scale_ratio(id), scale_detail(id), at_most=True)
+
+
 # --- the table ---------------------------------------------------------------------------
 
 TARGETS: tuple[Target, ...] = (
@@ -251,6 +296,17 @@ TARGETS: tuple[Target, ...] = (
            0.8, checkpoint_ratio("restore / raw read, warm"), checkpoint_detail("restore / raw read, warm")),
     Target("checkpoint.restore_cold", "checkpoint", "checkpoint restore (read_part) / raw sequential read, page cache dropped",
            0.8, checkpoint_ratio("restore / raw read, cold"), checkpoint_detail("restore / raw read, cold")),
+    _scale("step_ops_trainers", "store operations per sync step at 10x the trainers / at 1x (linear: 10x)", 12.0),
+    _scale("step_bytes_trainers", "store bytes written + read per sync step at 10x the trainers / at 1x (linear: 10x)", 12.0),
+    _scale("step_conflicts_trainers", "compare-and-set conflicts per sync step at 10x the trainers / at 1x (linear: 10x)", 12.0),
+    _scale("step_messages_trainers", "messages per sync step at 10x the trainers / at 1x (linear: 10x)", 12.0),
+    _scale("step_ops_pservers", "store operations per sync step at 4x the pservers / at 1x (linear: 4x)", 4.8),
+    _scale("task_ops_tasks", "master store operations per task at 10x the tasks / at 1x (flat: 1x)", 1.2),
+    _scale("task_bytes_tasks", "master store bytes written per task at 10x the tasks / at 1x (flat: 1x)", 1.2),
+    # the queue's dicts and sets grow by doubling: their slack per task swings with where N falls between two sizes
+    _scale("task_memory_tasks", "master memory per task at 10x the tasks / at 1x (flat: 1x; hash tables grow by doubling)", 1.5),
+    Target("scale.master_memory", "scale", "master memory per task (task specs + queue), the largest queue",
+           1024.0, scale_memory, scale_memory_detail, unit="B/task", at_most=True),
 )
 
 
@@ -286,6 +342,17 @@ def suite_figures(suite: str, report: Report) -> list[tuple[str, float, str]]:
             label = e2e_label(r)
             out.append((label, number(r.get("samples_per_s"), f"{label} samples_per_s", suite=suite), "samples/s"))
             out.append((f"{label} / torch", number(r.get("ratio_vs_torch"), f"{label} ratio_vs_torch", suite=suite), "x"))
+    elif suite == "scale":
+        for r in get(report, "steps", suite=suite):
+            label = f"{r['trainers']} trainers x {r['pservers']} pservers"
+            out.append((f"{label}: store ops / step", number(r.get("store_ops_per_step"), f"{label} store_ops_per_step", suite=suite), "ops"))
+            out.append((f"{label}: bytes / step", number(r.get("bytes_per_step"), f"{label} bytes_per_step", suite=suite), "B"))
+        for r in get(report, "tasks", suite=suite):
+            label = f"master, {r['tasks']:,} tasks"
+            out.append((f"{label}: memory / task", number(r.get("master_bytes_per_task"), f"{label} memory", suite=suite), "B"))
+            out.append((f"{label}: store ops / task", number(r.get("store_ops_per_task"), f"{label} ops", suite=suite), "ops"))
+        for name, r in get(report, "ratios", suite=suite).items():
+            out.append((name, number(r.get("value"), f"ratios.{name}", suite=suite), "x"))
     else:
         raise BenchError(f"unknown suite {suite!r}; choose from {', '.join(SUITES)}")
     return out
@@ -350,18 +417,18 @@ def evaluate(reports: Mapping[str, Sequence[Report | None]], targets: Sequence[T
         elif not runs or any(v is None for v in values):
             status = NOT_RUN
         else:
-            status = MET if all(v >= t.threshold for v in values) else MISSED  # type: ignore[operator]
+            status = MET if all(t.meets(v) for v in values) else MISSED  # type: ignore[arg-type]
         got = [v for v in values if v is not None]
         verdicts.append(
             {
                 "id": t.id,
                 "suite": t.suite,
                 "description": t.description,
-                "comparison": ">=",
+                "comparison": t.comparison,
                 "threshold": t.threshold,
                 "unit": t.unit,
                 "values": values,
-                "best": max(got) if got else None,
+                "best": (min(got) if t.at_most else max(got)) if got else None,
                 "status": status,
                 "details": details,
                 "errors": errors,

@@ -42,8 +42,9 @@ flat in the tasks grows 1x (1.2x allowed).
 
 Run
 ---
-    .venv/bin/python bench/scale.py                 # ~2 min on 2 cores
-    .venv/bin/python bench/scale.py --quick         # ~30 s
+    .venv/bin/python bench/scale.py                 # ~15 s on 2 cores
+    .venv/bin/python bench/scale.py --quick         # ~7 s
+    .venv/bin/python bench/scale.py --trainers 10 100 300 --pservers 16 --tasks 10000   # ~1 min
     .venv/bin/python bench/scale.py --trainers 10 50 --pservers 4 --tasks 10000 --json
 
 ``--json``: the table and progress on stderr, one JSON object on stdout's last line.
@@ -331,7 +332,7 @@ def run(trainers: Sequence[int], pservers: Sequence[int], steps: int, tasks: Seq
         task_rows.append(row)
     lo_p, hi_p, most = min(pservers), max(pservers), max(trainers)
     ratios = {}
-    for figure, short in (("store_ops_per_step", "ops"), ("bytes_per_step", "bytes"), ("conflicts_per_step", "conflicts"),
+    for figure, short in (("store_ops_per_step", "ops"), ("writes_per_step", "writes"), ("bytes_per_step", "bytes"), ("conflicts_per_step", "conflicts"),
                           ("messages_per_step", "messages")):
         ratios[f"step_{short}_trainers"] = ratio(steps_rows, figure, "trainers", pservers=lo_p)
         if len(pservers) > 1:

@@ -84,6 +84,7 @@ def scale_json(step_ops=11.0, memory=600.0):
 
     ratios = {
         **r("step_ops_trainers", step_ops, "store_ops_per_step", "trainers", 10, 100, pservers=4),
+        **r("step_writes_trainers", 9.6, "writes_per_step", "trainers", 10, 100, pservers=4),
         **r("step_bytes_trainers", 9.0, "bytes_per_step", "trainers", 10, 100, pservers=4),
         **r("step_conflicts_trainers", 9.0, "conflicts_per_step", "trainers", 10, 100, pservers=4),
         **r("step_messages_trainers", 10.0, "messages_per_step", "trainers", 10, 100, pservers=4),

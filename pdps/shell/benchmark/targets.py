@@ -297,6 +297,7 @@ TARGETS: tuple[Target, ...] = (
     Target("checkpoint.restore_cold", "checkpoint", "checkpoint restore (read_part) / raw sequential read, page cache dropped",
            0.8, checkpoint_ratio("restore / raw read, cold"), checkpoint_detail("restore / raw read, cold")),
     _scale("step_ops_trainers", "store operations per sync step at 10x the trainers / at 1x (linear: 10x)", 12.0),
+    _scale("step_writes_trainers", "keys written per sync step at 10x the trainers / at 1x (linear: 10x)", 12.0),
     _scale("step_bytes_trainers", "store bytes written + read per sync step at 10x the trainers / at 1x (linear: 10x)", 12.0),
     _scale("step_conflicts_trainers", "compare-and-set conflicts per sync step at 10x the trainers / at 1x (linear: 10x)", 12.0),
     _scale("step_messages_trainers", "messages per sync step at 10x the trainers / at 1x (linear: 10x)", 12.0),

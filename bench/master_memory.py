@@ -28,7 +28,7 @@ collection, divided by ``--tasks``)
 Run
 ---
     .venv/bin/python bench/master_memory.py --tasks 100000
-    .venv/bin/python bench/master_memory.py --tasks 1000000 --json   # ~2-4 min on 2 cores
+    .venv/bin/python bench/master_memory.py --tasks 1000000 --json   # ~3-6 min on 2 cores
 
 ``measure(tasks, trainers, parts) -> dict`` is importable; ``--json`` prints it as
 the last line of stdout.

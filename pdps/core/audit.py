@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import enum
 import json
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -118,6 +119,8 @@ class Attempt:
             raise ValueError(f"applied must be a whole number >= 0, got {applied!r}")
         if not (trainer is None or isinstance(trainer, str)) or not isinstance(late, bool):
             raise ValueError(f"trainer must be a string or null and late_finish a boolean, got {trainer!r}, {late!r}")
+        # one string per trainer, not one per attempt: a restored pass holds an attempt per task
+        trainer = None if trainer is None else sys.intern(trainer)
         return cls(attempt=attempt, trainer=trainer, outcome=Outcome(d["outcome"]), offset=offset, late_finish=late, applied=applied)
 
 
@@ -195,18 +198,20 @@ class AuditLog:
     """
 
     pass_no: int = 0
-    _logs: dict[int, list[Attempt]] = attrs.field(factory=dict)
+    #: a tuple per task, replaced on each change: a task has an attempt or two, and a
+    #: list would take 40 bytes a task more (its over-allocated item array)
+    _logs: dict[int, tuple[Attempt, ...]] = attrs.field(factory=dict)
 
     @classmethod
     def restore(cls, pass_no: int, entries: Mapping[int, Sequence[Attempt]]) -> AuditLog:
         """The log of ``pass_no`` as persisted: ``entries`` maps task id → attempts."""
-        return cls(pass_no=pass_no, logs={tid: list(attempts) for tid, attempts in entries.items() if attempts})
+        return cls(pass_no=pass_no, logs={tid: tuple(attempts) for tid, attempts in entries.items() if attempts})
 
     def attempts(self, task_id: int) -> tuple[Attempt, ...]:
-        return tuple(self._logs.get(task_id, ()))
+        return self._logs.get(task_id, ())
 
     def entries(self) -> dict[int, tuple[Attempt, ...]]:
-        return {tid: tuple(log) for tid, log in self._logs.items()}
+        return dict(self._logs)
 
     def record(self, changes: Iterable[Change]) -> list[AuditEntry]:
         """Follow one transition; return the entries it changed (at most one per task)."""
@@ -248,15 +253,15 @@ class AuditLog:
         for tid, log in self._logs.items():
             rec = by_id.get(tid)
             keep = kept_by_checkpoint(rec, self.pass_no, finished=tid in done)
-            new = list(roll_back_attempts(log, keep))
+            new = roll_back_attempts(log, keep)
             if tid in done and rec is not None and rec.state is State.PENDING and keep:
                 i = _find(new, keep)
                 if i is not None and new[i].outcome is not Outcome.DONE:
-                    new[i] = attrs.evolve(new[i], outcome=Outcome.DONE)
+                    new = _replaced(new, i, outcome=Outcome.DONE)
             elif kept and tid in kept and rec is not None and rec.state is State.PENDING and rec.pass_no == self.pass_no:
                 i = _find(new, rec.attempt)
                 if i is not None and new[i].outcome is Outcome.ROLLED_BACK:
-                    new[i] = attrs.evolve(new[i], applied=kept[tid])
+                    new = _replaced(new, i, applied=kept[tid])
             if new != log:
                 self._logs[tid] = new
                 changed.append(self._entry(tid))
@@ -265,32 +270,37 @@ class AuditLog:
     # --- internals --------------------------------------------------------------------
 
     def _follow(self, rec: TaskRecord, event: Event, applied: int | None = None) -> None:
-        log = self._logs.setdefault(rec.id, [])
+        log = self._logs.get(rec.id, ())
         if event is Event.DISPATCH:
-            log.append(Attempt(attempt=rec.attempt, trainer=rec.trainer, outcome=Outcome.PENDING, offset=rec.offset))
+            self._logs[rec.id] = (*log, Attempt(attempt=rec.attempt, trainer=rec.trainer, outcome=Outcome.PENDING, offset=rec.offset))
             return
         outcome = ENDED_BY.get(event)
         if outcome is None:
             return  # NEW_PASS is not a TaskChanged event
         i = _find(log, rec.attempt)
         if i is None:  # its dispatch was not audited (a log started afresh): keep what is known
-            log.append(Attempt(attempt=rec.attempt, trainer=None, outcome=outcome, applied=applied))
+            self._logs[rec.id] = (*log, Attempt(attempt=rec.attempt, trainer=None, outcome=outcome, applied=applied))
         else:
-            log[i] = attrs.evolve(log[i], outcome=outcome, applied=applied)
+            self._logs[rec.id] = _replaced(log, i, outcome=outcome, applied=applied)
 
     def _late_finish(self, task_id: int, attempt: int) -> bool:
-        log = self._logs.get(task_id, [])
+        log = self._logs.get(task_id, ())
         i = _find(log, attempt)
         if i is None or log[i].late_finish or log[i].outcome not in _LATE_FINISH_AFTER:
             return False
-        log[i] = attrs.evolve(log[i], late_finish=True)
+        self._logs[task_id] = _replaced(log, i, late_finish=True)
         return True
 
     def _entry(self, task_id: int) -> AuditEntry:
-        return AuditEntry(self.pass_no, task_id, tuple(self._logs.get(task_id, ())))
+        return AuditEntry(self.pass_no, task_id, self._logs.get(task_id, ()))
 
 
-def _find(log: list[Attempt], attempt: int) -> int | None:
+def _replaced(log: tuple[Attempt, ...], i: int, **fields: Any) -> tuple[Attempt, ...]:
+    """``log`` with its attempt at ``i`` changed by ``fields``."""
+    return (*log[:i], attrs.evolve(log[i], **fields), *log[i + 1 :])
+
+
+def _find(log: Sequence[Attempt], attempt: int) -> int | None:
     """The index of the newest entry for ``attempt`` (the end of the list, nearly always)."""
     for i in range(len(log) - 1, -1, -1):
         if log[i].attempt == attempt:

@@ -311,6 +311,14 @@ def test_entries_round_trip_as_a_compact_json_list():
     assert decode_attempts(raw, "k") == e.attempts
 
 
+def test_decoded_entries_hold_one_string_per_trainer():
+    # a restored pass holds an attempt per task: one copy of its trainer's name each
+    # would cost a string a task at a million tasks (bench/master_memory.py)
+    raw = AuditEntry(0, 1, (A(1, "t1", "done"),)).encode()
+    first, second = decode_attempts(raw, "k")[0], decode_attempts(raw, "k")[0]
+    assert first.trainer == "t1" and first.trainer is second.trainer
+
+
 @pytest.mark.parametrize(
     "raw",
     [

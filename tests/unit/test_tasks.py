@@ -106,6 +106,18 @@ def test_dispatch_waits_at_cap_per_trainer():
     assert dispatched(q, "t1", 0.0).task.id == 3
 
 
+def test_the_queue_holds_one_string_per_trainer_however_many_tasks_it_took():
+    # equal names in distinct strings, as two requests decoded from the wire carry them;
+    # the audit keeps every attempt's trainer, so one copy each would cost a string a task
+    # at a million tasks (bench/master_memory.py)
+    first, second = "".join(["t", "1"]), "".join(["t", "1"])
+    assert first == second and first is not second
+    q = queue(2, max_in_flight=2)
+    dispatched(q, first, 0.0)
+    dispatched(q, second, 0.0)
+    assert q.record(0).trainer is q.record(1).trainer
+
+
 def test_drained_versus_pass_complete():
     q = queue(1)
     a = dispatched(q, "t1", 0.0)

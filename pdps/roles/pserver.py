@@ -100,6 +100,15 @@ def claim_index(store: CoordinationStore, keys: Keys, lease: int, value: bytes, 
     raise ConfigError(f"all {desired} pserver indexes of job {keys.job!r} are taken")
 
 
+def _says_done(value: bytes, key: str) -> bool:
+    """Whether a job ``state`` record says the job is done (an undecodable one does not)."""
+    try:
+        state = decode_json(value, key)
+    except CorruptRecord:
+        return False
+    return isinstance(state, dict) and state.get("state") == "done"
+
+
 #: How often a pserver asks again for an index another pserver's lease still holds.
 CLAIM_POLL = Backoff(first=0.1, longest=0.1)
 #: Loading a checkpoint part: tries, and the pauses between them (storage may lag).
@@ -161,6 +170,10 @@ class Pserver:
         self._ledger: OrderedDict[tuple[int, int], list[list[int]]] = OrderedDict()
         self._members: set[str] = set()  # registered trainers, as the watch reports them
         self._members_read = 0.0  # when _members was last read from the store
+        # Whether the job's state says done: kept by a watch, and read again at most every
+        # MEMBERS_FRESH (a watch may miss an event), not at every pull that waits.
+        self._done = False
+        self._state_read = -MEMBERS_FRESH
         self.state = PserverState.NEW  # moved only by _move, through pdps.core.lifecycle
         self.incarnation = uuid.uuid4().hex[:12]
         self.rollbacks = 0  # epochs entered after the first
@@ -203,6 +216,8 @@ class Pserver:
             with self._cond:
                 self._live(fresh=True)
             self._watches.append(self._store.watch(self._keys.epoch, self._on_epoch_event))
+            if self.config.mode is Mode.SYNC:
+                self._watches.append(self._store.watch(self._keys.state, self._on_state_event))
             if self.config.mode is Mode.ASYNC:
                 self._watches.append(self._store.watch(self._keys.checkpoints, self._on_checkpoint_event))
             if not restart:
@@ -501,14 +516,19 @@ class Pserver:
     def _job_done(self) -> bool:
         """Once the job is done, a round waits for nobody: trainers that got no more
         tasks have stopped stepping, whether or not they have left yet."""
-        kv = self._store.get(self._keys.state)
-        if kv is None:
-            return False
-        try:
-            state = decode_json(kv.value, kv.key)
-        except CorruptRecord:
-            return False
-        return isinstance(state, dict) and state.get("state") == "done"
+        if time.monotonic() - self._state_read >= MEMBERS_FRESH:
+            self._state_read = time.monotonic()
+            kv = self._store.get(self._keys.state)
+            self._done = kv is not None and _says_done(kv.value, kv.key)
+        return self._done
+
+    def _on_state_event(self, event: WatchEvent) -> None:
+        if event.key != self._keys.state:
+            return
+        with self._cond:
+            self._done = event.type is EventType.PUT and event.value is not None and _says_done(event.value, event.key)
+            if self._done:
+                self._cond.notify_all()  # a round waiting on trainers that have stopped can close
 
     def _apply_round(self, record: RoundRecord) -> None:
         assert self._shard is not None

@@ -34,3 +34,15 @@ def test_the_master_keeps_less_than_a_kib_per_task_and_writes_per_task_alike_at_
     a, b = scale.master_store(1_000, 50), scale.master_store(10_000, 50)
     assert a["finished"] == b["finished"] == 50
     assert a["writes_per_task"] == b["writes_per_task"] > 0
+
+
+def test_a_pserver_reads_the_jobs_state_at_most_once_a_second_not_at_every_waiting_pull():
+    """Whether the job is done is kept by a watch; a waiting pull no longer reads it
+    (before: several reads of ``state`` per sync step at 8 trainers)."""
+    from pdps.roles.pserver import MEMBERS_FRESH
+
+    row = scale.sync_steps(8, 2, 4, timeout=60)
+    rounds = row["rounds_in_window"]
+    reads = row["by_family_per_step"].get("state", {}).get("reads", 0.0) * rounds
+    window_s = row["s_per_step"] * rounds
+    assert reads <= row["pservers"] * (window_s / MEMBERS_FRESH + 1), (reads, window_s)

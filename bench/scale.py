@@ -58,7 +58,6 @@ import logging
 import os
 import shlex
 import sys
-import threading
 import time
 import tracemalloc
 import uuid

@@ -36,7 +36,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
-from pdps.core.txn import (  # noqa: F401  (the port's values, re-exported)
+from pdps.core.txn import (  # the port's values, defined in core and re-exported here
     Compare,
     Delete,
     EventType,
@@ -48,6 +48,12 @@ from pdps.core.txn import (  # noqa: F401  (the port's values, re-exported)
     TxnResult,
     WatchEvent,
 )
+
+
+__all__ = [
+    "Compare", "CoordinationStore", "Delete", "EventType", "Fence", "KeyValue", "Op", "Put", "TxnOp", "TxnResult",
+    "Watch", "WatchEvent",
+]
 
 
 class Watch(Protocol):

@@ -234,13 +234,12 @@ class JobView:
         return self._json(self.keys.checkpoint)
 
     def closed(self, epoch: int, round_no: int) -> bool:
-        rec = self._json(self.keys.round(epoch, round_no))
-        return bool(rec and rec.get("closed"))
+        return self.store.get(self.keys.round_closed(epoch, round_no)) is not None
 
     def any_closed(self, epoch: int) -> int | None:
         """The lowest closed round of ``epoch``, or None."""
-        closed = [json.loads(kv.value) for kv in self.store.range(f"{self.keys.rounds}{epoch:06d}/")]
-        rounds = [int(r["round"]) for r in closed if r.get("closed")]
+        entries = [self.keys.round_entry(kv.key) for kv in self.store.range(f"{self.keys.rounds}{epoch:06d}/")]
+        rounds = [e[1] for e in entries if e is not None and e[2] is None]
         return min(rounds) if rounds else None
 
     def claim(self) -> Any:

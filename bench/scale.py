@@ -78,7 +78,6 @@ import pdps  # noqa: E402
 from bench.machine import describe  # noqa: E402
 from pdps.adapters.prometheus_metrics import RoleMetrics  # noqa: E402
 from pdps.core.job import JobConfig, Keys  # noqa: E402
-from pdps.core.sgd import RoundRecord  # noqa: E402
 from pdps.core.tasks import TaskQueue, TaskSpec  # noqa: E402
 from pdps.core.wire import FinishTaskRequest, GetTaskRequest  # noqa: E402
 from pdps.registry import open_compute, open_store, open_transport  # noqa: E402
@@ -154,7 +153,7 @@ class MarkedStore(CountingStore):
 
     def __init__(self, inner: Any, metrics: RoleMetrics, keys: Keys, first: int, last: int, latency: float) -> None:
         super().__init__(inner, root=keys.root)
-        self._metrics, self._rounds = metrics, keys.rounds
+        self._metrics, self._keys = metrics, keys
         self.first, self.last, self.latency = first, last, latency
         self.at: dict[int, tuple[StoreCounts, dict[str, int], float]] = {}
         self.record_bytes = 0  # the closed record of round ``last``
@@ -170,8 +169,9 @@ class MarkedStore(CountingStore):
         result = super().commit(compares, success, failure, fence=fence)
         if result.succeeded:
             for op in success:
-                if isinstance(op, Put) and op.key.startswith(self._rounds) and b'"closed": true' in op.value:
-                    round_no = RoundRecord.from_json(json.loads(op.value)).round_no
+                entry = self._keys.round_entry(op.key) if isinstance(op, Put) else None
+                if entry is not None and entry[2] is None:  # a round's close marker
+                    round_no = entry[1]
                     if round_no in (self.first, self.last):
                         self.at[round_no] = (self.counts(), messages(self._metrics), time.perf_counter())
                         self.record_bytes = len(op.value)

@@ -249,7 +249,10 @@ class Keys:
     ``ckpt/<id>/info``    a checkpoint being written or committed: {epoch, round, state}
     ``ckpt/<id>/part/<name>``  one written part (``ps-<i>``, ``master``): its PartInfo
     ``epoch``             {epoch, checkpoint, round, reason}: bumped by each rollback
-    ``rounds/<epoch>/<r>``  a sync round's record (RoundRecord): the step's decision point
+    ``rounds/<epoch>/<r>/t/<trainer>``  one trainer's contribution to a sync round
+                          (Contribution), written once by that trainer
+    ``rounds/<epoch>/<r>/closed``  the round's close marker ({round, checkpoint}),
+                          written once: the step's decision point (RoundRecord)
     ``initialized``       the pservers were given initial values (a later pserver start is a restart)
     ``waits/<who>``       a role waiting longer than a few seconds: for whom, since when (leased)
     """
@@ -375,7 +378,28 @@ class Keys:
         return self.root + "rounds/"
 
     def round(self, epoch: int, round_no: int) -> str:
-        return f"{self.rounds}{epoch:06d}/{round_no:010d}"
+        """The prefix of a sync round: its contributions and its close marker."""
+        return f"{self.rounds}{epoch:06d}/{round_no:010d}/"
+
+    def round_closed(self, epoch: int, round_no: int) -> str:
+        return self.round(epoch, round_no) + "closed"
+
+    def contribution(self, epoch: int, round_no: int, trainer_id: str) -> str:
+        return f"{self.round(epoch, round_no)}t/{trainer_id}"
+
+    def round_entry(self, key: str) -> tuple[int, int, str | None] | None:
+        """``(epoch, round, trainer)`` of a contribution key, ``(epoch, round, None)`` of
+        a close marker; None for any other key."""
+        parts = key[len(self.rounds) :].split("/", 3) if key.startswith(self.rounds) else []
+        try:
+            epoch, round_no = int(parts[0]), int(parts[1])
+        except (IndexError, ValueError):
+            return None
+        if parts[2:] == ["closed"]:
+            return epoch, round_no, None
+        if len(parts) == 4 and parts[2] == "t" and parts[3]:
+            return epoch, round_no, parts[3]
+        return None
 
     @property
     def checkpoints(self) -> str:

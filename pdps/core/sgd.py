@@ -139,11 +139,15 @@ class RoundRecord:
     transactional step.
 
     A trainer pushes its gradient to every pserver (each stages it, nothing applied),
-    and only then commits its :class:`Contribution` here, in one compare-and-swap. A
-    pserver closes the round once every participant has committed, again in one
-    compare-and-swap; from then on the record never changes, and every pserver applies
-    exactly the contributions it names. A trainer that died between its pushes never
+    and only then commits its :class:`Contribution`, under its own key of the round
+    (written once, in a transaction that holds only while the round has no close
+    marker). A pserver closes the round once every participant has committed, by
+    writing the round's close marker (once). No contribution commits after the marker,
+    so from then on the round never changes, and every pserver applies exactly the
+    contributions stored under it. A trainer that died between its pushes never
     committed, so its staged gradient is dropped everywhere: all pservers or none.
+    No key is written by two trainers: a round costs the store one small write per
+    trainer and one per close, whatever the number of trainers.
 
     The participants of round ``r`` are the live trainers that contributed to round
     ``r - 1``; for the first round of an epoch, every live trainer. A trainer that
@@ -218,21 +222,23 @@ class RoundRecord:
     def _move(self, event: RoundEvent) -> RoundState:
         return move(ROUND_TRANSITIONS, f"round {self.round_no}", self.state, event)
 
-    def to_json(self) -> dict:
-        return {
-            "round": self.round_no,
-            "closed": self.closed,
-            "checkpoint": self.checkpoint,
-            "contributions": {t: c.to_json() for t, c in sorted(self.contributions.items())},
-        }
+    def marker_json(self) -> dict:
+        """The close marker as stored (``rounds/<e>/<r>/closed``); each contribution is
+        stored under its own key (:meth:`Contribution.to_json`)."""
+        return {"round": self.round_no, "checkpoint": self.checkpoint}
 
     @classmethod
-    def from_json(cls, d: dict) -> RoundRecord:
+    def from_stored(cls, round_no: int, contributions: Mapping[str, Contribution], marker: Mapping | None) -> RoundRecord:
+        """The record a round's keys make: its contributions, and its close marker if
+        one was written (the round is closed, and names every contribution stored)."""
+        checkpoint = None if marker is None else marker.get("checkpoint")
+        if marker is not None and int(marker["round"]) != round_no:
+            raise ValueError(f"the close marker of round {round_no} names round {marker['round']}")
         return cls(
-            round_no=int(d["round"]),
-            contributions={str(t): Contribution.from_json(c) for t, c in dict(d["contributions"]).items()},
-            state=RoundState.CLOSED if d["closed"] else RoundState.OPEN,
-            checkpoint=None if d.get("checkpoint") is None else str(d["checkpoint"]),
+            round_no=round_no,
+            contributions=dict(contributions),
+            state=RoundState.OPEN if marker is None else RoundState.CLOSED,
+            checkpoint=None if checkpoint is None else str(checkpoint),
         )
 
 

@@ -61,7 +61,7 @@ from pdps.core.checkpoints import MASTER_PART, Epoch
 from pdps.core.errors import ConfigError, CorruptRecord, FencingError, LeaseExpired, PdpsError, StoreUnavailable
 from pdps.core.job import JobConfig, Keys, decode_as, decode_json
 from pdps.core.progress import TaskProgress
-from pdps.core.sgd import Mode, RoundRecord
+from pdps.core.sgd import Mode
 from pdps.core.slots import SlotMap
 from pdps.core.tasks import (
     Assignment,
@@ -97,6 +97,7 @@ from pdps.roles import calls
 from pdps.runtime import recovery
 from pdps.runtime.cas import read_modify_write
 from pdps.runtime.group_commit import MAX_TXN_OPS, GroupCommitStore, Staged, copy_error
+from pdps.runtime.rounds import read_round
 
 log = logging.getLogger(__name__)
 
@@ -657,9 +658,8 @@ class Master:
         self._snapshots.add(ckpt_id)
         progress: dict[str, list] = {}
         if info.get("mode") == "sync" and int(info["round"]) > 0:
-            kv = self._store.get(self._keys.round(self._epoch, int(info["round"]) - 1))
-            if kv is not None:
-                record = decode_as(kv.value, kv.key, RoundRecord.from_json)
+            record = read_round(self._store, self._keys, self._epoch, int(info["round"]) - 1)
+            if record is not None:
                 for c in record.contributions.values():
                     if c.task is not None and c.attempt is not None:
                         progress[str(c.task)] = [c.attempt, c.offset, c.last]

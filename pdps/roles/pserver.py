@@ -6,8 +6,11 @@ arrives, and serves ``init``, ``push`` and ``pull``. The consistency rules are t
 core's (:mod:`pdps.core.sgd`); this shell adds locking, waiting and membership.
 
 Sync rounds are transactions (:class:`~pdps.core.sgd.RoundRecord`): a push only
-*stages* a trainer's gradient; the round's record in the store, closed once by
-compare-and-swap, says whose staged gradients every pserver applies.
+*stages* a trainer's gradient; each trainer then commits its contribution under the
+round's prefix in the store, and the round's close marker, written once, freezes whose
+staged gradients every pserver applies. A pserver learns what was committed from a
+watch on ``rounds/`` (one event per contribution), and reads a round's keys once, to
+apply it.
 
 Recovery: a pserver that starts in a job whose pservers were already initialized is
 a *restart*. It rolls the whole job back to the latest sound checkpoint (a new
@@ -52,11 +55,12 @@ from pdps.core.txn import Decision, Done, Write
 from pdps.core.wire import AppliedReply, AppliedRequest, InitReply, InitRequest, PserverRequest, PullReply, PullRequest, PushReply, PushRequest
 from pdps.ports.checkpoints import CheckpointFiles
 from pdps.ports.compute import Compute, ParameterShard
-from pdps.ports.coordination import Compare, CoordinationStore, Delete, EventType, KeyValue, Put, TxnOp, WatchEvent
+from pdps.ports.coordination import Compare, CoordinationStore, EventType, KeyValue, Put, TxnOp, WatchEvent
 from pdps.ports.transport import Endpoint, Transport
 from pdps.roles import calls
 from pdps.runtime import recovery
 from pdps.runtime.cas import read_modify_write
+from pdps.runtime.rounds import read_round
 from pdps.runtime.retry import Retry, retry
 
 log = logging.getLogger(__name__)
@@ -116,14 +120,18 @@ LOAD_ATTEMPTS = 5
 LOAD_BACKOFF = Backoff(first=0.2, longest=1.6)
 #: Task attempts whose applied records a pserver remembers for the ``applied`` call.
 LEDGER_ATTEMPTS = 100_000
+#: What closing a round returns when this pserver wrote its marker.
+_CLOSED_HERE = object()
 #: A sync pull that waits this long at the barrier answers "still waiting" with whom it
 #: waits for, so the trainer can say so; the trainer then asks again.
 PULL_SLICE = WAIT_LOG_EVERY
-#: A pull waiting at the barrier re-reads the round's record at least this often.
-POLL = 0.25
-#: A round that seems to wait for someone reads the membership from the store (not
-#: the watch) when the last such read is older than this, in case a deletion was missed.
+#: A round that seems to wait for someone reads its keys and the membership from the
+#: store (not the watches) when the last such read is older than this, in case a watch
+#: missed an event.
 MEMBERS_FRESH = 1.0
+#: A pull waiting at the barrier looks again at least this often (the watches wake it
+#: as soon as the round can close or has closed).
+POLL = MEMBERS_FRESH
 #: Fault injection for tests: seconds a pserver sleeps between writing its checkpoint
 #: part and recording it (so a test can kill it in the middle of a checkpoint).
 CHECKPOINT_DELAY_ENV = "_PDPS_FAULT_CHECKPOINT_DELAY"  # not PDPS_*: the launcher passes it on
@@ -159,7 +167,12 @@ class Pserver:
         self.round_no = 0  # the open sync round
         self._prev: set[str] | None = None  # contributors of the last round (None: the epoch's first)
         self._round_checkpoint: tuple[int, str] | None = None  # (round, checkpoint taken after it)
-        self._waiting: set[str] = set()
+        #: the open round's participants that have not committed yet, as far as the watch
+        #: on rounds/ has told (None: work it out again, the round or the membership moved)
+        self._waiting: set[str] | None = None
+        self._seen: dict[int, set[str]] = {}  # round -> the trainers the watch saw commit to it
+        self._marked: set[int] = set()  # rounds whose close marker the watch saw
+        self._round_read = time.monotonic()  # when the open round opened here, or was last read
         self._gone: set[str] = set()  # trainers whose key went: their staging buffers can go
         #: async: the records [start, end) of each task last applied here, and their pass:
         #: the same records pushed again (a re-queued task's first push, a retried call)
@@ -218,6 +231,8 @@ class Pserver:
             self._watches.append(self._store.watch(self._keys.epoch, self._on_epoch_event))
             if self.config.mode is Mode.SYNC:
                 self._watches.append(self._store.watch(self._keys.state, self._on_state_event))
+                self._watches.append(self._store.watch(self._keys.rounds, self._on_round_event))
+                threading.Thread(target=self._close_rounds, name=f"pdps-ps-rounds-{self.index}", daemon=True).start()
             if self.config.mode is Mode.ASYNC:
                 self._watches.append(self._store.watch(self._keys.checkpoints, self._on_checkpoint_event))
             if not restart:
@@ -437,8 +452,8 @@ class Pserver:
                 extra["wait_s"] = time.perf_counter() - began  # the barrier, in a step breakdown
                 if not closed:
                     if slice_s is None:
-                        raise Timeout(f"pserver {self.index}: round {after} did not close in {timeout:.0f}s; waiting for {sorted(self._waiting)}")
-                    return PullReply(**self._state(), waiting=tuple(sorted(self._waiting)), **extra)  # type: ignore[arg-type]
+                        raise Timeout(f"pserver {self.index}: round {after} did not close in {timeout:.0f}s; waiting for {sorted(self._waiting or ())}")
+                    return PullReply(**self._state(), waiting=tuple(sorted(self._waiting or ())), **extra)  # type: ignore[arg-type]
                 if self._round_checkpoint is not None and self._round_checkpoint[0] == after:
                     extra["checkpoint"] = self._round_checkpoint[1]
             elif self.config.mode is Mode.SYNC:
@@ -465,46 +480,94 @@ class Pserver:
                 return False
             if now - last_log >= WAIT_LOG_EVERY:
                 last_log = now
-                log.warning("pserver %s: round %d waiting %.0fs for trainers %s", self.index, round_no, now - start, sorted(self._waiting))
+                log.warning("pserver %s: round %d waiting %.0fs for trainers %s", self.index, round_no, now - start, sorted(self._waiting or ()))
             self._cond.wait(min(POLL, max(0.0, patience - (now - start))))
         return True
 
     def _advance(self, round_no: int) -> bool:
-        """Close ``round_no`` in the store if every participant committed, and apply it
-        if it is closed (by us or another pserver). True once it is applied here."""
-        key = self._keys.round(self.epoch, round_no)
+        """Close ``round_no`` if every participant committed, and apply it once it is
+        closed (by us or another pserver). True once it is applied here.
 
-        def close(kv: KeyValue | None) -> Decision:
-            if kv is None:
-                return Done(None)  # nobody committed yet
-            record = decode_as(kv.value, kv.key, RoundRecord.from_json)
-            if record.closed:
-                return Done(record)
-            waiting_on = participants(self._live(fresh=self._prev is None), self._prev)
-            if not record.ready(waiting_on) and time.monotonic() - self._members_read > MEMBERS_FRESH:
-                waiting_on = participants(self._live(fresh=True), self._prev)  # a missed deletion?
-            self._waiting = record.waiting_for(waiting_on)
-            if not record.ready(waiting_on) and not (record.contributions and self._job_done()):
-                return Done(None)
-            ckpt = self._checkpoint_due(round_no)
-            closed = record.close(ckpt)
-            ops: list[TxnOp] = [Put(key, json.dumps(closed.to_json()).encode())]
-            if ckpt is not None:
-                ops.append(recovery.announce(self._keys, ckpt, self.epoch, round_no + 1, "sync"))
-            if round_no >= self.config.keep_rounds:
-                ops.append(Delete(self._keys.round(self.epoch, round_no - self.config.keep_rounds)))
-            # a lost race: a commit or another pserver's close got there first: read again
-            return Write((Compare.unchanged(key, kv),), ops, result=closed)
-
+        Who has committed comes from the watch on ``rounds/``, so a pull that finds the
+        round still waiting costs no store read. The round's keys are read (one range)
+        to close it and to apply it, and when it has looked stuck for MEMBERS_FRESH (a
+        watch may miss an event). One pserver per round (``round % pservers``) closes it
+        as soon as it is ready; the others close it only if it still is not closed after
+        MEMBERS_FRESH (that pserver may be gone), so a round costs one close, not one
+        race per pserver."""
+        stuck = time.monotonic() - self._round_read >= MEMBERS_FRESH
+        if round_no not in self._marked and not stuck and not (self._ready_by_watch(round_no) and self._closes(round_no)):
+            return False
         try:
-            record = read_modify_write(self._store, key, close, what=f"pserver {self.index} closing round {round_no}")
+            record = read_modify_write(
+                self._store, lambda: self._read_round(round_no, fresh=stuck), self._decide_close, what=f"pserver {self.index} closing round {round_no}"
+            )
+            if record is _CLOSED_HERE:
+                if round_no >= self.config.keep_rounds:
+                    self._store.delete_prefix(self._keys.round(self.epoch, round_no - self.config.keep_rounds))
+                record = self._read_round(round_no, fresh=False)  # with any contribution that landed before the marker
         except StoreError as exc:
             log.warning("pserver %s could not read round %d (%s); it stays open", self.index, round_no, exc)
             return False
-        if record is None:
+        if record is None or not record.closed:
             return False
         self._apply_round(record)
         return True
+
+    def _ready_by_watch(self, round_no: int) -> bool:
+        """Whether, as the watch on ``rounds/`` tells, ``round_no`` can close."""
+        seen = self._seen.get(round_no, set())
+        if self._waiting is None:
+            self._waiting = participants(self._live(fresh=False), self._prev) - seen
+        return bool(seen) and (not self._waiting or self._job_done())
+
+    def _close_rounds(self) -> None:
+        """Sync, on its own thread: close the open round (if this pserver closes it) and
+        apply it as soon as the watch says it can, whether or not a pull waits here (a
+        trainer pulls its pservers one after another where the transport is not
+        concurrent)."""
+        with self._cond:
+            while self.state not in HALTED:
+                round_no = self.round_no
+                ready = self.state is PserverState.SERVING and self._shard is not None  # a pserver that holds no slot applies nothing
+                if ready and (round_no in self._marked or self._ready_by_watch(round_no)):
+                    try:
+                        self._advance(round_no)
+                    except PdpsError as exc:  # the round's gradients are missing here: a rollback is on its way
+                        log.warning("pserver %s could not apply round %d: %s", self.index, round_no, exc)
+                if self.round_no == round_no:
+                    self._cond.wait(POLL)
+
+    def _closes(self, round_no: int) -> bool:
+        """Whether this pserver closes ``round_no`` as soon as it is ready."""
+        return round_no % self.config.pservers == self.index
+
+    def _read_round(self, round_no: int, *, fresh: bool) -> RoundRecord | None:
+        """The round's keys, as a record; what it says replaces what the watch told."""
+        record = read_round(self._store, self._keys, self.epoch, round_no)
+        self._round_read = time.monotonic()
+        if record is not None and not record.closed:
+            self._seen[round_no] = set(record.contributions)
+            self._waiting = record.waiting_for(participants(self._live(fresh=fresh), self._prev))
+        return record
+
+    def _decide_close(self, record: RoundRecord | None) -> Decision:
+        """Close the round if it is ready: write its marker (once: a marker another
+        pserver wrote first fails the guard, and the round is read again, closed)."""
+        if record is None:
+            return Done(None)  # nobody committed yet
+        if record.closed:
+            return Done(record)
+        waiting = record.waiting_for(participants(self._members, self._prev))
+        if waiting and not (record.contributions and self._job_done()):
+            return Done(None)
+        round_no = record.round_no
+        ckpt = self._checkpoint_due(round_no)
+        marker = self._keys.round_closed(self.epoch, round_no)
+        ops: list[TxnOp] = [Put(marker, json.dumps(record.close(ckpt).marker_json()).encode())]
+        if ckpt is not None:
+            ops.append(recovery.announce(self._keys, ckpt, self.epoch, round_no + 1, "sync"))
+        return Write((Compare.absent(marker),), ops, result=_CLOSED_HERE)
 
     def _live(self, *, fresh: bool) -> set[str]:
         """The registered trainers: the watch-fed set, or (``fresh``) read from the store."""
@@ -554,15 +617,43 @@ class Pserver:
         self._gone &= set(record.contributions)
         self._prev = set(record.contributions)
         self.round_no = record.round_no + 1
-        self._waiting = set()
+        self._waiting = None
+        self._round_read = time.monotonic()
+        for r in [r for r in self._seen if r <= record.round_no]:
+            del self._seen[r]
+        self._marked = {r for r in self._marked if r > record.round_no}
         if record.checkpoint is not None:
             self._round_checkpoint = (record.round_no, record.checkpoint)
             self._snapshot(record.checkpoint)
         self._cond.notify_all()
 
+    def _on_round_event(self, event: WatchEvent) -> None:
+        """A contribution or a close marker was written: note it, and wake the waiting
+        pulls when the open round can close or has closed."""
+        entry = self._keys.round_entry(event.key)
+        if entry is None or event.type is not EventType.PUT:
+            return  # old rounds being dropped
+        epoch, round_no, trainer = entry
+        with self._cond:
+            if epoch != self.epoch or round_no < self.round_no:
+                return
+            if trainer is None:
+                self._marked.add(round_no)
+            else:
+                self._seen.setdefault(round_no, set()).add(trainer)
+                if round_no != self.round_no or (self._waiting is not None and trainer not in self._waiting):
+                    return
+                if self._waiting is not None:
+                    self._waiting.discard(trainer)
+                    if self._waiting:
+                        return  # waking every waiting pull per contribution would cost O(T) each
+            if round_no == self.round_no:
+                self._cond.notify_all()
+
     def _on_trainer_event(self, event: WatchEvent) -> None:
         trainer = self._keys.trainer_id(event.key)
         with self._cond:
+            self._waiting = None  # the participants may have changed
             if event.type is EventType.DELETE:
                 self._members.discard(trainer)
                 if self.config.mode is Mode.SYNC:
@@ -681,6 +772,8 @@ class Pserver:
             if self.state in HALTED or epoch.epoch < self.epoch or (epoch.epoch == self.epoch and self.state is PserverState.SERVING):
                 return  # a late event, or an epoch entered already
             self.epoch, self.round_no, self._prev = epoch.epoch, epoch.round, None
+            self._seen, self._marked, self._waiting = {}, set(), None
+            self._round_read = time.monotonic()
             self._move(PserverEvent.LOAD)
             self._round_checkpoint = None
             self._last_records.clear()  # the parameters go back: so does what they hold

@@ -20,7 +20,8 @@ from pdps.adapters.torch_compute import TorchCompute
 from pdps.core.errors import InvalidTransition, LeaseExpired, TransportError
 from pdps.core.job import Keys
 from pdps.core.lifecycle import PserverEvent, PserverState
-from pdps.core.sgd import Contribution, RoundRecord
+from pdps.core.sgd import Contribution
+from pdps.runtime.rounds import read_round
 from pdps.ports.transport import Message
 from pdps.roles.master import Master
 from pdps.roles.pserver import Pserver
@@ -119,7 +120,7 @@ def test_simulate_leaves_no_threads_behind(source):
 
 def test_leaving_right_after_a_tasks_last_stepped_batch_finishes_it(source):
     job = start_job(source, mode="async", batch_size=10)
-    master, ps, ctx = job.master, job.ps, job.trainer("t0")
+    master, ctx = job.master, job.trainer("t0")
     try:
         model = ctx.attach(nn.Sequential(nn.Linear(4, 2)))
         for batch in ctx.batches():
@@ -152,7 +153,7 @@ def test_leaving_mid_task_gives_it_back_and_async_pushes_what_it_summed(source):
 
 def test_a_late_finish_is_not_counted_by_the_trainer(source):
     job = start_job(source, mode="async", batch_size=20, task_timeout=0.3)
-    master, ps, ctx = job.master, job.ps, job.trainer("t0")
+    master, ctx = job.master, job.trainer("t0")
     try:
         model = ctx.attach(nn.Sequential(nn.Linear(4, 2)))
         slow = True
@@ -247,9 +248,8 @@ def test_a_nan_loss_reaches_no_pserver(tmp_path, overlap):
         assert "t0" not in by_index[second.index]._shard.staged()  # the non-finite slot went nowhere
         if overlap == "off":
             assert "t0" not in by_index[first.index]._shard.staged()
-        round_key = Keys(job.config.name).round(0, second.round_no)
-        kv = job.store.get(round_key)  # the round the bad step was for: t0 never committed to it
-        assert kv is None or RoundRecord.from_json(json.loads(kv.value)).contributions.get("t0", Contribution(0)).samples == 0
+        record = read_round(job.store, Keys(job.config.name), 0, second.round_no)  # the round the bad step was for: t0 never committed to it
+        assert record is None or record.contributions.get("t0", Contribution(0)).samples == 0
     finally:
         job.close()
 

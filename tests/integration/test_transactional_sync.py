@@ -8,8 +8,10 @@ replay, in float64, of the gradients the round records say were applied.
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
+import uuid
 
 import numpy as np
 import pytest
@@ -21,8 +23,11 @@ import pdps
 from pdps.adapters.memory_store import MemoryStore
 from pdps.adapters.parquet import ParquetSource, write_parquet_shards
 from pdps.core.errors import Timeout
-from pdps.core.job import Keys, decode_as
+from pdps.core.job import Keys
 from pdps.core.sgd import RoundRecord
+from pdps.ports.coordination import Put
+from pdps.runtime.counting import CountingStore
+from pdps.runtime.rounds import read_round
 from pdps.ports.transport import Message
 from tests.integration.jobkit import start_job
 
@@ -55,9 +60,11 @@ def closed_rounds(store, job: str) -> list[tuple[int, RoundRecord]]:
     keys = Keys(job)
     out = []
     for kv in store.range(keys.rounds):
-        epoch = int(kv.key[len(keys.rounds) :].split("/")[0])
-        record = decode_as(kv.value, kv.key, RoundRecord.from_json)
-        if record.closed:
+        entry = keys.round_entry(kv.key)
+        if entry is not None and entry[2] is None:  # a close marker
+            epoch, round_no, _ = entry
+            record = read_round(store, keys, epoch, round_no)
+            assert record is not None and record.closed
             out.append((epoch, record))
     return sorted(out, key=lambda er: (er[0], er[1].round_no))
 
@@ -146,6 +153,51 @@ def test_barrier_continues_without_a_killed_trainer_and_matches_a_replay(source)
     assert dead and len(dead) < len(rounds)
     got = torch.cat([p.reshape(-1) for p in result.params.values()])
     torch.testing.assert_close(got, replay(rounds, grads), rtol=0, atol=1e-10)
+
+
+class PutsByKey(CountingStore):
+    """Counts, per key, the puts of the transactions that committed."""
+
+    def __init__(self, inner, root: str) -> None:
+        super().__init__(inner, root=root)
+        self.puts: collections.Counter[str] = collections.Counter()
+
+    def commit(self, compares, success, failure=(), *, fence=None):
+        result = super().commit(compares, success, failure, fence=fence)
+        for op in success if result.succeeded else failure:
+            if isinstance(op, Put):
+                self.puts[op.key] += 1
+        return result
+
+
+def test_every_round_key_is_written_once_by_its_own_writer(source):
+    """A round is one key per contribution, written by its trainer, and one close marker,
+    written by one pserver: no key is rewritten by every trainer (before: one record per
+    round, rewritten whole by each of them, racing for it)."""
+
+    def train(ctx: pdps.TrainerContext) -> None:
+        model = ctx.attach(make_model())
+        for batch in ctx.batches():
+            ctx.step(F.mse_loss(model(batch["x"]), batch["y"]))
+
+    name = "once-" + uuid.uuid4().hex[:8]
+    keys = Keys(name)
+    store = PutsByKey(MemoryStore(), root=keys.root)
+    result = pdps.simulate(
+        train, dataset=source, store=store, trainers=4, pservers=3, mode="sync", batch_size=20,
+        optimizer="SGD", optimizer_args={"lr": LR}, name=name, keep_rounds=100000,
+    )
+    written = {k: n for k, n in store.puts.items() if k.startswith(keys.rounds)}
+    assert written and max(written.values()) == 1, [k for k, n in written.items() if n > 1]
+    entries = [keys.round_entry(k) for k in written]
+    assert None not in entries
+    markers = [e for e in entries if e[2] is None]
+    assert len(markers) >= result.steps > 0
+    for epoch, round_no, _ in markers:
+        record = read_round(store, keys, epoch, round_no)
+        contributors = {e[2] for e in entries if e[:2] == (epoch, round_no) and e[2] is not None}
+        assert record.closed and set(record.contributions) == contributors and contributors <= {f"trainer-{i}" for i in range(4)}
+    assert sum(r.total for r in (read_round(store, keys, e, r) for e, r, _ in markers)) == 480  # every record, once
 
 
 def test_a_sync_pull_at_an_open_round_gives_up_at_the_callers_deadline(source):

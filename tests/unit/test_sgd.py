@@ -31,12 +31,24 @@ def test_round_closes_once_every_participant_committed():
     assert closed.weights() == [("a", 32 / 48), ("b", 16 / 48)]  # sorted, zero-sample ones left out
 
 
-def test_record_is_immutable_and_round_trips_through_json():
+def stored(r: RoundRecord) -> RoundRecord:
+    """``r`` written as the store holds it (one JSON value per contribution, and the close
+    marker once closed) and read back."""
+    contributions = {t: Contribution.from_json(json.loads(json.dumps(c.to_json()))) for t, c in r.contributions.items()}
+    return RoundRecord.from_stored(r.round_no, contributions, json.loads(json.dumps(r.marker_json())) if r.closed else None)
+
+
+def test_record_is_immutable_and_round_trips_through_its_stored_form():
     r = RoundRecord(7).contribute("b", C(3, task=4, attempt=2, offset=9, last=True)).contribute("a", C(0))
     assert RoundRecord(7).contributions == {}
-    again = RoundRecord.from_json(json.loads(json.dumps(r.to_json())))
+    again = stored(r)
     assert again == r
-    assert again.close().to_json()["closed"] is True
+    assert stored(again.close("ckpt-7")) == r.close("ckpt-7") and stored(r.close()).closed
+
+
+def test_a_close_marker_must_name_its_round():
+    with pytest.raises(ValueError, match="round 3"):
+        RoundRecord.from_stored(4, {}, {"round": 3, "checkpoint": None})
 
 
 def test_a_closed_round_takes_no_more_commits():

@@ -20,7 +20,7 @@ import attrs
 from pdps.core.errors import EpochChanged, GradientRejected, StalePush
 from pdps.core.job import Keys, decode_as
 from pdps.core.progress import TaskProgress
-from pdps.core.sgd import Contribution, Mode, RoundRecord
+from pdps.core.sgd import Contribution, Mode, RoundRecord, RoundState
 from pdps.core.txn import Decision, Done, Write
 from pdps.core.wire import CheckpointRequest, PullReply, PullRequest, PushRequest
 from pdps.ports.coordination import Compare, CoordinationStore, KeyValue, Op, Put, TxnOp
@@ -151,19 +151,35 @@ class SyncRound:
             raise refused
 
     def _commit(self, round_no: int, contribution: Contribution) -> bool:
-        """Add our contribution to round ``round_no``'s record; False if it had closed.
+        """Commit our contribution to round ``round_no``; False if the round had closed.
 
-        A contribution that trained records advances its task's progress record in the
-        same transaction (exactly once per record): if the master has fenced the attempt
-        meanwhile, the step is not applied (a zero-sample contribution keeps the round
-        going) and :meth:`batches` drops the task."""
-        key = self._keys.round(self._epoch, round_no)
+        The contribution is a key of its own, written once, in a transaction that holds
+        only while the round has no close marker. A contribution that trained records
+        advances its task's progress record in the same transaction (exactly once per
+        record): if the master has fenced the attempt meanwhile, the step is not applied
+        (a zero-sample contribution keeps the round going) and :meth:`batches` drops
+        the task."""
+        marker = self._keys.round_closed(self._epoch, round_no)
+        mine = self._keys.contribution(self._epoch, round_no, self.trainer_id)
         held = self._attempt if contribution.samples and contribution.task is not None else None
+        blind = True
 
-        def contribute(kv: KeyValue | None) -> Decision:
+        def read() -> tuple[KeyValue | None, KeyValue | None]:
+            nonlocal blind
+            if blind:  # the round is open and ours unwritten nearly always: try without reading (the guards hold it)
+                blind = False
+                return None, None
+            return self._store.get(marker), self._store.get(mine)
+
+        def contribute(found: tuple[KeyValue | None, KeyValue | None]) -> Decision:
             nonlocal held, contribution
-            record = RoundRecord(round_no) if kv is None else decode_as(kv.value, kv.key, RoundRecord.from_json)
-            guards: list[Compare] = [Compare.unchanged(key, kv)]
+            closed, prior = found
+            record = RoundRecord(
+                round_no,
+                {} if prior is None else {self.trainer_id: decode_as(prior.value, prior.key, Contribution.from_json)},
+                RoundState.OPEN if closed is None else RoundState.CLOSED,
+            )
+            guards: list[Compare] = [Compare.absent(marker), Compare.absent(mine)]
             ops: list[TxnOp] = []
             advanced = None
             if held is not None:
@@ -181,14 +197,14 @@ class SyncRound:
                 return Done(_CLOSED)
             if updated is record:  # committed already (a retry whose reply was lost)
                 return Done(_ALREADY)
-            ops.insert(0, Put(key, json.dumps(updated.to_json()).encode()))
+            ops.insert(0, Put(mine, json.dumps(contribution.to_json()).encode()))
             return Write(guards, ops, result=advanced)
 
         def moved() -> None:
             if held is not None:
                 held.refresh(self._store)  # the round or the progress record moved: look again
 
-        outcome = read_modify_write(self._store, key, contribute, what=f"{self.trainer_id}'s contribution to round {round_no}", on_conflict=moved)
+        outcome = read_modify_write(self._store, read, contribute, what=f"{self.trainer_id}'s contribution to round {round_no}", on_conflict=moved)
         if outcome is _CLOSED:
             return False
         if held is not None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import random
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +40,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 TRAINER, PSERVER, MASTER = "trainer", "pserver", "master"
+#: Seconds between the driver's looks at the queue while faults are still to strike, and
+#: the most of its time a look may hold the master's lock (counting is O(tasks): a 1M-task
+#: queue is looked at less often).
+FAULT_POLL, LOOK_SHARE = 0.02, 0.05
 
 
 def _whole_number(_inst: object, attr: attrs.Attribute, value: Any) -> None:
@@ -186,6 +191,7 @@ class Injector:
         self.pservers = [new_pserver(None) for _ in range(pservers)]
         self.struck: list[Injected] = []
         self.error: BaseException | None = None  # a replacement that could not start
+        self.poll = FAULT_POLL  # seconds until the driver should look again
         self._threads: list[threading.Thread] = []
 
     @property
@@ -195,7 +201,12 @@ class Injector:
 
     def counts(self) -> Counts | None:
         """The serving master's queue counts; None while a standby takes over."""
-        return self.master.counts() if self.master.leading.is_set() else None
+        if not self.master.leading.is_set():
+            return None
+        began = time.perf_counter()
+        counts = self.master.counts()
+        self.poll = max(FAULT_POLL, (time.perf_counter() - began) / LOOK_SHARE)
+        return counts
 
     def strike(self, counts: Counts, seconds: float) -> None:
         """Strike every fault whose moment ``counts`` (the serving master's) has reached."""

@@ -33,8 +33,8 @@ from pdps.shell.faults import Faults, Injected, Injector
 
 log = logging.getLogger(__name__)
 
-#: Seconds between the driver's looks at the job: at faults still to strike, at progress.
-FAULT_POLL, PROGRESS_EVERY = 0.02, 1.0
+#: Seconds between progress reports.
+PROGRESS_EVERY = 1.0
 #: A replacement pserver waits this many lease TTLs for its predecessor's claim to run out.
 CLAIM_WAIT_TTLS = 5
 
@@ -164,7 +164,7 @@ def simulate(
         while alive := [t for t in threads if t.is_alive()]:
             if time.monotonic() > deadline:
                 raise Timeout(f"simulated job {config.name!r} did not finish in {timeout:.0f}s; queue: {roles.counts() or 'a standby master taking over'}")
-            alive[0].join(timeout=FAULT_POLL if roles.pending else PROGRESS_EVERY)
+            alive[0].join(timeout=roles.poll if roles.pending else PROGRESS_EVERY)
             for error in (roles.master.error, roles.error):
                 if error is not None:
                     raise error

@@ -191,7 +191,7 @@ class Injector:
         self.pservers = [new_pserver(None) for _ in range(pservers)]
         self.struck: list[Injected] = []
         self.error: BaseException | None = None  # a replacement that could not start
-        self.poll = FAULT_POLL  # seconds until the driver should look again
+        self.poll = FAULT_POLL  # seconds between the looks at the queue (time_the_looks)
         self._threads: list[threading.Thread] = []
 
     @property
@@ -201,12 +201,14 @@ class Injector:
 
     def counts(self) -> Counts | None:
         """The serving master's queue counts; None while a standby takes over."""
-        if not self.master.leading.is_set():
-            return None
+        return self.master.counts() if self.master.leading.is_set() else None
+
+    def time_the_looks(self) -> None:
+        """Set :attr:`poll` from one count of the queue, taken before the trainers start:
+        timed while they run, it would include waiting for the master's lock."""
         began = time.perf_counter()
-        counts = self.master.counts()
+        self.master.counts()
         self.poll = max(FAULT_POLL, (time.perf_counter() - began) / LOOK_SHARE)
-        return counts
 
     def strike(self, counts: Counts, seconds: float) -> None:
         """Strike every fault whose moment ``counts`` (the serving master's) has reached."""

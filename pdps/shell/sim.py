@@ -142,6 +142,8 @@ def simulate(
             ctx.register()
         for i, steps in kill.items():
             contexts[i].kill_after(steps)
+        if roles.pending:
+            roles.time_the_looks()
 
         def run(ctx: TrainerContext) -> None:
             try:

@@ -37,12 +37,12 @@ pytestmark = pytest.mark.integration
 
 @pytest.mark.parametrize("mode,seed", [("sync", 2), ("async", 1)])
 def test_a_pass_survives_one_percent_of_trainers_a_pserver_and_the_master_killed(mode, seed):
-    store = MemoryStore()
+    store, checkpoints = MemoryStore(), f"memory://faults-{uuid.uuid4().hex[:8]}"
     faults = pdps.Faults(seed=seed, trainers=0.01, pservers=1, master=True)
     result = pdps.simulate(
         train, dataset=Records(TASKS, 1), store=store, trainers=TRAINERS, pservers=PSERVERS, mode=mode, batch_size=1,
         overlap="off", min_block=1, num_slots=64, compute=pdps.open_compute("torch", device="cpu"), timeout=120,
-        checkpoint_url=f"memory://faults-{uuid.uuid4().hex[:8]}", checkpoint_every=2,
+        checkpoint_url=checkpoints, checkpoint_every=2,
         faults=faults,
     )  # fmt: skip
 
@@ -67,6 +67,11 @@ def test_a_pass_survives_one_percent_of_trainers_a_pserver_and_the_master_killed
     assert outcomes["rolled_back"] > 0, outcomes
     by_killed = {a["outcome"] for e in audit["entries"] for a in e["attempts"] if a["trainer"] == result.killed[0]}
     assert by_killed - {"done"} and by_killed <= {"done", "trainer_lost", "rolled_back"}, by_killed
+    # and every checkpoint the job kept is sound: none was written over by a role that took over
+    files = open_checkpoint_files(checkpoints)
+    pointer = store.get(Keys(result.config.name).checkpoint)
+    for ckpt in json.loads(pointer.value)["history"]:
+        assert files.verify(files.read_manifest(ckpt)) == [], ckpt
 
 
 # --- what killing the master at scale found ----------------------------------------------

@@ -9,8 +9,8 @@ import pdps
 from pdps.adapters.memory_store import MemoryStore
 from pdps.core.errors import ConfigError, StoreUnavailable
 from pdps.core.job import JobConfig
-from pdps.shell.faults import Fault, MortalStore
 from pdps.ports.coordination import Put
+from pdps.shell.faults import Fault, MortalStore
 
 
 def job(**settings) -> JobConfig:

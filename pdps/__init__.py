@@ -53,6 +53,7 @@ from pdps.registry import open_compute, open_data_source, open_storage, open_sto
 
 if TYPE_CHECKING:
     from pdps.roles.trainer import Batch, Killed, StepRecord, TrainerContext
+    from pdps.shell.faults import Faults
     from pdps.shell.sim import SimulationResult, fetch_parameters, simulate
 
 __version__ = "0.1.0"
@@ -63,6 +64,7 @@ _LAZY = {
     "Killed": "pdps.roles.trainer",
     "TrainerContext": "pdps.roles.trainer",
     "StepRecord": "pdps.roles.trainer",
+    "Faults": "pdps.shell.faults",
     "SimulationResult": "pdps.shell.sim",
     "fetch_parameters": "pdps.shell.sim",
     "simulate": "pdps.shell.sim",
@@ -70,7 +72,7 @@ _LAZY = {
 
 __all__ = [
     "DEFAULT_JOB", "BadRequest", "Batch", "ConfigError", "Contended", "CorruptCheckpoint", "CorruptRecord", "DatasetError", "EpochChanged",
-    "FencingError", "GradientRejected", "InvalidTransition", "JobConfig", "Killed", "LeaseExpired",
+    "Faults", "FencingError", "GradientRejected", "InvalidTransition", "JobConfig", "Killed", "LeaseExpired",
     "MissingExtraError", "Mode", "NoSuchJob", "NoSuchPass", "NotInitialized", "NotReady", "PdpsError",
     "SimulationResult", "SlotMapChanged", "StalePush", "StepRecord", "StorageError", "StoreError", "StoreUnavailable", "Timeout",
     "TrainerContext", "TransportError", "UnknownSchemeError", "UnknownTaskError",

@@ -652,7 +652,12 @@ class Master:
         if info_kv is None:
             return  # abandoned by a rollback
         info = decode_json(info_kv.value, info_kv.key)
-        if int(info.get("epoch", -1)) != self._epoch:
+        if int(info.get("epoch", -1)) != self._epoch or info.get("state") != "writing":
+            return
+        if self._fence is not None and info_kv.mod_revision < self._fence.revision:
+            # announced before this master took the lock: the queue as its round left it is
+            # gone (trainers have reported here since), and the master before may have written
+            # and recorded the part already. The checkpoint stays uncommitted; the next one will do.
             return
         self._store.flush()  # the snapshot holds only what is durable
         self._snapshots.add(ckpt_id)

@@ -29,8 +29,14 @@ from pdps.roles.master import Master
 from pdps.roles.pserver import Pserver
 from pdps.roles.trainer import Killed, StepRecord, TrainerContext
 from pdps.roles.trainer.pserver_client import PserverGroup
+from pdps.shell.faults import Faults, Injected, Injector
 
 log = logging.getLogger(__name__)
+
+#: Seconds between progress reports.
+PROGRESS_EVERY = 1.0
+#: A replacement pserver waits this many lease TTLs for its predecessor's claim to run out.
+CLAIM_WAIT_TTLS = 5
 
 TrainFn = Callable[[TrainerContext], Any]
 
@@ -53,6 +59,8 @@ class SimulationResult:
     history: dict[str, tuple[StepRecord, ...]] = attrs.field(factory=dict)
     #: pserver index -> the records it applied, as ``[task, attempt, start, end]`` rows
     applied: dict[int, list[list[int]]] = attrs.field(factory=dict)
+    #: the faults ``faults=`` injected, in the order they struck
+    faults: tuple[Injected, ...] = ()
 
 
 def simulate(
@@ -65,6 +73,7 @@ def simulate(
     compute: Compute | None = None,
     timeout: float = 600.0,
     progress: Callable[[dict[str, Any]], None] | None = None,
+    faults: Faults | None = None,
     **settings: Any,
 ) -> SimulationResult:
     """Run a whole job in this process and return its outcome.
@@ -75,13 +84,15 @@ def simulate(
     ``passes``, ...). ``kill={i: k}`` crashes trainer ``i`` after ``k`` steps: it
     reports nothing, its lease runs out (``lease_ttl``), the master re-queues its
     tasks as failures and the remaining trainers finish the job.
+    ``faults`` (:class:`~pdps.shell.faults.Faults`) kills trainers, pservers and the
+    master mid-pass at seeded moments; ``SimulationResult.faults`` says what struck when.
     ``progress`` is called about once a second with the current pass's queue counts
     and each trainer's ``ctx.metrics``.
     """
     from pdps.registry import connect_store, open_checkpoint_files, open_compute, open_data_source, open_transport
     from pdps.runtime.resilient import ResilientStore
 
-    _check_arguments(train, dataset, kill, store, transport, compute, timeout, progress)
+    _check_arguments(train, dataset, kill, store, transport, compute, timeout, progress, faults)
     settings.setdefault("name", f"sim-{uuid.uuid4().hex[:8]}")
     settings.setdefault("lease_ttl", 2.0)
     config = JobConfig(dataset=dataset if isinstance(dataset, str) else dataset.url, **settings)
@@ -89,6 +100,8 @@ def simulate(
     bad = [i for i in kill if not 0 <= i < config.trainers]
     if bad:
         raise ConfigError(f"kill names trainers {bad}, but the job has trainers 0..{config.trainers - 1}")
+    faults = faults or Faults()
+    plan = faults.plan(config)
     source = open_data_source(dataset) if isinstance(dataset, str) else dataset
     if compute is None:
         compute = open_compute("torch")
@@ -104,23 +117,33 @@ def simulate(
             st.close()
         raise ConfigError(f"job {config.name!r} already exists in {st.url}; simulate runs a new job: pick another name or store")
     st = ResilientStore(st, deadline=config.store_outage_deadline)  # roles ride out outages up to the deadline
-    master = Master(st, tr, source, config, checkpoints=open_checkpoint_files(config.checkpoint_url))
-    pservers = [Pserver(st, tr, compute, config, checkpoints=open_checkpoint_files(config.checkpoint_url)) for _ in range(config.pservers)]
+
+    def new_master(via: CoordinationStore) -> Master:
+        return Master(via, tr, source, config, checkpoints=open_checkpoint_files(config.checkpoint_url))
+
+    def new_pserver(index: int | None) -> Pserver:
+        # a replacement at a killed one's index waits for the old claim to run out with its lease
+        wait = 0.0 if index is None else CLAIM_WAIT_TTLS * config.lease_ttl
+        return Pserver(st, tr, compute, config, index=index, claim_wait=wait, checkpoints=open_checkpoint_files(config.checkpoint_url))
+
     # trainer-0's model is the job's: the others attach after it, so a trainer with another
     # model is refused the same way in every run
     contexts = [TrainerContext(st, tr, compute, source, config, trainer_id=f"trainer-{i}", publisher="trainer-0") for i in range(config.trainers)]
     results: dict[str, Any] = {}
     errors: list[tuple[str, BaseException]] = []  # in the order they happened
     killed: list[str] = []
+    roles = Injector(plan, faults.pass_no, st, contexts, new_master, new_pserver, config.pservers)
     try:
-        master.start()
-        for ps in pservers:
+        roles.master.start()
+        for ps in roles.pservers:
             ps.start()
         # Register every trainer before any trains, so the first sync round waits for all.
         for ctx in contexts:
             ctx.register()
         for i, steps in kill.items():
             contexts[i].kill_after(steps)
+        if roles.pending:
+            roles.time_the_looks()
 
         def run(ctx: TrainerContext) -> None:
             try:
@@ -139,15 +162,21 @@ def simulate(
         threads = [threading.Thread(target=run, args=(c,), name=c.trainer_id, daemon=True) for c in contexts]
         for t in threads:
             t.start()
-        deadline = start + timeout
+        deadline, next_progress = start + timeout, start + PROGRESS_EVERY
         while alive := [t for t in threads if t.is_alive()]:
             if time.monotonic() > deadline:
-                raise Timeout(f"simulated job {config.name!r} did not finish in {timeout:.0f}s; queue: {master.counts()}")
-            alive[0].join(timeout=1.0)
-            if master.error is not None:
-                raise master.error
-            if progress is not None:
-                c = master.counts()
+                raise Timeout(f"simulated job {config.name!r} did not finish in {timeout:.0f}s; queue: {roles.counts() or 'a standby master taking over'}")
+            alive[0].join(timeout=roles.poll if roles.pending else PROGRESS_EVERY)
+            for error in (roles.master.error, roles.error):
+                if error is not None:
+                    raise error
+            now = time.monotonic()
+            due = progress is not None and now >= next_progress
+            if not (roles.pending or due) or (c := roles.counts()) is None:
+                continue
+            roles.strike(c, now - start)
+            if due:
+                next_progress = now + PROGRESS_EVERY
                 metrics = {ctx.trainer_id: dict(ctx.metrics) for ctx in contexts}
                 progress({"pass": c.pass_no, "todo": c.todo, "pending": c.pending, "done": c.done, "failed": c.failed, "metrics": metrics})
         seconds = time.monotonic() - start
@@ -160,8 +189,9 @@ def simulate(
             else:
                 log.error("%s: %r", note, exc)
             raise exc
+        master, pservers = roles.master, roles.pservers
         if not master.done.is_set():
-            raise PdpsError(f"all trainers returned but job {config.name!r} is not done: {master.counts()}")
+            raise PdpsError(f"all trainers returned but job {config.name!r} is not done: {roles.counts() or 'no master serves'}")
         params = fetch_parameters(st, tr, config)
         done, failed = pass_totals(st, config)
         return SimulationResult(
@@ -176,20 +206,19 @@ def simulate(
             config=config,
             history={ctx.trainer_id: tuple(ctx.history) for ctx in contexts},
             applied={ps.index: ps.applied() for ps in pservers},
+            faults=tuple(roles.struck),
         )
     finally:
         for ctx in contexts:
             if ctx.trainer_id not in killed:
                 ctx.leave()
-        for ps in pservers:
-            ps.stop()
-        master.stop()
+        roles.stop(timeout=CLAIM_WAIT_TTLS * config.lease_ttl)
         if own_store:
             st.close()
 
 
 def _check_arguments(
-    train: Any, dataset: Any, kill: Any, store: Any, transport: Any, compute: Any, timeout: Any, progress: Any
+    train: Any, dataset: Any, kill: Any, store: Any, transport: Any, compute: Any, timeout: Any, progress: Any, faults: Any
 ) -> None:
     """ConfigError, naming the argument and its value, for an argument of :func:`simulate`
     that cannot work (the settings are JobConfig's to check)."""
@@ -201,6 +230,7 @@ def _check_arguments(
         ("compute", compute, compute is None or isinstance(compute, Compute), "a Compute or None"),
         ("progress", progress, progress is None or callable(progress), "a callable or None"),
         ("kill", kill, kill is None or isinstance(kill, Mapping), "a dict of trainer index -> steps"),
+        ("faults", faults, faults is None or isinstance(faults, Faults), "a pdps.Faults or None"),
     ]
     for name, value, ok, what in kinds:
         if not ok:

@@ -20,7 +20,7 @@ What runs
   - **steps**: ``--trainers`` trainer threads (200) x ``--pservers`` (4); each trainer
     holds one task of ``--steps`` records (6), one record a batch, so the job is
     ``--steps`` sync rounds with every trainer in each;
-  - **tasks**: ``--task-trainers`` trainers (4) over ``--tasks`` tasks (100,000) of one
+  - **tasks**: ``--task-trainers`` trainers (8) over ``--tasks`` tasks (100,000) of one
     record each; the training function takes each batch and does not step, so what
     runs is the per-task control plane: the master's ``get_task`` / ``finish_task``
     (group-committed), the trainer's read of the attempt's progress.
@@ -28,9 +28,11 @@ What runs
 * The store is wrapped in :class:`pdps.runtime.counting.CountingStore` (calls, reads
   and writes by key family, bytes, compare-and-set conflicts) and the transport in the
   Prometheus meter (``pdps.adapters.prometheus_metrics``), whose client-side call counts
-  are the messages. ``memory://`` waits ``--latency-ms`` (0.5) before each ``get`` and
-  ``commit``, as in ``bench/scale.py``: a networked store's round trip, without which
-  trainers committing together would hardly ever race.
+  are the messages. In the steps job ``memory://`` waits ``--latency-ms`` (0.5) before
+  each ``get`` and ``commit``, as in ``bench/scale.py``: a networked store's round trip,
+  without which trainers committing together would hardly ever race. The tasks job
+  has no race to model (the master has one transaction in flight at a time), so there
+  ``memory://`` waits for nothing.
 * **The steady window**, marked from the training function (nothing here reads a
   key's layout, so a change to the round protocol needs no change here): for steps,
   from the moment the first trainer is back from its step 1 (round 1 closed) to the
@@ -89,11 +91,12 @@ from bench.scale import LEASE_TTL, Records, Scalars, messages, say  # noqa: E402
 from pdps.adapters.prometheus_metrics import RoleMetrics  # noqa: E402
 from pdps.core.job import Keys  # noqa: E402
 from pdps.registry import open_compute, open_store, open_transport  # noqa: E402
+from pdps.ports.coordination import Put  # noqa: E402
 from pdps.runtime.counting import CountingStore, StoreCounts  # noqa: E402
 from tests.servers import EtcdServer, RedisServer  # noqa: E402
 
 STORES = ("memory", "etcd", "redis")
-FULL = {"trainers": 200, "pservers": 4, "steps": 6, "tasks": 100_000, "task_trainers": 4, "latency_ms": 0.5}
+FULL = {"trainers": 200, "pservers": 4, "steps": 6, "tasks": 100_000, "task_trainers": 8, "latency_ms": 0.5}
 QUICK = {"trainers": 20, "pservers": 2, "steps": 4, "tasks": 2_000, "task_trainers": 2, "latency_ms": 0.5}
 JOB_TIMEOUT_S = 900.0  # one job, at most
 FIRST_STEP = 1  # the window opens when the first trainer is back from this step: round 1 closed
@@ -192,20 +195,42 @@ def store_server(name: str) -> Any:
 # --- counting ------------------------------------------------------------------------------
 
 
-class Delayed(CountingStore):
-    """A counting store that waits ``latency`` seconds before each ``get`` and ``commit``:
-    a networked store's round trip, for ``memory://`` (see ``bench/scale.py``)."""
+class Measured(CountingStore):
+    """A counting store that also notes the largest value written and the largest
+    transaction (as etcd's ``--max-txn-ops`` counts it), each with its key family; and
+    that waits ``latency`` seconds before each ``get`` and ``commit``, a networked
+    store's round trip, for ``memory://`` (see ``bench/scale.py``)."""
 
-    def __init__(self, inner: Any, *, root: str, latency: float) -> None:
+    def __init__(self, inner: Any, *, root: str, latency: float = 0.0) -> None:
         super().__init__(inner, root=root)
         self.latency = latency
+        self.largest_value: tuple[int, str] = (0, "")
+        self.largest_txn: tuple[int, str] = (0, "")
+
+    def _note(self, ops: Sequence[Any], txn_ops: int) -> None:
+        with self._lock:
+            for op in ops:
+                if isinstance(op, Put) and len(op.value) > self.largest_value[0]:
+                    self.largest_value = (len(op.value), self.family(op.key))
+            if ops and txn_ops > self.largest_txn[0]:
+                self.largest_txn = (txn_ops, self.family(ops[0].key))
 
     def get(self, key: str) -> Any:
-        time.sleep(self.latency)
+        if self.latency:
+            time.sleep(self.latency)
         return super().get(key)
 
+    def put(self, key: str, value: bytes, *, lease: int | None = None) -> int:
+        self._note((Put(key, value, lease),), 1)
+        return super().put(key, value, lease=lease)
+
     def commit(self, compares: Any, success: Any, failure: Any = (), *, fence: Any = None) -> Any:
-        time.sleep(self.latency)
+        if self.latency:
+            time.sleep(self.latency)
+        # etcd's count: the longest of the three lists, plus the outer fence's compares a
+        # fenced transaction is nested in (etcdserver/api/v3rpc/key.go, checkTxnRequest)
+        fenced = len(fence.compares()) if fence is not None else 0
+        self._note(success, fenced + max(len(compares), len(success), len(failure)))
         return super().commit(compares, success, failure, fence=fence)
 
 
@@ -278,7 +303,7 @@ def job(url: str, view: Any, *, trainers: int, pservers: int, tasks: int, record
     name = f"stores-{uuid.uuid4().hex[:8]}"
     keys = Keys(name)
     inner = open_store(url)
-    store = Delayed(inner, root=keys.root, latency=latency) if latency else CountingStore(inner, root=keys.root)
+    store = Measured(inner, root=keys.root, latency=latency)
     metrics = RoleMetrics(name, "job", "all")
     window = Window(store, metrics, view, first, last)
 
@@ -315,6 +340,10 @@ def job(url: str, view: Any, *, trainers: int, pservers: int, tasks: int, record
         "job_ops": whole.ops,
         "job_bytes_written": whole.total("bytes_written"),
         "job_bytes_read": whole.total("bytes_read"),
+        "largest_value_bytes": store.largest_value[0],
+        "largest_value_family": store.largest_value[1],
+        "largest_txn_ops": store.largest_txn[0],
+        "largest_txn_family": store.largest_txn[1],
         "job_store_view": {k: view_after[k] - view_before[k] for k in view.counters} | {k: view_after[k] for k in view.gauges},
         **window.figures(unit),
     }
@@ -331,7 +360,7 @@ def on_store(name: str, sizes: dict[str, Any], timeout: float) -> dict[str, Any]
         n, k = sizes["tasks"], sizes["task_trainers"]
         say(f"[{name}] tasks: {n:,} tasks x 1 record, {k} trainers ...")
         task_row = job(url, view, trainers=k, pservers=p, tasks=n, records=1, first=n // 10, last=n - n // 10, steps=False,
-                       latency=latency, timeout=timeout)
+                       latency=0.0, timeout=timeout)
         say(f"[{name}]   {task_row['ops_per_task']:,.1f} store ops, {task_row['bytes_written_per_task']:,.0f} B written per task; "
             f"{task_row['store_ops_per_s']:,.0f} store ops/s ({task_row['job_s']:.1f} s)")
         return {"store": name, "server": view.version, "latency_ms": 1000 * latency, "steps": step_row, "tasks": task_row}
@@ -408,7 +437,8 @@ def print_report(report: dict[str, Any], out: Any) -> None:
     p = lambda *a: print(*a, file=out)  # noqa: E731
     cfg, rows = report["config"], report["results"]
     p("stores: " + ", ".join(f"{r['store']} ({r['server']})" for r in rows)
-      + f"; memory:// waits {cfg['latency_ms']:g} ms before each get and commit (a round trip); the servers run with their default limits")
+      + f"; in the steps job memory:// waits {cfg['latency_ms']:g} ms before each get and commit (a round trip); "
+      "the servers run with their default limits")
     for kind, unit in (("steps", "step"), ("tasks", "task")):
         first = rows[0][kind]
         p("")
@@ -431,8 +461,14 @@ def print_report(report: dict[str, Any], out: Any) -> None:
             (f"ms / {unit}", lambda r, k=kind, u=unit: 1000 * r[k][f"s_per_{u}"]),
             ("store ops / s", lambda r, k=kind: r[k]["store_ops_per_s"]),
             ("whole job: s", lambda r, k=kind: r[k]["job_s"]),
+            ("largest value written, B", lambda r, k=kind: r[k]["largest_value_bytes"]),
+            ("largest txn, etcd's ops", lambda r, k=kind: r[k]["largest_txn_ops"]),
         ]
         _table(p, rows, lines, ratios=True)
+        p("(largest value, in: " + ", ".join(f"{r['store']} {r[kind]['largest_value_family']}/" for r in rows)
+          + "; largest transaction, in: " + ", ".join(f"{r['store']} {r[kind]['largest_txn_family']}/" for r in rows)
+          + "; a transaction counted as etcd counts --max-txn-ops: the longest of its compares, success and failure lists, "
+          "plus the 2 compares of a fence)")
         p(f"by key family, per {unit} (reads / writes / B written / B read):")
         for r in rows:
             fams = r[kind]["by_family"]
@@ -462,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, help=f"sync steps per trainer (default {FULL['steps']}, at least {FIRST_STEP + 2})")
     ap.add_argument("--tasks", type=int, help=f"tasks of the tasks job (default {FULL['tasks']:,}, at least 10)")
     ap.add_argument("--task-trainers", type=int, help=f"trainers of the tasks job (default {FULL['task_trainers']})")
-    ap.add_argument("--latency-ms", type=float, help=f"memory:// only: the wait before each get and commit (default {FULL['latency_ms']})")
+    ap.add_argument("--latency-ms", type=float, help=f"memory:// in the steps job: the wait before each get and commit (default {FULL['latency_ms']})")
     ap.add_argument("--timeout", type=float, default=JOB_TIMEOUT_S, help="seconds one job may take (default %(default)s)")
     ap.add_argument("--json", action="store_true", help="table on stderr, one JSON object as stdout's last line")
     args = ap.parse_args(argv)

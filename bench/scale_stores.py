@@ -338,6 +338,7 @@ def job(url: str, view: Any, *, trainers: int, pservers: int, tasks: int, record
         "tasks_done": result.tasks_done,
         "job_s": seconds,
         "job_ops": whole.ops,
+        "job_writes": whole.total("writes"),
         "job_bytes_written": whole.total("bytes_written"),
         "job_bytes_read": whole.total("bytes_read"),
         "largest_value_bytes": store.largest_value[0],

@@ -56,8 +56,8 @@ What runs
 
 Run
 ---
-    .venv/bin/python bench/scale_stores.py                # ~10-15 min on 2 cores
-    .venv/bin/python bench/scale_stores.py --quick        # ~1 min
+    .venv/bin/python bench/scale_stores.py                # ~5 min on 2 cores
+    .venv/bin/python bench/scale_stores.py --quick        # ~10 s
     .venv/bin/python bench/scale_stores.py --stores memory etcd --trainers 100 --tasks 20000
     .venv/bin/python bench/scale_stores.py --quick --json    # table on stderr, JSON on stdout's last line
 """

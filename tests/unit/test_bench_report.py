@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from pdps.shell.benchmark import curves
 from pdps.shell.benchmark import report as rp
 from pdps.shell.benchmark import targets as tg
 from pdps.shell.benchmark.runner import run_bench
@@ -370,6 +371,106 @@ def test_write_docs_draws_valid_pngs_and_the_doc(tmp_path):
         assert results["plots"][suite] == f"docs/performance/{suite}.png"
     doc = (tmp_path / "docs" / "performance.md").read_text()
     assert doc == rp.render_markdown(results, {}, results_link="bench-results/results.json")
+
+
+# --- the scale suite's curves ----------------------------------------------------------------
+
+
+def scale_sizes_json():
+    """Three sizes on each axis: ops and messages linear in the trainers, bytes quadratic,
+    conflicts zero; per-task costs flat, master memory growing as the square root of the tasks."""
+    steps = [
+        {"trainers": t, "pservers": p, "store_ops_per_step": 5.0 * t, "writes_per_step": float(t + 1),
+         "bytes_per_step": 3.0 * t * t * p, "messages_per_step": 2.0 * t * p, "conflicts_per_step": 0.0, "extra": {"a": 1}}
+        for t in (10, 100, 1000) for p in (4, 16, 64)
+    ]
+    steps.append({"trainers": 1000, "pservers": 256, "store_ops_per_step": 9000.0})  # a row with one figure, one size
+    tasks = [{"tasks": n, "store_ops_per_task": 3.0, "writes_per_task": 4.0, "bytes_written_per_task": 527.0,
+              "master_bytes_per_task": 0.5 * n ** 0.5} for n in (10_000, 100_000, 1_000_000)]
+    return {**scale_json(), "steps": steps, "tasks": tasks}
+
+
+def series(points, expect):
+    return curves.Series("cost vs size", "cost", "cost", "size", expect, tuple(points))
+
+
+def test_slopes_tell_linear_flat_and_quadratic_apart():
+    sizes = (10, 100, 1000)
+    linear = curves.judge(series([(n, 7.0 * n) for n in sizes], curves.LINEAR))
+    quadratic = curves.judge(series([(n, 7.0 * n * n) for n in sizes], curves.LINEAR))
+    flat = curves.judge(series([(n, 300.0) for n in sizes], curves.FLAT))
+    growing = curves.judge(series([(n, 3.0 * n ** 0.5) for n in sizes], curves.FLAT))
+    assert (linear.slope, linear.shape, linear.ok) == (pytest.approx(1.0), "linear", True)
+    assert (quadratic.slope, quadratic.shape, quadratic.ok) == (pytest.approx(2.0), "superlinear", False)
+    assert (flat.slope, flat.shape, flat.ok) == (pytest.approx(0.0), "flat", True)
+    assert (growing.slope, growing.shape, growing.ok) == (pytest.approx(0.5), "not flat", False)
+    assert linear.line == "cost vs size: slope 1.00 overall, 1.00 between the two largest sizes (linear)"
+    assert quadratic.line == "cost vs size: slope 2.00 overall, 2.00 between the two largest sizes (superlinear)"
+
+
+def test_a_cost_that_turns_superlinear_at_the_largest_size_is_named():
+    late = curves.judge(series([(10, 1.0), (100, 10.0), (1000, 180.0)], curves.LINEAR))
+    assert late.slope < curves.SUPERLINEAR_ABOVE < late.tail
+    assert (late.shape, late.ok) == ("superlinear", False)
+    two = curves.judge(series([(10, 1.0), (100, 12.0)], curves.LINEAR))
+    assert (two.tail, two.shape, two.ok) == (None, "linear", True)
+
+
+def test_zeros_are_left_out_of_the_slope_and_named():
+    zero = curves.judge(series([(10, 0.0), (100, 0.0)], curves.LINEAR))
+    assert (zero.slope, zero.ok, zero.shape) == (None, None, "zero at every size measured (not plotted)")
+    once = curves.judge(series([(10, 0.0), (100, 3.0)], curves.LINEAR))
+    assert (once.slope, once.ok, once.shape) == (None, None, "positive at 1 of 2 sizes only: no slope")
+    later = curves.judge(series([(10, 0.0), (100, 3.0), (1000, 30.0)], curves.LINEAR))
+    assert later.slope == pytest.approx(1.0) and later.line.endswith("; zero at size 10 (not plotted) (linear)")
+
+
+def test_scale_panels_follow_the_report_rows_whatever_the_sizes():
+    panels = {p.title: p for p in curves.scale_panels(scale_sizes_json())}
+    assert list(panels) == [
+        "store ops per step vs trainers", "keys written per step vs trainers", "bytes per step (written + read) vs trainers",
+        "messages per step vs trainers", "conflicts per step vs trainers", "cost per step vs pservers, 1,000 trainers",
+        "master's store costs per task vs tasks", "master memory per task vs tasks",
+    ]
+    ops = panels["store ops per step vs trainers"].series
+    assert [s.legend for s in ops] == ["4 pservers", "16 pservers", "64 pservers", "256 pservers"]
+    assert ops[0].points == ((10, 50.0), (100, 500.0), (1000, 5000.0))
+    assert [s.figure for s in panels["cost per step vs pservers, 1,000 trainers"].series] == [f for _, f in curves.STEP_FIGURES]
+    assert curves.scale_panels({"steps": [], "tasks": []}) == []
+
+
+def test_the_doc_shows_the_curves_and_names_each_cost_that_is_not_flat_or_linear(tmp_path):
+    pytest.importorskip("matplotlib")
+    results = results_of({"scale": ran(scale_json(), scale_sizes_json())})
+    written = rp.write_docs(results, tmp_path, {})
+    png = tmp_path / "docs" / "performance" / "scale-curves.png"
+    assert png in written and results["plots"]["scale-curves"] == "docs/performance/scale-curves.png"
+    assert png.read_bytes()[:8] == PNG and png.stat().st_size > 5000
+    doc = (tmp_path / "docs" / "performance.md").read_text()
+    assert "![scale](performance/scale.png)" in doc and "![scale curves](performance/scale-curves.png)" in doc
+    assert "(run 2, log-log)" in doc
+    assert "- store ops per step vs trainers, 4 pservers: slope 1.00 overall, 1.00 between the two largest sizes (linear)" in doc
+    assert "- keys written per step vs pservers, 1,000 trainers: slope 0.00 overall, 0.00 between the two largest sizes (flat)" in doc
+    assert "- conflicts per step vs trainers, 4 pservers: zero at every size measured (not plotted)" in doc
+    assert "- store ops per step vs trainers, 256 pservers: measured at one size only: no slope" in doc
+    assert "- store ops per task vs tasks: slope 0.00 overall, 0.00 between the two largest sizes (flat)" in doc
+    named = doc.split("**Not flat or linear in its size:** ", 1)[1].split("\n", 1)[0]
+    assert named.split("; ") == [
+        "bytes per step (written + read) vs trainers, 4 pservers (superlinear)",
+        "bytes per step (written + read) vs trainers, 16 pservers (superlinear)",
+        "bytes per step (written + read) vs trainers, 64 pservers (superlinear)",
+        "master memory per task vs tasks (not flat).",
+    ]
+
+
+def test_a_scale_run_with_flat_and_linear_costs_says_so():
+    report = scale_sizes_json()
+    for r in report["steps"]:
+        r["bytes_per_step"] = 100.0 * r["trainers"]
+    for r in report["tasks"]:
+        r["master_bytes_per_task"] = 400.0
+    text = rp.render_markdown(results_of({"scale": ran(report)}, runs=1), {})
+    assert "Every cost with a slope is flat or linear in its size." in text and "Not flat or linear" not in text
 
 
 # --- locating bench/ and running a suite ------------------------------------------------------

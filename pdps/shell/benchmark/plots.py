@@ -1,4 +1,5 @@
-"""The report's plots: one PNG per suite, bars of its figures by run, baselines as lines.
+"""The report's plots: one PNG per suite, bars of its figures by run, baselines as lines;
+for the scale suite also its curves (:mod:`pdps.shell.benchmark.curves`), cost against size on log-log.
 
 matplotlib (the ``bench`` extra) is imported only here and only when a plot is
 drawn, with the Agg backend (no display needed).
@@ -13,6 +14,7 @@ from typing import Any
 import attrs
 
 from pdps.core.errors import MissingExtraError
+from pdps.shell.benchmark.curves import LINEAR, Panel
 
 
 @attrs.frozen
@@ -83,6 +85,59 @@ def plot_suite(suite: str, runs: Sequence[Sequence[Mapping[str, Any]]], path: Pa
         ax.set_yscale("log")
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png")
+    plt.close(fig)
+    return path
+
+
+def plot_curves(panels: Sequence[Panel], path: Path, *, title: str) -> Path:
+    """Draw each panel on log-log axes to ``path``: markers at the measured points, and beside each
+    series a dashed reference through its smallest point (slope 1 for a cost that should be linear,
+    0 for one that should be flat). Zeros cannot be shown on a log axis and are left out."""
+    plt = _pyplot()
+    cols = min(4, len(panels))
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.4 * cols, 3.8 * rows), dpi=100, squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, panel in zip(axes.flat, panels):
+        zeros = any(y <= 0 for s in panel.series for _, y in s.points)
+        ax.set_title(panel.title + ("\n(zeros left out)" if zeros else ""), fontsize=9)
+        if not any(s.positive for s in panel.series):
+            ax.text(0.5, 0.5, "zero at every size measured", ha="center", va="center", transform=ax.transAxes)
+            ax.set_xticks([])
+            ax.set_yticks([])
+            continue
+        drawn: list[tuple[float, float]] = []
+        for i, s in enumerate(panel.series):
+            points = list(s.positive)
+            if not points:
+                continue
+            color = colors[i % len(colors)]
+            ax.plot([x for x, _ in points], [y for _, y in points], marker="o", color=color, label=s.legend)
+            (x0, y0), x1 = points[0], points[-1][0]
+            ref = (x1, y0 * x1 / x0 if s.expect == LINEAR else y0)
+            ax.plot([x0, ref[0]], [y0, ref[1]], linestyle="--", linewidth=1, color=color, alpha=0.6)
+            drawn += [*points, ref]
+        ax.plot([], [], linestyle="--", color="gray", label="linear" if panel.series[0].expect == LINEAR else "flat")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        sizes = sorted({x for x, _ in drawn})
+        ax.set_xticks(sizes, [f"{x:,.0f}" for x in sizes])
+        ax.set_xticks([], minor=True)
+        low, high = min(y for _, y in drawn), max(y for _, y in drawn)
+        if high < 10 * low:  # at least a decade, or the log axis zooms a flat line into a steep one
+            middle = (low * high) ** 0.5
+            ax.set_ylim(middle / 4, middle * 4)
+        ax.set_xlabel(panel.xlabel, fontsize=8)
+        ax.set_ylabel(panel.ylabel, fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.grid(which="both", alpha=0.25)
+        ax.legend(fontsize=7)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, format="png")

@@ -15,11 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from pdps.shell.benchmark import targets as tg
+from pdps.shell.benchmark.curves import FLAT_UP_TO, SUPERLINEAR_ABOVE, Panel, scale_panels, verdicts
 from pdps.shell.benchmark.suites import SUITE_SPECS, suite_config
 
 SCHEMA = 1
 DOC = Path("docs") / "performance.md"
 PLOT_DIR = Path("docs") / "performance"
+CURVES = "scale-curves"  # the scale suite's second plot: its costs against the sizes
 BREAKDOWN_ORDER = ("compute", "serialize", "network", "update", "barrier")
 
 
@@ -242,6 +244,8 @@ def render_markdown(results: Mapping[str, Any], notes: Mapping[str, str], *, res
             out += ["", f"Run time: {secs}.", "", f"![{name}](performance/{_plot_name(name)})"]
         if name == "end-to-end":
             out += _breakdown(s["runs"])
+        if name == "scale":
+            out += _curves(s["runs"])
 
     out += ["", "## Targets", "",
             f"A target is MET when every run meets it. Stability: consecutive runs must agree on each ratio within "
@@ -293,13 +297,43 @@ def _breakdown(runs: Sequence[Mapping[str, Any]]) -> list[str]:
             *_table(("configuration", "run", *keys), table)]
 
 
+def _curve_run(runs: Sequence[Mapping[str, Any]]) -> tuple[int, list[Panel]] | None:
+    """The last run of the scale suite whose report has a cost measured at some size, and its panels."""
+    for r in reversed(runs):
+        report = r.get("report")
+        panels = scale_panels(report) if isinstance(report, Mapping) else []
+        if panels:
+            return r["run"], panels
+    return None
+
+
+def _curves(runs: Sequence[Mapping[str, Any]]) -> list[str]:
+    found = _curve_run(runs)
+    if found is None:
+        return []
+    run, panels = found
+    judged = verdicts(panels)
+    out = ["", f"Each cost against the size it should follow (run {run}, log-log): markers at the measured sizes, dashed "
+           "through the smallest point the linear growth a cost per step may have and the flat line a cost per task "
+           "should keep. A slope is the least-squares fit of log(cost) on log(size), and with three sizes or more also "
+           f"the slope between the two largest, the steeper of the two judged: above {SUPERLINEAR_ABOVE} a cost per step "
+           f"is superlinear, above {FLAT_UP_TO} a cost per task is not flat. A log axis cannot show zero: zeros are left "
+           "out of the plot and the slope, and named.",
+           "", f"![scale curves](performance/{_plot_name(CURVES)})", ""]
+    out += [f"- {v.line}" for v in judged]
+    bad = [f"{v.series.label} ({v.shape})" for v in judged if v.ok is False]
+    out += ["", f"**Not flat or linear in its size:** {'; '.join(bad)}." if bad
+            else "Every cost with a slope is flat or linear in its size."]
+    return out
+
+
 def _plot_name(suite: str) -> str:
     return f"{suite}.png"
 
 
 def write_docs(results: dict[str, Any], root: Path, notes: Mapping[str, str], *, results_link: str = "") -> list[Path]:
     """Draw every suite's plot into docs/performance/ and write docs/performance.md; returns the paths."""
-    from pdps.shell.benchmark.plots import plot_suite
+    from pdps.shell.benchmark.plots import plot_curves, plot_suite
 
     written = []
     plots: dict[str, str] = {}
@@ -308,6 +342,13 @@ def write_docs(results: dict[str, Any], root: Path, notes: Mapping[str, str], *,
         if any(figures):
             path = plot_suite(name, figures, root / PLOT_DIR / _plot_name(name))
             plots[name] = str(path.relative_to(root))
+            written.append(path)
+        found = _curve_run(s["runs"]) if name == "scale" else None
+        if found is not None:
+            run, panels = found
+            title = f"Scale: each cost against its size, run {run} (log-log; dashed: linear per step, flat per task)"
+            path = plot_curves(panels, root / PLOT_DIR / _plot_name(CURVES), title=title)
+            plots[CURVES] = str(path.relative_to(root))
             written.append(path)
     results["plots"] = plots
     doc = root / DOC

@@ -406,6 +406,7 @@ def test_slopes_tell_linear_flat_and_quadratic_apart():
     assert (growing.slope, growing.shape, growing.ok) == (pytest.approx(0.5), "not flat", False)
     assert linear.line == "cost vs size: slope 1.00 overall, 1.00 between the two largest sizes (linear)"
     assert quadratic.line == "cost vs size: slope 2.00 overall, 2.00 between the two largest sizes (superlinear)"
+    assert curves.judge(series([(10, 300.0), (100, 299.9)], curves.FLAT)).line == "cost vs size: slope 0.00 (flat)"
 
 
 def test_a_cost_that_turns_superlinear_at_the_largest_size_is_named():

@@ -80,13 +80,17 @@ class Verdict:
         s = self.series
         if self.slope is None:
             return f"{s.label}: {self.shape}"
-        measured = f"slope {self.slope:.2f}"
+        measured = f"slope {_slope_text(self.slope)}"
         if self.tail is not None:
-            measured += f" overall, {self.tail:.2f} between the two largest sizes"
+            measured += f" overall, {_slope_text(self.tail)} between the two largest sizes"
         zeros = [x for x, y in s.points if y <= 0]
         if zeros:
             measured += f"; zero at {s.variable} {', '.join(f'{x:,.0f}' for x in zeros)} (not plotted)"
         return f"{s.label}: {measured} ({self.shape})"
+
+
+def _slope_text(value: float) -> str:
+    return f"{round(value, 2) + 0.0:.2f}"  # + 0.0: no "-0.00" for a flat cost that dips by a byte
 
 
 def _number(value: Any) -> float | None:

@@ -7,6 +7,8 @@
   (full and ``--quick``), and running it as a subprocess.
 * :mod:`pdps.shell.benchmark.report` — the results JSON, ``docs/performance.md`` and the
   ``--check`` lines, all from the same results dict.
+* :mod:`pdps.shell.benchmark.curves` — the scale suite's costs against its sizes, and the
+  slope of each on log-log: flat, linear or worse. No I/O.
 * :mod:`pdps.shell.benchmark.plots` — the PNG plots (matplotlib, the ``bench`` extra).
 * :mod:`pdps.shell.benchmark.runner` — the command itself: runs the suites, writes the lot.
 

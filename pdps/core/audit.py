@@ -384,7 +384,7 @@ class RecordCounts:
         batches: list[list[str]] = []
         used = room
         for run in encode_record_counts(specs):
-            text = json.dumps(run, separators=(",", ":"))
+            text = "[%d,%d,%d]" % tuple(run)
             if used + len(text) + 1 > room:  # + 1: the comma
                 batches.append([])
                 used = 0

@@ -309,7 +309,7 @@ class Master:
         rewritten = self._store_record_counts(counts)
         if header is not None and header.chunks is not None and rewritten:
             log.warning(
-                "rewrote %d chunks of record counts that were missing or changed (%s): the dataset's agree with %s",
+                "rewrote %d chunks of record counts that were missing or changed (%s): the dataset's counts agree with %s",
                 len(rewritten),
                 ", ".join(rewritten[:5]),
                 self._keys.queue,

@@ -36,6 +36,8 @@ Nothing is contacted on construction; the first call connects. Errors are transl
 into the pdps hierarchy (``StoreUnavailable``, ``LeaseExpired``, ``StoreError``) with
 the URL (password masked) and the operation in the message; no gRPC exception leaves
 this module. Transient failures are not retried here: the roles' outage handling does.
+A write etcd refuses as larger than its ``--max-request-bytes`` is a ``StoreError``
+naming the first keys it writes, its size, and the setting.
 
 Built on the generated gRPC stubs shipped with ``etcd-sdk-python`` (``pyetcd.etcdrpc``)
 rather than its client class: that client marks an endpoint failed for 5 minutes
@@ -107,6 +109,9 @@ _OPS = {
 # gRPC details meaning the request never reached a server: safe to send elsewhere.
 _NOT_SENT = ("failed to connect to all addresses", "Connection refused", "DNS resolution failed")
 _TRANSIENT_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# etcd's refusal of a request over --max-request-bytes, and gRPC's of one that is also
+# over etcd's allowance for gRPC's overhead (512 KiB more).
+_TOO_LARGE = ("etcdserver: request is too large", "grpc: received message larger than max")
 _AUTH_DETAILS = ("invalid auth token", "user name is empty", "authentication failed", "auth token is expired")
 
 
@@ -361,7 +366,7 @@ class EtcdStore:
     def put(self, key: str, value: bytes, *, lease: int | None = None) -> int:
         request = etcdrpc.PutRequest(key=_key(key), value=_value(value, key), lease=_lease_id(lease, f"writing {key!r}"))
         what = f"put {key!r}" + (f" with lease {lease}" if lease is not None else "")
-        resp = self._call(what, lambda ep, t, md: ep.kv.Put(request, timeout=t, metadata=md), write=True)
+        resp = self._call(what, lambda ep, t, md: ep.kv.Put(request, timeout=t, metadata=md), write=True, request=request)
         return int(resp.header.revision)
 
     def delete(self, key: str) -> bool:
@@ -403,7 +408,7 @@ class EtcdStore:
             txn = etcdrpc.TxnRequest(
                 compare=[_compare(c) for c in fence.compares()], success=[etcdrpc.RequestOp(request_txn=txn)]
             )
-        resp = self._call(what, lambda ep, t, md: ep.kv.Txn(txn, timeout=t, metadata=md), write=True)
+        resp = self._call(what, lambda ep, t, md: ep.kv.Txn(txn, timeout=t, metadata=md), write=True, request=txn)
         succeeded = bool(resp.succeeded)
         if fence is not None:
             if not succeeded:
@@ -502,11 +507,12 @@ class EtcdStore:
         if len(self._endpoints) > 1 and self._endpoint() is failed:
             self._current = (self._endpoints.index(failed) + 1) % len(self._endpoints)
 
-    def _call(self, what: str, invoke: Callable[[_Endpoint, float, Any], T], *, write: bool = False) -> T:
+    def _call(self, what: str, invoke: Callable[[_Endpoint, float, Any], T], *, write: bool = False, request: Any = None) -> T:
         """Run one RPC under the store's deadline; translate every failure.
 
         Tries the next endpoint when this one cannot be reached (a write only when it
-        provably was not sent), and re-authenticates once when the token was refused."""
+        provably was not sent), and re-authenticates once when the token was refused.
+        ``request`` (a write's) is described if etcd refuses it as too large."""
         self._check_open()
         deadline = time.monotonic() + self.timeout
         tried: set[int] = set()
@@ -530,14 +536,22 @@ class EtcdStore:
                     unsent = code is grpc.StatusCode.UNAVAILABLE and any(m in details for m in _NOT_SENT)
                     if (unsent or not write) and id(self._endpoint()) not in tried and time.monotonic() < deadline:
                         continue
-                raise self._translate(what, code, details) from exc
+                raise self._translate(what, code, details, request) from exc
             except ValueError as exc:  # gRPC: "Cannot invoke RPC on closed channel!"
                 if self._closed:
                     raise StoreError(f"store {self.url} is closed (during {what})") from exc
                 raise
 
-    def _translate(self, what: str, code: grpc.StatusCode, details: str) -> StoreError:
+    def _translate(self, what: str, code: grpc.StatusCode, details: str, request: Any = None) -> StoreError:
         where = f"etcd {what} at {self.url}"
+        if request is not None and any(m in details for m in _TOO_LARGE):
+            keys = _written_keys(request)
+            more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
+            return StoreError(
+                f"{where}: etcd refused a request of {request.ByteSize():,} bytes writing "
+                f"{', '.join(map(repr, keys[:3]))}{more} as too large; etcd takes at most --max-request-bytes "
+                f"per request (1.5 MiB by default): raise it on every member, or write less in one request ({code.name}: {details})"
+            )
         if code in _TRANSIENT_CODES or "too many requests" in details:
             return StoreUnavailable(f"{where}: server unavailable ({code.name}: {details})")
         if "requested lease not found" in details:
@@ -575,6 +589,17 @@ def _status(exc: grpc.RpcError) -> tuple[grpc.StatusCode, str]:
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     details = exc.details() if hasattr(exc, "details") else str(exc)
     return code or grpc.StatusCode.UNKNOWN, details or ""
+
+
+def _written_keys(request: Any) -> list[str]:
+    """The keys a Put or Txn request writes, in order (a fenced transaction's nested ones too)."""
+    if isinstance(request, etcdrpc.PutRequest):
+        return [request.key.decode(errors="replace")]
+    keys: list[str] = []
+    for op in [*request.success, *request.failure]:
+        which = op.WhichOneof("request")
+        keys += _written_keys(op.request_txn) if which == "request_txn" else [getattr(op, which).key.decode(errors="replace")]
+    return keys
 
 
 def _is_auth_error(code: grpc.StatusCode, details: str) -> bool:

@@ -29,6 +29,7 @@ transaction; each transition touches one task's log (O(1) in the size of the que
 from __future__ import annotations
 
 import enum
+import hashlib
 import json
 import sys
 from collections.abc import Iterable, Mapping, Sequence
@@ -37,7 +38,7 @@ from typing import Any
 import attrs
 
 from pdps.core.errors import CorruptRecord
-from pdps.core.job import decode_json
+from pdps.core.job import Keys, decode_as, decode_json
 from pdps.core.progress import count_records
 from pdps.core.tasks import Change, Event, Ignored, PassStarted, State, TaskChanged, TaskRecord, TaskSpec
 
@@ -342,3 +343,117 @@ def decode_record_counts(runs: Any) -> dict[int, int]:
         for tid in range(first, first + n):
             out[tid] = records
     return out
+
+
+# --- the dataset's record counts, as the job stores them --------------------------------
+
+#: The most bytes in one chunk of record counts (``queue/records/<k>``): however many
+#: tasks, no value or transaction of them comes near a store's request limit (etcd
+#: refuses requests over 1.5 MiB by default).
+CHUNK_BYTES = 64 * 1024
+#: The ``prev`` of the first chunk, and the header's ``sha256`` when there is none.
+_NO_CHUNK = hashlib.sha256(b"").hexdigest()
+
+
+def _digest(raw: bytes) -> str:
+    return hashlib.sha256(raw).hexdigest()
+
+
+def _chunk(prev: str, runs: Sequence[str]) -> bytes:
+    return ('{"prev":"' + prev + '","runs":[' + ",".join(runs) + "]}").encode()
+
+
+@attrs.frozen
+class RecordCounts:
+    """Each task's record count as the job stores them: ``chunks``, the runs of
+    :func:`encode_record_counts` in values of at most :data:`CHUNK_BYTES`,
+    ``{"prev": sha256, "runs": [[first_id, tasks, records], ...]}`` at
+    ``queue/records/<k>``, and :attr:`header`, the ``queue`` record,
+    ``{"tasks": N, "chunks": K, "sha256": ...}``.
+
+    The header holds the sha256 of the last chunk and each chunk that of the one before
+    it: a reader who trusts the header checks every chunk and names the one missing or
+    changed, and no value grows with the number of tasks."""
+
+    tasks: int
+    chunks: tuple[bytes, ...]
+
+    @classmethod
+    def of(cls, specs: Sequence[TaskSpec]) -> RecordCounts:
+        room = CHUNK_BYTES - len(_chunk(_NO_CHUNK, ()))
+        batches: list[list[str]] = []
+        used = room
+        for run in encode_record_counts(specs):
+            text = "[%d,%d,%d]" % tuple(run)
+            if used + len(text) + 1 > room:  # + 1: the comma
+                batches.append([])
+                used = 0
+            batches[-1].append(text)
+            used += len(text) + 1
+        chunks: list[bytes] = []
+        for batch in batches:
+            chunks.append(_chunk(_digest(chunks[-1]) if chunks else _NO_CHUNK, batch))
+        return cls(len(specs), tuple(chunks))
+
+    @property
+    def sha256(self) -> str:
+        return _digest(self.chunks[-1]) if self.chunks else _NO_CHUNK
+
+    @property
+    def header(self) -> bytes:
+        return json.dumps({"tasks": self.tasks, "chunks": len(self.chunks), "sha256": self.sha256}).encode()
+
+    def agrees(self, header: QueueHeader) -> bool:
+        """Whether a stored header holds these counts (one that holds none agrees)."""
+        if header.sha256 is not None:
+            return (header.chunks, header.sha256) == (len(self.chunks), self.sha256)
+        if header.runs is None:
+            return True
+        return header.runs == {tid: n for raw in self.chunks for tid, n in decode_record_counts(json.loads(raw)["runs"]).items()}
+
+
+@attrs.frozen
+class QueueHeader:
+    """What a stored ``queue`` record says: the number of tasks and where their record
+    counts are: in ``chunks`` the last of which has the digest ``sha256`` (this pdps),
+    inline as ``runs`` (task id → records: an older pdps), or nowhere (older still)."""
+
+    tasks: int
+    chunks: int | None = None
+    sha256: str | None = None
+    runs: dict[int, int] | None = None
+
+    @classmethod
+    def from_json(cls, d: Any) -> QueueHeader:
+        """The header in ``d``; KeyError, TypeError or ValueError if it is not one
+        (:func:`~pdps.core.job.decode_as` makes them a CorruptRecord naming the key)."""
+        tasks = int(d["tasks"])
+        if "chunks" not in d:
+            return cls(tasks, runs=None if d.get("records") is None else decode_record_counts(d["records"]))
+        chunks, sha = d["chunks"], d["sha256"]
+        if type(chunks) is not int or chunks < 0 or not isinstance(sha, str) or len(sha) != 64:
+            raise ValueError(f"not a number of chunks and a sha256: {chunks!r}, {sha!r}")
+        return cls(tasks, chunks, sha)
+
+    def counts(self, stored: Mapping[str, bytes], keys: Keys) -> dict[int, int] | None:
+        """Task id → records (``None``: the record holds none), reading the chunks from
+        ``stored`` (key → value). A chunk that is missing, or does not match the digest
+        the header or the next chunk holds for it, raises CorruptRecord naming it."""
+        if self.chunks is None:
+            return self.runs
+        out: dict[int, int] = {}
+        expect, holder = self.sha256, keys.queue
+        for k in reversed(range(self.chunks)):
+            key = keys.queue_chunk(k)
+            raw = stored.get(key)
+            if raw is None or _digest(raw) != expect:
+                why = "is missing" if raw is None else f"does not match the sha256 {holder} holds for it"
+                raise CorruptRecord(
+                    f"{key} {why}, so the record counts of job {keys.job!r} are incomplete; start the job's "
+                    f"master: it rewrites them from the dataset when the dataset still agrees with {keys.queue}",
+                    key,
+                )
+            expect, runs = decode_as(raw, key, lambda d: (str(d["prev"]), decode_record_counts(d["runs"])))
+            out.update(runs)
+            holder = key
+        return out

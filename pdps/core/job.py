@@ -227,9 +227,12 @@ class Keys:
     ``master/addr``       where the master serves (leased)
     ``pass``              the current pass number
     ``passes/<n>``        summary of a finished pass: {done, failed}
-    ``queue``             {"tasks": N, "records": [[first_id, tasks, records], ...]}: the
-                          number of tasks and each one's record count (runs over the
-                          ids), written once with pass 0
+    ``queue``             {"tasks": N, "chunks": K, "sha256": ...}: the number of tasks and
+                          the chunks holding each one's record count, written once with
+                          pass 0 (an older pdps wrote the counts here: {"tasks", "records"})
+    ``queue/records/<k>`` chunk k of the record counts: {"prev": sha256 of chunk k-1,
+                          "runs": [[first_id, tasks, records], ...]}, at most 64 KiB,
+                          written before ``queue`` (:class:`pdps.core.audit.RecordCounts`)
     ``tasks/<id>``        one TaskRecord per task (JSON); O(1) writes per transition
     ``progress/<id>``     how far the current attempt at a task has trained, or the fence
                           that ended it: {attempt, applied, fenced} (:mod:`pdps.core.progress`)
@@ -307,6 +310,14 @@ class Keys:
     @property
     def queue(self) -> str:
         return self.root + "queue"
+
+    @property
+    def queue_records(self) -> str:
+        """The prefix of the chunks of record counts that ``queue`` names."""
+        return self.root + "queue/records/"
+
+    def queue_chunk(self, k: int) -> str:
+        return f"{self.queue_records}{k:06d}"
 
     @property
     def quarantine(self) -> str:

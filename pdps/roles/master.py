@@ -51,10 +51,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pdps.core.audit import (
     AuditEntry,
     AuditLog,
+    QueueHeader,
+    RecordCounts,
     decode_attempts,
-    decode_record_counts,
     encode_attempts,
-    encode_record_counts,
     roll_back_attempts,
 )
 from pdps.core.checkpoints import MASTER_PART, Epoch
@@ -281,15 +281,16 @@ class Master:
         cfg = self.config
         limits = {"failure_max": cfg.failure_max, "timeout": cfg.task_timeout, "max_in_flight": cfg.max_in_flight}
         kv = self._store.get(self._keys.pass_no)
-        # the record counts go in once, for the audit (pdps status --pass): O(tasks) here, never per transition
-        queue_record = json.dumps({"tasks": len(specs), "records": encode_record_counts(specs)}).encode()
+        # the record counts go in once, for the audit (pdps status --pass): O(runs) here, never per transition
+        counts = RecordCounts.of(specs)
         if kv is None:
             queue = TaskQueue.create(specs, **limits)
+            self._store_record_counts(counts)  # before the transaction whose header names them
             self._write(
                 [
                     Put(self._keys.pass_no, b"0"),
                     Put(self._keys.state, b'{"state": "running"}'),
-                    Put(self._keys.queue, queue_record),
+                    Put(self._keys.queue, counts.header),
                 ]
             )
             self._audit = AuditLog(pass_no=0)
@@ -297,16 +298,24 @@ class Master:
         pass_no = _int_record(kv)
         state = self._stored_state()
         queue_kv = self._store.get(self._keys.queue)
-        stored_tasks, stored_records = (None, None) if queue_kv is None else decode_as(queue_kv.value, queue_kv.key, parse_queue_record)
-        if stored_tasks is not None and stored_tasks != len(specs):
+        header = None if queue_kv is None else decode_as(queue_kv.value, queue_kv.key, QueueHeader.from_json)
+        if header is not None and header.tasks != len(specs):
             raise ConfigError(f"{self._keys.queue} says {queue_kv.value[:100]!r} but the dataset {cfg.dataset!r} now has {len(specs)} tasks")
-        if stored_records is not None and stored_records != {s.id: s.records for s in specs}:
+        if header is not None and not counts.agrees(header):
             raise ConfigError(
                 f"{self._keys.queue} holds other per-task record counts than the dataset {cfg.dataset!r} has now: "
                 "the dataset changed under the job (its audit would not add up)"
             )
-        if stored_records is None:  # no queue record, or one from before record counts
-            self._write([Put(self._keys.queue, queue_record)])
+        rewritten = self._store_record_counts(counts)
+        if header is not None and header.chunks is not None and rewritten:
+            log.warning(
+                "rewrote %d chunks of record counts that were missing or changed (%s): the dataset's counts agree with %s",
+                len(rewritten),
+                ", ".join(rewritten[:5]),
+                self._keys.queue,
+            )
+        if queue_kv is None or queue_kv.value != counts.header:  # no queue record, or one an older pdps wrote
+            self._write([Put(self._keys.queue, counts.header)])
         ids = {s.id for s in specs}
         records = []
         for rec_kv in self._store.range(self._keys.tasks):
@@ -321,6 +330,18 @@ class Master:
         if state.get("state") == "done":
             self.done.set()
         return queue
+
+    def _store_record_counts(self, counts: RecordCounts) -> list[str]:
+        """Write the chunks of ``counts`` that the store lacks or holds otherwise, one per
+        transaction; returns their keys."""
+        stored = {kv.key: kv.value for kv in self._store.range(self._keys.queue_records)}
+        written = []
+        for k, raw in enumerate(counts.chunks):
+            key = self._keys.queue_chunk(k)
+            if stored.get(key) != raw:
+                self._write([Put(key, raw)])
+                written.append(key)
+        return written
 
     def _stored_state(self) -> dict:
         kv = self._store.get(self._keys.state)
@@ -861,11 +882,6 @@ def decode_record(kv: KeyValue, keys: Keys, pass_no: int, ids: set[int] | range 
     if rec.id != key_id or (ids is not None and rec.id not in ids) or rec.pass_no > pass_no or (rec.state.value == "pending" and not rec.trainer):
         raise CorruptRecord(f"{kv.key} holds an impossible record {kv.value[:200]!r} (job at pass {pass_no})", kv.key)
     return rec
-
-
-def parse_queue_record(d: dict) -> tuple[int, dict[int, int] | None]:
-    """(tasks, task id → records) from the ``queue`` record; no counts in one written before them."""
-    return int(d["tasks"]), None if d.get("records") is None else decode_record_counts(d["records"])
 
 
 def _int_record(kv: KeyValue) -> int:

@@ -15,12 +15,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from pdps.core.audit import Attempt, Outcome, decode_attempts, record_counts
+from pdps.core.audit import Attempt, Outcome, QueueHeader, decode_attempts, record_counts
 from pdps.core.errors import CorruptRecord, NoSuchJob, NoSuchPass
 from pdps.core.job import JobConfig, Keys, decode_as, decode_json
 from pdps.core.slots import Layout, ParamSpec, SlotMap
 from pdps.ports.coordination import CoordinationStore
-from pdps.roles.master import decode_record, parse_queue_record
+from pdps.roles.master import decode_record
 
 
 def job_config(store: CoordinationStore, job: str) -> JobConfig:
@@ -61,7 +61,7 @@ def job_status(store: CoordinationStore, job: str, *, now: float | None = None) 
     pass_no = decode_as(pass_kv.value, keys.pass_no, int) if pass_kv is not None else 0
     state = job_state(store, keys)
     queue_kv = store.get(keys.queue)
-    total = decode_as(queue_kv.value, keys.queue, lambda d: int(d["tasks"])) if queue_kv else None
+    total = decode_as(queue_kv.value, keys.queue, QueueHeader.from_json).tasks if queue_kv else None
 
     counts = {"pending": 0, "done": 0, "failed": 0}
     corrupt: list[str] = []
@@ -260,7 +260,9 @@ def pass_audit(store: CoordinationStore, job: str, pass_no: int) -> dict[str, An
     decoded, or were quarantined: those tasks' attempts are incomplete).
 
     Raises :class:`NoSuchJob` for an unknown job and :class:`NoSuchPass` for a pass
-    the job has not reached, or one that has no audit.
+    the job has not reached, or one that has no audit, and :class:`CorruptRecord` naming
+    a chunk of the dataset's record counts (``queue/records/<k>``) that is missing or
+    changed (the job's master rewrites it from the dataset).
     """
     keys = Keys(job)
     config = job_config(store, job)
@@ -271,7 +273,10 @@ def pass_audit(store: CoordinationStore, job: str, pass_no: int) -> dict[str, An
     if not 0 <= pass_no <= current:
         raise NoSuchPass(f"job {job!r} has no pass {pass_no}: passes 0..{current} exist so far (of {config.passes})")
     queue_kv = store.get(keys.queue)
-    total, records = decode_as(queue_kv.value, keys.queue, parse_queue_record) if queue_kv else (None, None)
+    header = decode_as(queue_kv.value, keys.queue, QueueHeader.from_json) if queue_kv else None
+    total = None if header is None else header.tasks
+    chunks = {kv.key: kv.value for kv in store.range(keys.queue_records)} if header and header.chunks else {}
+    records = None if header is None else header.counts(chunks, keys)
 
     attempts: dict[int, tuple[Attempt, ...]] = {}
     corrupt: list[str] = []

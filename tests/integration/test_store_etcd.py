@@ -214,6 +214,27 @@ def test_a_transactions_events_share_its_revision_in_op_order(etcd_store):
     assert events[2].revision == events[3].revision > res.revision  # delete_prefix is one revision
 
 
+def test_a_request_over_the_size_limit_names_its_keys_its_size_and_the_setting(etcd_store):
+    """etcd refuses a request over --max-request-bytes (1.5 MiB by default) as "request is
+    too large", and one over that plus gRPC's allowance of 512 KiB as a gRPC message
+    too large: both name the keys, the size and the setting."""
+    lease = etcd_store.grant_lease(30)
+    fence = etcd_store.acquire_lock("/big/lock", lease, b"me")
+    mib = b"x" * 2**20
+    refused = [
+        (lambda: etcd_store.put("/big/one", mib + mib[:600_000]), ["'/big/one'"], "1,6"),
+        (lambda: etcd_store.commit((), [Put(f"/big/{i}", mib) for i in range(5)], fence=fence), ["'/big/0'", "'/big/2'", "and 2 more"], "5,24"),
+    ]
+    for call, names, size in refused:
+        with pytest.raises(StoreError) as info:
+            call()
+        message = str(info.value)
+        assert all(name in message for name in names) and "'/big/3'" not in message, message
+        assert f"{size}" in message and "--max-request-bytes" in message, message
+    assert [kv.key for kv in etcd_store.range("/big/")] == ["/big/lock"]
+    etcd_store.revoke_lease(lease)
+
+
 def test_fractional_ttl_is_rounded_up_to_whole_seconds(etcd_server, etcd_store):
     lease = etcd_store.grant_lease(1.2)
     channel = grpc.insecure_channel(f"{HOST}:{etcd_server.port}")

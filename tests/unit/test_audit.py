@@ -14,7 +14,10 @@ from pdps.core.audit import (
     Attempt,
     AuditEntry,
     AuditLog,
+    CHUNK_BYTES,
     Outcome,
+    QueueHeader,
+    RecordCounts,
     decode_attempts,
     decode_record_counts,
     encode_record_counts,
@@ -22,7 +25,7 @@ from pdps.core.audit import (
     roll_back_attempts,
 )
 from pdps.core.errors import CorruptRecord
-from pdps.core.job import Keys
+from pdps.core.job import Keys, decode_as
 from pdps.core.tasks import Event, PassStarted, State, TaskChanged, TaskQueue, TaskRecord, TaskSpec
 from tests.unit.test_tasks_stateful import TaskQueueMachine
 
@@ -359,6 +362,70 @@ def test_record_counts_are_stored_as_runs():
     for bad in ({"0": 5}, [[0, 0, 5]], [[0, 1]], [[0, 1, -1]], [[0, 1, "5"]]):
         with pytest.raises((TypeError, ValueError)):
             decode_record_counts(bad)
+
+
+def varying(n: int) -> list[TaskSpec]:
+    """``n`` tasks whose record counts all differ from their neighbours': one run each."""
+    return [TaskSpec(id=i, location="x", part=i, records=100 + i % 7) for i in range(n)]
+
+
+def stored(counts: RecordCounts, keys: Keys) -> dict[str, bytes]:
+    """The chunks as a master writes them: key → value."""
+    return {keys.queue_chunk(k): raw for k, raw in enumerate(counts.chunks)}
+
+
+def header(counts: RecordCounts) -> QueueHeader:
+    return decode_as(counts.header, "queue", QueueHeader.from_json)
+
+
+def test_record_counts_are_stored_in_chunks_of_bounded_size_that_read_back():
+    keys = Keys("j")
+    tasks = varying(20_000)
+    counts = RecordCounts.of(tasks)
+    assert len(counts.chunks) > 4 and all(len(raw) <= CHUNK_BYTES for raw in counts.chunks)
+    assert len(counts.header) < 200  # the same for any number of tasks
+    assert json.loads(counts.header) == {"tasks": 20_000, "chunks": len(counts.chunks), "sha256": counts.sha256}
+    assert header(counts).counts(stored(counts, keys), keys) == {s.id: s.records for s in tasks}
+    assert RecordCounts.of(list(reversed(tasks))) == counts  # the same counts, the same bytes
+    equal = RecordCounts.of([TaskSpec(id=i, location="x", part=i, records=100) for i in range(100_000)])
+    assert [json.loads(raw)["runs"] for raw in equal.chunks] == [[[0, 100_000, 100]]]
+    none = RecordCounts.of([])
+    assert none.chunks == () and header(none).counts({}, keys) == {}
+
+
+@pytest.mark.parametrize("k", [0, 1, 3])
+def test_a_chunk_missing_or_changed_is_named(k):
+    keys = Keys("j")
+    counts = RecordCounts.of(varying(16_000))
+    assert len(counts.chunks) == 4
+    chunks = stored(counts, keys)
+    name = keys.queue_chunk(k)
+    changed = {**chunks, name: chunks[name].replace(b",101]", b",108]", 1)}
+    assert changed[name] != chunks[name]
+    swapped = {**chunks, name: chunks[keys.queue_chunk((k + 1) % 4)]}
+    del chunks[name]
+    for bad, why in ((chunks, "is missing"), (changed, "does not match the sha256"), (swapped, "does not match the sha256")):
+        with pytest.raises(CorruptRecord, match=why) as info:
+            header(counts).counts(bad, keys)
+        assert info.value.key == name
+        assert "start the job's master" in str(info.value)
+
+
+def test_a_stored_header_agrees_only_with_the_same_counts():
+    tasks = varying(1_000)
+    counts = RecordCounts.of(tasks)
+    assert counts.agrees(header(counts))
+    assert not counts.agrees(header(RecordCounts.of(varying(999))))
+    assert not counts.agrees(header(RecordCounts.of([*varying(999), TaskSpec(id=999, location="x", part=0, records=1)])))
+    inline = {"tasks": 1_000, "records": encode_record_counts(tasks)}  # written by an older pdps
+    assert decode_as(json.dumps(inline).encode(), "queue", QueueHeader.from_json).counts({}, Keys("j")) == {s.id: s.records for s in tasks}
+    assert counts.agrees(QueueHeader.from_json(inline))
+    assert not counts.agrees(QueueHeader.from_json({**inline, "records": [[0, 1_000, 100]]}))
+    assert counts.agrees(QueueHeader.from_json({"tasks": 1_000}))  # older still: no counts to disagree
+    for bad in (b'{"tasks": 3, "chunks": -1, "sha256": "%s"}' % (b"0" * 64), b'{"tasks": 3, "chunks": 1, "sha256": "ab"}', b'{"tasks": 3, "chunks": 1}'):
+        with pytest.raises(CorruptRecord) as info:
+            decode_as(bad, "/pdps/j/queue", QueueHeader.from_json)
+        assert info.value.key == "/pdps/j/queue"
 
 
 # --- under random event sequences ---------------------------------------------------

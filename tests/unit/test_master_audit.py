@@ -15,7 +15,7 @@ import pytest
 from pdps.adapters.inproc import InprocTransport
 from pdps.adapters.memory_store import MemoryStore
 from pdps.shell.cli import build_parser
-from pdps.core.errors import ConfigError, NoSuchJob, NoSuchPass
+from pdps.core.errors import ConfigError, CorruptRecord, NoSuchJob, NoSuchPass
 from pdps.core.job import JobConfig, Keys
 from pdps.core.tasks import TaskSpec
 from pdps.ports.transport import Message
@@ -291,12 +291,43 @@ def test_pass_audit_of_a_pass_or_job_that_does_not_exist_says_which_exist():
 def test_record_counts_are_kept_once_and_added_to_a_job_from_before_them():
     store = MemoryStore()
     start(store, n=3).stop()
-    assert json.loads(store.get(KEYS.queue).value) == {"tasks": 3, "records": [[0, 1, 10], [1, 1, 11], [2, 1, 12]]}
-    store.put(KEYS.queue, b'{"tasks": 3}')  # written by an older pdps
-    start(store, n=3).stop()
-    assert json.loads(store.get(KEYS.queue).value)["records"] == [[0, 1, 10], [1, 1, 11], [2, 1, 12]]
+    chunked = store.get(KEYS.queue).value
+    assert json.loads(chunked)["chunks"] == 1
+    assert json.loads(store.get(KEYS.queue_chunk(0)).value)["runs"] == [[0, 1, 10], [1, 1, 11], [2, 1, 12]]
+    inline = b'{"tasks": 3, "records": [[0, 1, 10], [1, 1, 11], [2, 1, 12]]}'
+    for older in (b'{"tasks": 3}', inline):  # written by older pdps: no counts, counts inline
+        store.delete_prefix(KEYS.queue_records)
+        store.put(KEYS.queue, older)
+        if older == inline:
+            assert pass_audit(store, "job", 0)["records"] == 33
+        start(store, n=3).stop()
+        assert store.get(KEYS.queue).value == chunked
+        assert pass_audit(store, "job", 0)["records"] == 33
+    store.put(KEYS.queue, inline.replace(b"[2, 1, 12]", b"[2, 1, 13]"))
+    with pytest.raises(ConfigError, match="record counts"):
+        start(store, n=3)
+    store.put(KEYS.queue, chunked)
     with pytest.raises(ConfigError, match="record counts"):
         start(store, n=3, source=Tasks(3, records=20))  # the dataset changed under the job
+
+
+def test_a_chunk_of_record_counts_missing_or_changed_is_named_and_rewritten_by_the_master(caplog):
+    store = MemoryStore()
+    start(store, n=10_000).stop()
+    assert json.loads(store.get(KEYS.queue).value)["chunks"] == 3
+    first, last = KEYS.queue_chunk(0), KEYS.queue_chunk(2)
+    records = pass_audit(store, "job", 0)["records"]
+    store.delete(first)
+    store.put(last, store.get(last).value.replace(b",10001]", b",10002]"))
+    with pytest.raises(CorruptRecord, match="does not match") as info:
+        pass_audit(store, "job", 0)
+    assert info.value.key == last
+    with pytest.raises(ConfigError, match="record counts"):  # the dataset changed too: refused, nothing rewritten
+        start(store, n=10_000, source=Tasks(10_000, records=11))
+    assert store.get(first) is None
+    start(store, n=10_000).stop()
+    assert f"rewrote 2 chunks of record counts that were missing or changed ({first}, {last})" in caplog.text
+    assert pass_audit(store, "job", 0)["records"] == records
 
 
 @pytest.mark.parametrize("value, message", [("-1", "must be at least 0"), ("one", "expected a pass number"), ("1.5", "expected a pass number")])

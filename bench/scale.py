@@ -302,11 +302,13 @@ def master_store(tasks: int, finishes: int) -> dict[str, Any]:
 
 
 def ratio(rows: Sequence[dict[str, Any]], figure: str, axis: str, **fixed: Any) -> dict[str, Any]:
-    """``figure`` at the largest ``axis`` over at the smallest (the other axes ``fixed``)."""
+    """``figure`` at the largest ``axis`` over at the smallest (the other axes ``fixed``);
+    1.0 for a cost that is zero at both."""
     rows = sorted((r for r in rows if all(r[k] == v for k, v in fixed.items())), key=lambda r: r[axis])
     small, large = rows[0], rows[-1]
     growth = large[axis] / small[axis]
-    value = large[figure] / small[figure] if small[figure] else float("inf")
+    # zero at both sizes has not grown; from zero to something has, without bound
+    value = large[figure] / small[figure] if small[figure] else (1.0 if not large[figure] else float("inf"))
     return {"value": value, "figure": figure, "axis": axis, "from": small[axis], "to": large[axis], "size_growth": growth,
             "allowed": SLACK * (growth if axis in LINEAR_IN else 1.0) if figure != "master_bytes_per_task" else MEMORY_SLACK, **fixed}
 

@@ -33,6 +33,7 @@ from pdps.roles.trainer.pserver_client import PserverGroup
 log = logging.getLogger(__name__)
 
 TrainFn = Callable[[TrainerContext], Any]
+RoleAdapters = Callable[[str, CoordinationStore, Transport], tuple[CoordinationStore, Transport]]
 
 
 @attrs.frozen
@@ -65,6 +66,7 @@ def simulate(
     compute: Compute | None = None,
     timeout: float = 600.0,
     progress: Callable[[dict[str, Any]], None] | None = None,
+    _role_adapters: RoleAdapters | None = None,
     **settings: Any,
 ) -> SimulationResult:
     """Run a whole job in this process and return its outcome.
@@ -77,6 +79,9 @@ def simulate(
     tasks as failures and the remaining trainers finish the job.
     ``progress`` is called about once a second with the current pass's queue counts
     and each trainer's ``ctx.metrics``.
+    ``_role_adapters`` (private, for :func:`pdps.simulate_control_plane`) gives each role
+    ``("master"``, ``"pserver"``, ``"trainer")`` the store and transport it is built on,
+    from the job's shared ones: per-role counting wraps them.
     """
     from pdps.registry import connect_store, open_checkpoint_files, open_compute, open_data_source, open_transport
     from pdps.runtime.resilient import ResilientStore
@@ -104,11 +109,12 @@ def simulate(
             st.close()
         raise ConfigError(f"job {config.name!r} already exists in {st.url}; simulate runs a new job: pick another name or store")
     st = ResilientStore(st, deadline=config.store_outage_deadline)  # roles ride out outages up to the deadline
-    master = Master(st, tr, source, config, checkpoints=open_checkpoint_files(config.checkpoint_url))
-    pservers = [Pserver(st, tr, compute, config, checkpoints=open_checkpoint_files(config.checkpoint_url)) for _ in range(config.pservers)]
+    adapters = _role_adapters or (lambda role, store, transport: (store, transport))
+    master = Master(*adapters("master", st, tr), source, config, checkpoints=open_checkpoint_files(config.checkpoint_url))
+    pservers = [Pserver(*adapters("pserver", st, tr), compute, config, checkpoints=open_checkpoint_files(config.checkpoint_url)) for _ in range(config.pservers)]
     # trainer-0's model is the job's: the others attach after it, so a trainer with another
     # model is refused the same way in every run
-    contexts = [TrainerContext(st, tr, compute, source, config, trainer_id=f"trainer-{i}", publisher="trainer-0") for i in range(config.trainers)]
+    contexts = [TrainerContext(*adapters("trainer", st, tr), compute, source, config, trainer_id=f"trainer-{i}", publisher="trainer-0") for i in range(config.trainers)]
     results: dict[str, Any] = {}
     errors: list[tuple[str, BaseException]] = []  # in the order they happened
     killed: list[str] = []

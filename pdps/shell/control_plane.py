@@ -223,7 +223,8 @@ class AuditCheck:
 
     ``done_once``: tasks with exactly one ``done`` attempt; ``done_more``: with more than
     one; ``not_done``: with none (or no audit entry at all); ``records_once``: records the
-    audit counts as trained exactly once (:func:`pdps.core.audit.record_counts`)."""
+    audit counts as trained exactly once (:func:`pdps.core.audit.record_counts`);
+    ``trainers``: the trainers that made a ``done`` attempt."""
 
     tasks: int
     done_once: int
@@ -232,6 +233,7 @@ class AuditCheck:
     attempts: int
     records: int
     records_once: int
+    trainers: int
 
     @property
     def ok(self) -> bool:
@@ -256,6 +258,9 @@ class ControlPlaneReport:
     latency: Latency
     master_bytes_per_task: float
     audit: AuditCheck
+    #: the shared store's counts, every role's calls and ``simulate``'s own reads (of the
+    #: config, the final parameters, the pass summaries): writes add up to the roles' sum
+    whole: StoreCounts
     step_every: int = 1
 
     @property
@@ -281,6 +286,7 @@ class ControlPlaneReport:
             "latency": attrs.asdict(self.latency),
             "roles": {name: r.to_json() for name, r in self.roles.items()},
             "audit": {**attrs.asdict(self.audit), "ok": self.audit.ok},
+            "whole": self.whole.to_json(),
         }
 
 
@@ -345,7 +351,8 @@ def simulate_control_plane(
     name = settings.pop("name", f"cp-{seed}-{uuid.uuid4().hex[:6]}")
     keys = Keys(name)
     clock = SimClock()
-    shared = MemoryStore(url="memory://", clock=clock, reap_every=0.05)
+    memory = MemoryStore(url="memory://", clock=clock, reap_every=0.05)
+    shared = CountingStore(memory, root=keys.root)
     transport = open_transport("inproc")
     counted: dict[str, tuple[CountingStore, RoleMetrics]] = {}
 
@@ -379,16 +386,17 @@ def simulate_control_plane(
         )
         wall = time.perf_counter() - began
         roles = {kind: RoleReport(store_of.counts(), _messages(metrics)) for kind, (store_of, metrics) in sorted(counted.items())}
+        whole = shared.counts()
         advance(None)
-        audit = check_audit(shared, keys, tasks, records)
-        memory = master_bytes_per_task(shared, transport, result.config, Records(tasks, records))
+        audit = check_audit(memory, keys, tasks, records)
+        held = master_bytes_per_task(memory, transport, result.config, Records(tasks, records))
     finally:
-        shared.close()
+        memory.close()
     steps = roles["trainers"].messages.get("push", 0) // pservers
     return ControlPlaneReport(
         trainers=trainers, pservers=pservers, tasks=tasks, records=records, mode=job_mode.value, roles=roles, steps=steps,
-        tasks_done=result.tasks_done, wall_seconds=wall, simulated_seconds=clock(), latency=latency, master_bytes_per_task=memory,
-        audit=audit, step_every=step_every,
+        tasks_done=result.tasks_done, wall_seconds=wall, simulated_seconds=clock(), latency=latency, master_bytes_per_task=held,
+        audit=audit, whole=whole, step_every=step_every,
     )
 
 
@@ -405,12 +413,14 @@ def _messages(metrics: Any) -> dict[str, int]:
 def check_audit(store: CoordinationStore, keys: Keys, tasks: int, records: int, pass_no: int = 0) -> AuditCheck:
     """Read the audit of ``pass_no`` back and count how each task ended in it."""
     done: Counter[int] = Counter()
+    by: set[str | None] = set()
     attempts = once = 0
     for kv in store.range(keys.audit_pass(pass_no)):
         tried = decode_attempts(kv.value, kv.key)
         tid = keys.task_id(kv.key)
         attempts += len(tried)
         done[tid] = sum(a.outcome is Outcome.DONE for a in tried)
+        by.update(a.trainer for a in tried if a.outcome is Outcome.DONE)
         once += sum(length for count, length in record_counts(tried, records) if count == 1)
     return AuditCheck(
         tasks=tasks,
@@ -420,6 +430,7 @@ def check_audit(store: CoordinationStore, keys: Keys, tasks: int, records: int, 
         attempts=attempts,
         records=tasks * records,
         records_once=once,
+        trainers=len(by),
     )
 
 

@@ -35,6 +35,16 @@ What runs
   for ``--finishes`` tasks; store operations and bytes per finished task (a dispatch and
   a finish), and what the master's start wrote per task.
 
+* **One whole pass** (``--pass``, instead of the above): ``pdps.simulate_control_plane``
+  at 1,000 trainers x 64 pservers x 1,000,000 one-record tasks (``--trainers``,
+  ``--pservers``, ``--tasks``: the first of each), async, each trainer stepping on one
+  task in ``--step-every`` (1,000) it holds: every task is leased, read, finished and
+  audited by the real master, while the pservers' traffic (2 x 64 messages a step) runs at
+  1/1,000 of the tasks, since 128 messages for each of 1M tasks do not fit this machine.
+  It prints per role store operations, keys and bytes written and read, conflicts and
+  messages, the master's memory per task, simulated time, and the audit (every task done
+  exactly once). docs/scale.md, "One pass at scale", has the figures.
+
 Ratios (the targets of ``pdps bench --suite scale``): each cost at the largest size
 over the same cost at the smallest, next to the growth of the size itself: at 10x the
 trainers a linear cost per step grows 10x (the target allows 12x); a per-task cost

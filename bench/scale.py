@@ -295,7 +295,16 @@ def one_pass(trainers: int, pservers: int, tasks: int, step_every: int, mode: st
     """One pass through ``pdps.simulate_control_plane``: its report as JSON, per role."""
     torch.set_num_threads(1)
     say(f"one {mode} pass: {trainers:,} trainers x {pservers} pservers x {tasks:,} one-record tasks, a step on one task in {step_every} ...")
-    report = pdps.simulate_control_plane(trainers=trainers, pservers=pservers, tasks=tasks, mode=mode, step_every=step_every, timeout=3600.0)
+    began, last = time.perf_counter(), [0.0]
+
+    def progress(state: dict[str, Any]) -> None:
+        if time.perf_counter() - last[0] >= 30:
+            last[0] = time.perf_counter()
+            say(f"  {last[0] - began:,.0f} s: {state['done']:,} done, {state['pending']:,} pending, {state['todo']:,} todo; "
+                f"{state['simulated_seconds']:.2f} simulated s")
+
+    report = pdps.simulate_control_plane(trainers=trainers, pservers=pservers, tasks=tasks, mode=mode, step_every=step_every, timeout=3600.0,
+                                         progress=progress)
     return {"bench": "scale-pass", "machine": describe("torch", "pdps"), "loadavg": list(os.getloadavg()), "pass": report.to_json()}
 
 

@@ -28,7 +28,7 @@ import time
 import tracemalloc
 import uuid
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
@@ -304,6 +304,7 @@ def simulate_control_plane(
     step_every: int = 1,
     latency: Latency | None = None,
     timeout: float = 3600.0,
+    progress: Callable[[dict[str, Any]], None] | None = None,
     **settings: Any,
 ) -> ControlPlaneReport:
     """Run one pass of a job of ``trainers`` x ``pservers`` over ``tasks`` tasks of
@@ -322,6 +323,9 @@ def simulate_control_plane(
     default). ``settings``: other :class:`~pdps.core.job.JobConfig` fields;
     ``task_timeout`` defaults to ``timeout``: the master times tasks out on the wall
     clock, which at a thousand threads on two cores says nothing about the job.
+    ``progress`` is called about once a second with ``simulate``'s progress (the pass's
+    ``todo``, ``pending`` and ``done`` counts, each trainer's ``metrics``) and
+    ``simulated_seconds``.
 
     The report (:class:`ControlPlaneReport`): per role (``report.roles["master"]``,
     ``["pservers"]``, ``["trainers"]``, each a :class:`RoleReport`), store operations
@@ -370,9 +374,11 @@ def simulate_control_plane(
         store_of, metrics = counted["trainers"]
         return RoleReport(store_of.counts(), _messages(metrics))
 
-    def advance(_: object) -> None:
+    def advance(state: dict[str, Any] | None) -> None:
         r = trainer_report()
-        clock.advance_to(simulated_seconds(r.store, r.messages, trainers=trainers, pservers=pservers, latency=latency))
+        now = clock.advance_to(simulated_seconds(r.store, r.messages, trainers=trainers, pservers=pservers, latency=latency))
+        if progress is not None and state is not None:
+            progress({**state, "simulated_seconds": now})
 
     settings.setdefault("task_timeout", timeout)
     began = time.perf_counter()

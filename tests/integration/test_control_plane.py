@@ -38,8 +38,11 @@ def test_a_sync_pass_is_audited_done_once_and_its_counts_add_up():
 
 
 def test_an_async_pass_that_steps_on_one_task_in_ten_pushes_only_those():
-    report = pdps.simulate_control_plane(trainers=10, pservers=4, tasks=400, mode="async", step_every=10, seed=2)
+    seen = []
+    report = pdps.simulate_control_plane(trainers=10, pservers=4, tasks=400, mode="async", step_every=10, seed=2, progress=seen.append)
     assert report.audit.ok and report.tasks_done == 400
+    times = [s["simulated_seconds"] for s in seen]
+    assert times and times == sorted(times) and times[-1] <= report.simulated_seconds and "done" in seen[-1]
     pushes = report.roles["trainers"].messages["push"]
     assert pushes == 4 * report.steps and 10 <= report.steps <= 400 // 10 + 10  # each trainer's 1st, 11th, ... task
     assert report.roles["trainers"].messages["finish_task"] == 400

@@ -316,8 +316,13 @@ def simulate_control_plane(
     from every pserver and commits its contribution) or ``"async"``. ``step_every=n``
     (async only) steps on one task in ``n`` each trainer holds and only leases, reads and
     finishes the others: the task control plane at full rate with the pservers' traffic
-    at ``1/n`` (a step costs ``2 x pservers`` messages; see docs/scale.md for why a
-    1,000,000-task pass needs it). ``seed`` names the job (``cp-<seed>-...``): the
+    at ``1/n``. Why: a step costs ``2 x pservers`` messages whatever the mode (an async
+    trainer pushes at the end of every task, so that a push never mixes two tasks'
+    records), so a pass of 1,000,000 one-record tasks at 64 pservers that stepped on
+    every task would send 128M messages, hours of this process's CPU; a sync pass is
+    also 1,000 barrier rounds of 1,000 trainers. ``bench/scale.py --pass`` runs the
+    1,000 x 64 x 1M pass async with ``step_every=1000`` (each trainer steps on its
+    first task: 128k pserver messages) and measures sync rounds at 1,000 x 64 apart. ``seed`` names the job (``cp-<seed>-...``): the
     simulation has no other randomness, thread scheduling aside. ``latency``: the
     :class:`Latency` model of simulated time (0.5 ms a store round trip and a message by
     default). ``settings``: other :class:`~pdps.core.job.JobConfig` fields;

@@ -56,7 +56,7 @@ Run
     .venv/bin/python bench/scale.py --quick         # ~7 s
     .venv/bin/python bench/scale.py --trainers 10 100 300 --pservers 16 --tasks 10000   # ~1 min
     .venv/bin/python bench/scale.py --trainers 10 50 --pservers 4 --tasks 10000 --json
-    .venv/bin/python bench/scale.py --pass          # one async pass, 1,000 x 64 x 1M tasks: ~15 min
+    .venv/bin/python bench/scale.py --pass          # one async pass, 1,000 x 64 x 1M tasks: ~25 min
     .venv/bin/python bench/scale.py --pass --trainers 100 --pservers 8 --tasks 20000    # ~15 s
 
 ``--json``: the table and progress on stderr, one JSON object on stdout's last line.

@@ -35,6 +35,16 @@ What runs
   for ``--finishes`` tasks; store operations and bytes per finished task (a dispatch and
   a finish), and what the master's start wrote per task.
 
+* **One whole pass** (``--pass``, instead of the above): ``pdps.simulate_control_plane``
+  at 1,000 trainers x 64 pservers x 1,000,000 one-record tasks (``--trainers``,
+  ``--pservers``, ``--tasks``: the first of each), async, each trainer stepping on one
+  task in ``--step-every`` (1,000) it holds: every task is leased, read, finished and
+  audited by the real master, while the pservers' traffic (2 x 64 messages a step) runs at
+  1/1,000 of the tasks, since 128 messages for each of 1M tasks do not fit this machine.
+  It prints per role store operations, keys and bytes written and read, conflicts and
+  messages, the master's memory per task, simulated time, and the audit (every task done
+  exactly once). docs/scale.md, "One pass at scale", has the figures.
+
 Ratios (the targets of ``pdps bench --suite scale``): each cost at the largest size
 over the same cost at the smallest, next to the growth of the size itself: at 10x the
 trainers a linear cost per step grows 10x (the target allows 12x); a per-task cost
@@ -46,6 +56,8 @@ Run
     .venv/bin/python bench/scale.py --quick         # ~7 s
     .venv/bin/python bench/scale.py --trainers 10 100 300 --pservers 16 --tasks 10000   # ~1 min
     .venv/bin/python bench/scale.py --trainers 10 50 --pservers 4 --tasks 10000 --json
+    .venv/bin/python bench/scale.py --pass          # one async pass, 1,000 x 64 x 1M tasks: ~25 min
+    .venv/bin/python bench/scale.py --pass --trainers 100 --pservers 8 --tasks 20000    # ~15 s
 
 ``--json``: the table and progress on stderr, one JSON object on stdout's last line.
 """
@@ -66,7 +78,6 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -78,16 +89,19 @@ import pdps  # noqa: E402
 from bench.machine import describe  # noqa: E402
 from pdps.adapters.prometheus_metrics import RoleMetrics  # noqa: E402
 from pdps.core.job import JobConfig, Keys  # noqa: E402
-from pdps.core.tasks import TaskQueue, TaskSpec  # noqa: E402
+from pdps.core.tasks import TaskQueue  # noqa: E402
 from pdps.core.wire import FinishTaskRequest, GetTaskRequest  # noqa: E402
 from pdps.registry import open_compute, open_store, open_transport  # noqa: E402
 from pdps.roles import calls  # noqa: E402
 from pdps.roles.master import Master  # noqa: E402
 from pdps.ports.coordination import Put  # noqa: E402
 from pdps.runtime.counting import CountingStore, StoreCounts  # noqa: E402
+from pdps.shell.control_plane import Records, train  # noqa: E402
 
 FULL = {"trainers": (10, 100), "pservers": (4, 16), "steps": 6, "tasks": (10_000, 100_000), "finishes": 2_000, "latency_ms": 0.5}
 QUICK = {"trainers": (5, 50), "pservers": (2, 8), "steps": 5, "tasks": (2_000, 20_000), "finishes": 500, "latency_ms": 0.5}
+#: --pass: one whole pass at the issue's scale (docs/scale.md, "One pass at scale")
+PASS = {"trainers": 1000, "pservers": 64, "tasks": 1_000_000, "step_every": 1000}
 JOB_TIMEOUT_S = 300.0  # one simulated job, at most
 LEASE_TTL = attrs.fields(JobConfig).lease_ttl.default  # a job's default, not simulate's short one
 FIRST_ROUND = 1  # every trainer holds its task from this round on
@@ -102,33 +116,9 @@ def say(*args: Any) -> None:
     print(*args, file=sys.stderr, flush=True)
 
 
-# --- the data, the model, the training function ------------------------------------------
-
-
-class Records:
-    """A data source of ``tasks`` tasks of ``records`` one-number records each."""
-
-    def __init__(self, tasks: int, records: int) -> None:
-        self.url = f"bench://scale-{tasks}x{records}"
-        self.n, self.records = tasks, records
-
-    def tasks(self) -> list[TaskSpec]:
-        return [TaskSpec(id=i, location=f"part-{i // 1000}", part=i % 1000, records=self.records) for i in range(self.n)]
-
-    def read(self, task: TaskSpec) -> dict[str, np.ndarray]:
-        return {"x": np.ones((task.records, 1), dtype=np.float32)}
-
-
-class Scalars(torch.nn.Module):
-    def __init__(self, rows: int) -> None:
-        super().__init__()
-        self.w = torch.nn.Parameter(torch.zeros(rows, 1))
-
-
-def train(ctx: pdps.TrainerContext) -> None:
-    model = ctx.attach(Scalars(8 * ctx.config.pservers))
-    for batch in ctx.batches():
-        ctx.step((model.w * batch["x"].sum()).sum())
+# The dataset (``Records``: tasks described, nothing read) and the training function
+# (``train``: torch on 8 x pservers scalars) are the library's, those of
+# ``pdps.simulate_control_plane`` (pdps/shell/control_plane.py).
 
 
 # --- counting messages -------------------------------------------------------------------
@@ -298,6 +288,49 @@ def master_store(tasks: int, finishes: int) -> dict[str, Any]:
     }
 
 
+# --- one whole pass (--pass) ------------------------------------------------------------
+
+
+def one_pass(trainers: int, pservers: int, tasks: int, step_every: int, mode: str = "async") -> dict[str, Any]:
+    """One pass through ``pdps.simulate_control_plane``: its report as JSON, per role."""
+    torch.set_num_threads(1)
+    say(f"one {mode} pass: {trainers:,} trainers x {pservers} pservers x {tasks:,} one-record tasks, a step on one task in {step_every} ...")
+    began, last = time.perf_counter(), [0.0]
+
+    def progress(state: dict[str, Any]) -> None:
+        if time.perf_counter() - last[0] >= 30:
+            last[0] = time.perf_counter()
+            say(f"  {last[0] - began:,.0f} s: {state['done']:,} done, {state['pending']:,} pending, {state['todo']:,} todo; "
+                f"{state['simulated_seconds']:.2f} simulated s")
+
+    report = pdps.simulate_control_plane(trainers=trainers, pservers=pservers, tasks=tasks, mode=mode, step_every=step_every, timeout=3600.0,
+                                         progress=progress)
+    return {"bench": "scale-pass", "machine": describe("torch", "pdps"), "loadavg": list(os.getloadavg()), "pass": report.to_json()}
+
+
+def print_pass(report: dict[str, Any], out: Any) -> None:
+    p = lambda *a: print(*a, file=out)  # noqa: E731
+    r = report["pass"]
+    n = r["tasks_done"] or 1
+    p(f"one {r['mode']} pass: {r['trainers']:,} trainers x {r['pservers']} pservers x {r['tasks']:,} tasks of {r['records']} record(s), "
+      f"a step on one task in {r['step_every']}: {r['wall_seconds']:,.0f} s of wall time")
+    h = f"{'role':<9} {'store ops':>11} {'keys written':>12} {'B written':>14} {'B read':>14} {'conflicts':>9} {'messages':>11} {'ops/task':>8} {'B w/task':>8}"
+    p(h)
+    p("-" * len(h))
+    for name, role in r["roles"].items():
+        p(f"{name:<9} {role['store_ops']:>11,} {role['keys_written']:>12,} {role['bytes_written']:>14,} {role['bytes_read']:>14,} "
+          f"{role['conflicts']:>9,} {role['messages']:>11,} {role['store_ops'] / n:>8.2f} {role['bytes_written'] / n:>8,.0f}")
+    for name, role in r["roles"].items():
+        p(f"  {name}: store calls " + ", ".join(f"{k} {v:,}" for k, v in role["store_calls"].items())
+          + ("; messages " + ", ".join(f"{k} {v:,}" for k, v in role["messages_by_method"].items()) if role["messages_by_method"] else ""))
+    a = r["audit"]
+    p(f"tasks done {r['tasks_done']:,}; trainer steps {r['steps']:,}; master memory {r['master_bytes_per_task']:,.0f} B per task")
+    p(f"simulated time {r['simulated_seconds']:,.2f} s ({1000 * r['simulated_seconds_per_task']:.2f} ms a task, "
+      f"{1000 * r['simulated_seconds_per_step']:.2f} ms a step; latency {r['latency']})")
+    p(f"audit: {a['done_once']:,} of {a['tasks']:,} tasks done exactly once, {a['done_more']} more than once, {a['not_done']} not done; "
+      f"{a['records_once']:,} of {a['records']:,} records trained exactly once; {a['attempts']:,} attempts: {'OK' if a['ok'] else 'FAILED'}")
+
+
 # --- the run -----------------------------------------------------------------------------
 
 
@@ -405,8 +438,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--finishes", type=int, help=f"tasks dispatched and finished per queue size (default {FULL['finishes']})")
     ap.add_argument("--latency-ms", type=float, help=f"a store round trip: the wait before each get and commit of the sync jobs "
                     f"(default {FULL['latency_ms']})")
+    ap.add_argument("--pass", dest="whole_pass", action="store_true",
+                    help=f"instead: one whole async pass through pdps.simulate_control_plane, {PASS['trainers']:,} trainers x "
+                    f"{PASS['pservers']} pservers x {PASS['tasks']:,} tasks by default (--trainers, --pservers, --tasks: the first of each)")
+    ap.add_argument("--step-every", type=int, default=PASS["step_every"], help="--pass: a step on one task in this many (default %(default)s)")
     ap.add_argument("--json", action="store_true", help="table on stderr, one JSON object as stdout's last line")
     args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.ERROR, stream=sys.stderr)
+    if args.whole_pass:
+        shape = {k: (getattr(args, k) or [PASS[k]])[0] for k in ("trainers", "pservers", "tasks")}
+        if min(shape.values()) < 1 or args.step_every < 1:
+            ap.error("trainers, pservers, tasks and --step-every must be positive")
+        report = one_pass(**shape, step_every=args.step_every)
+        report["command"] = shlex.join(["python", "bench/scale.py", *(sys.argv[1:] if argv is None else argv)])
+        print_pass(report, sys.stderr if args.json else sys.stdout)
+        if args.json:
+            print(json.dumps(report, sort_keys=True))
+        return 0
     sizes = dict(QUICK if args.quick else FULL)
     for k in sizes:
         if getattr(args, k) is not None:
@@ -415,7 +463,6 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("trainers, pservers, tasks and finishes must be positive")
     if sizes["latency_ms"] < 0:
         ap.error("--latency-ms must be at least 0")
-    logging.basicConfig(level=logging.ERROR, stream=sys.stderr)
     report = run(sizes["trainers"], sizes["pservers"], sizes["steps"], sizes["tasks"], sizes["finishes"], sizes["latency_ms"])
     report["command"] = shlex.join(["python", "bench/scale.py", *(sys.argv[1:] if argv is None else argv)])
     print_report(report, sys.stderr if args.json else sys.stdout)

@@ -3,6 +3,8 @@
 The public surface:
 
 * :func:`simulate` runs a whole job (master, pservers, trainers) in one process;
+* :func:`simulate_control_plane` runs one pass of such a job at scale and reports what
+  its control plane cost, per role;
 * :class:`TrainerContext` is what a training function receives;
 * :class:`JobConfig` holds a job's settings;
 * ``open_store`` / ``open_transport`` / ``open_storage`` / ``open_data_source`` /
@@ -53,6 +55,7 @@ from pdps.registry import open_compute, open_data_source, open_storage, open_sto
 
 if TYPE_CHECKING:
     from pdps.roles.trainer import Batch, Killed, StepRecord, TrainerContext
+    from pdps.shell.control_plane import ControlPlaneReport, simulate_control_plane
     from pdps.shell.faults import Faults
     from pdps.shell.sim import SimulationResult, fetch_parameters, simulate
 
@@ -68,15 +71,18 @@ _LAZY = {
     "SimulationResult": "pdps.shell.sim",
     "fetch_parameters": "pdps.shell.sim",
     "simulate": "pdps.shell.sim",
+    "ControlPlaneReport": "pdps.shell.control_plane",
+    "simulate_control_plane": "pdps.shell.control_plane",
 }
 
 __all__ = [
-    "DEFAULT_JOB", "BadRequest", "Batch", "ConfigError", "Contended", "CorruptCheckpoint", "CorruptRecord", "DatasetError", "EpochChanged",
+    "DEFAULT_JOB", "BadRequest", "Batch", "ConfigError", "ControlPlaneReport", "Contended", "CorruptCheckpoint", "CorruptRecord", "DatasetError", "EpochChanged",
     "Faults", "FencingError", "GradientRejected", "InvalidTransition", "JobConfig", "Killed", "LeaseExpired",
     "MissingExtraError", "Mode", "NoSuchJob", "NoSuchPass", "NotInitialized", "NotReady", "PdpsError",
     "SimulationResult", "SlotMapChanged", "StalePush", "StepRecord", "StorageError", "StoreError", "StoreUnavailable", "Timeout",
     "TrainerContext", "TransportError", "UnknownSchemeError", "UnknownTaskError",
     "fetch_parameters", "open_compute", "open_data_source", "open_storage", "open_store", "open_transport", "simulate",
+    "simulate_control_plane",
 ]
 
 

@@ -51,6 +51,10 @@ def open_memory_store(url: str) -> MemoryStore:
         return store
 
 
+def _directory(key: str) -> str:
+    return key[: key.rfind("/") + 1]
+
+
 @attrs.define
 class _Lease:
     id: int
@@ -84,6 +88,9 @@ class MemoryStore:
         self._clock = clock
         self._lock = threading.RLock()
         self._data: dict[str, KeyValue] = {}
+        # key's directory (up to its last "/") -> its keys: a range visits the directories
+        # under its prefix, not every key (a 1M-task job holds millions; trainers/ a thousand)
+        self._dirs: dict[str, set[str]] = {}
         self._revision = 0
         self._leases: dict[int, _Lease] = {}
         self._lease_ids = itertools.count(1)
@@ -112,7 +119,13 @@ class MemoryStore:
         with self._lock:
             self._check_open()
             self._expire()
-            return [self._data[k] for k in sorted(self._data) if k.startswith(prefix)]
+            keys: list[str] = []
+            for directory, names in self._dirs.items():
+                if directory.startswith(prefix):
+                    keys.extend(names)
+                elif prefix.startswith(directory):  # the prefix ends inside this directory's names
+                    keys.extend(k for k in names if k.startswith(prefix))
+            return [self._data[k] for k in sorted(keys)]
 
     # --- writes -----------------------------------------------------------------------
 
@@ -233,12 +246,18 @@ class MemoryStore:
         if old is not None and old.lease is not None and old.lease in self._leases:
             self._leases[old.lease].keys.discard(op.key)
         if isinstance(op, Put):
+            if old is None:
+                self._dirs.setdefault(_directory(op.key), set()).add(op.key)
             self._data[op.key] = KeyValue(op.key, op.value, self._revision, op.lease)
             if op.lease is not None:
                 self._leases[op.lease].keys.add(op.key)
             self._emit(WatchEvent(EventType.PUT, op.key, op.value, self._revision))
         elif old is not None:
             del self._data[op.key]
+            names = self._dirs[_directory(op.key)]
+            names.discard(op.key)
+            if not names:
+                del self._dirs[_directory(op.key)]
             self._emit(WatchEvent(EventType.DELETE, op.key, None, self._revision))
 
     def _expire(self) -> None:

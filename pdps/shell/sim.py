@@ -39,6 +39,7 @@ PROGRESS_EVERY = 1.0
 CLAIM_WAIT_TTLS = 5
 
 TrainFn = Callable[[TrainerContext], Any]
+RoleAdapters = Callable[[str, CoordinationStore, Transport], tuple[CoordinationStore, Transport]]
 
 
 @attrs.frozen
@@ -74,6 +75,7 @@ def simulate(
     timeout: float = 600.0,
     progress: Callable[[dict[str, Any]], None] | None = None,
     faults: Faults | None = None,
+    _role_adapters: RoleAdapters | None = None,
     **settings: Any,
 ) -> SimulationResult:
     """Run a whole job in this process and return its outcome.
@@ -88,6 +90,9 @@ def simulate(
     master mid-pass at seeded moments; ``SimulationResult.faults`` says what struck when.
     ``progress`` is called about once a second with the current pass's queue counts
     and each trainer's ``ctx.metrics``.
+    ``_role_adapters`` (private, for :func:`pdps.simulate_control_plane`) gives each role
+    ``("master"``, ``"pserver"``, ``"trainer")`` the store and transport it is built on,
+    from the job's shared ones: per-role counting wraps them.
     """
     from pdps.registry import connect_store, open_checkpoint_files, open_compute, open_data_source, open_transport
     from pdps.runtime.resilient import ResilientStore
@@ -117,18 +122,19 @@ def simulate(
             st.close()
         raise ConfigError(f"job {config.name!r} already exists in {st.url}; simulate runs a new job: pick another name or store")
     st = ResilientStore(st, deadline=config.store_outage_deadline)  # roles ride out outages up to the deadline
+    adapters = _role_adapters or (lambda role, store, transport: (store, transport))
 
     def new_master(via: CoordinationStore) -> Master:
-        return Master(via, tr, source, config, checkpoints=open_checkpoint_files(config.checkpoint_url))
+        return Master(*adapters("master", via, tr), source, config, checkpoints=open_checkpoint_files(config.checkpoint_url))
 
     def new_pserver(index: int | None) -> Pserver:
         # a replacement at a killed one's index waits for the old claim to run out with its lease
         wait = 0.0 if index is None else CLAIM_WAIT_TTLS * config.lease_ttl
-        return Pserver(st, tr, compute, config, index=index, claim_wait=wait, checkpoints=open_checkpoint_files(config.checkpoint_url))
+        return Pserver(*adapters("pserver", st, tr), compute, config, index=index, claim_wait=wait, checkpoints=open_checkpoint_files(config.checkpoint_url))
 
     # trainer-0's model is the job's: the others attach after it, so a trainer with another
     # model is refused the same way in every run
-    contexts = [TrainerContext(st, tr, compute, source, config, trainer_id=f"trainer-{i}", publisher="trainer-0") for i in range(config.trainers)]
+    contexts = [TrainerContext(*adapters("trainer", st, tr), compute, source, config, trainer_id=f"trainer-{i}", publisher="trainer-0") for i in range(config.trainers)]
     results: dict[str, Any] = {}
     errors: list[tuple[str, BaseException]] = []  # in the order they happened
     killed: list[str] = []

@@ -67,3 +67,30 @@ def test_non_bytes_value_is_refused():
     with pytest.raises(StoreError):
         s.put("/a", "text")  # type: ignore[arg-type]
     assert s.get("/a") is None
+
+
+def test_a_range_finds_every_key_under_its_prefix_whatever_directory_it_ends_in():
+    """range reads the directories under its prefix (not every key): nested ones, a
+    prefix that ends inside a name, keys deleted and written again, and leases' deletes."""
+    store = MemoryStore()
+    keys = ["/j/tasks/00000001", "/j/tasks/00000002", "/j/audit/000000/00000001", "/j/audit/000001/00000001", "/j/task", "/j/trainers/t-1", "/k/x"]
+    for k in keys:
+        store.put(k, b"v")
+    lease = store.grant_lease(10.0)
+    store.put("/j/trainers/t-2", b"v", lease=lease)
+
+    def found(prefix):
+        return [kv.key for kv in store.range(prefix)]
+
+    assert found("/j/audit/") == ["/j/audit/000000/00000001", "/j/audit/000001/00000001"]
+    assert found("/j/task") == ["/j/task", "/j/tasks/00000001", "/j/tasks/00000002"]
+    assert found("/j/tasks/0000000") == ["/j/tasks/00000001", "/j/tasks/00000002"]
+    assert found("/j/trainers/") == ["/j/trainers/t-1", "/j/trainers/t-2"]
+    assert found("") == sorted([*keys, "/j/trainers/t-2"])
+    store.revoke_lease(lease)
+    store.delete("/j/tasks/00000001")
+    store.delete_prefix("/j/audit/000000/")
+    assert found("/j/") == ["/j/audit/000001/00000001", "/j/task", "/j/tasks/00000002", "/j/trainers/t-1"]
+    store.put("/j/audit/000000/00000009", b"again")
+    assert found("/j/audit/000000") == ["/j/audit/000000/00000009"]
+    assert store._dirs.keys() == {"/j/", "/j/tasks/", "/j/audit/000000/", "/j/audit/000001/", "/j/trainers/", "/k/"}  # emptied ones go

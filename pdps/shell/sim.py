@@ -89,7 +89,7 @@ def simulate(
     ``faults`` (:class:`~pdps.shell.faults.Faults`) kills trainers, pservers and the
     master mid-pass at seeded moments; ``SimulationResult.faults`` says what struck when.
     ``progress`` is called about once a second with the current pass's queue counts
-    and each trainer's ``ctx.metrics``.
+    and each trainer's ``ctx.metrics``, and once more when the trainers are done.
     ``_role_adapters`` (private, for :func:`pdps.simulate_control_plane`) gives each role
     ``("master"``, ``"pserver"``, ``"trainer")`` the store and transport it is built on,
     from the job's shared ones: per-role counting wraps them.
@@ -164,6 +164,11 @@ def simulate(
                     other.request_stop()
                 ctx.leave()  # a sync round stops waiting for this trainer
 
+        def report(c: Any) -> None:
+            assert progress is not None
+            metrics = {ctx.trainer_id: dict(ctx.metrics) for ctx in contexts}
+            progress({"pass": c.pass_no, "todo": c.todo, "pending": c.pending, "done": c.done, "failed": c.failed, "metrics": metrics})
+
         start = time.monotonic()
         threads = [threading.Thread(target=run, args=(c,), name=c.trainer_id, daemon=True) for c in contexts]
         for t in threads:
@@ -183,9 +188,10 @@ def simulate(
             roles.strike(c, now - start)
             if due:
                 next_progress = now + PROGRESS_EVERY
-                metrics = {ctx.trainer_id: dict(ctx.metrics) for ctx in contexts}
-                progress({"pass": c.pass_no, "todo": c.todo, "pending": c.pending, "done": c.done, "failed": c.failed, "metrics": metrics})
+                report(c)
         seconds = time.monotonic() - start
+        if progress is not None and (c := roles.counts()) is not None:
+            report(c)  # the last word, however short the job
         if errors:
             # the first to fail is the cause; the others' errors, if any, may be its echo
             tid, exc = errors[0]

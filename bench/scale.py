@@ -146,7 +146,7 @@ class MarkedStore(CountingStore):
         self._metrics, self._keys = metrics, keys
         self.first, self.last, self.latency = first, last, latency
         self.at: dict[int, tuple[StoreCounts, dict[str, int], float]] = {}
-        self.record_bytes = 0  # the closed record of round ``last``
+        self.record_bytes = 0  # the close marker of round ``last``
 
     def get(self, key: str) -> Any:
         if self.latency:
@@ -214,7 +214,7 @@ def sync_steps(trainers: int, pservers: int, steps: int, *, latency: float = 0.0
         "conflicts_per_step": per(c.total("conflicts")),
         "messages_per_step": per(sum(msgs.values())),
         "messages_by_method_per_step": {k: per(v) for k, v in sorted(msgs.items())},
-        "round_record_bytes": window.record_bytes,
+        "round_marker_bytes": window.record_bytes,
         "window": c.to_json(),
         "trained_by": {t: sorted({s.task for s in steps_of}) for t, steps_of in sorted(result.history.items())},
     }
@@ -394,14 +394,14 @@ def print_report(report: dict[str, Any], out: Any) -> None:
     p(f"sync steps ({cfg['steps']} per trainer; figures per step of the steady window; inproc, memory:// with a "
       f"{cfg['latency_ms']:g} ms round trip per get and commit, torch on scalars):")
     h = (f"{'trainers':>8} {'pservers':>8} {'ops':>9} {'reads':>8} {'writes':>7} {'B written':>10} {'B read':>11} "
-         f"{'conflicts':>9} {'messages':>8} {'record B':>9} {'ms/step':>8}")
+         f"{'conflicts':>9} {'messages':>8} {'marker B':>9} {'ms/step':>8}")
     p(h)
     p("-" * len(h))
     for r in report["steps"]:
         p(f"{r['trainers']:>8} {r['pservers']:>8} {r['store_ops_per_step']:>9,.0f} {r['reads_per_step']:>8,.0f} {r['writes_per_step']:>7,.0f} "
           f"{r['bytes_written_per_step']:>10,.0f} {r['bytes_read_per_step']:>11,.0f} {r['conflicts_per_step']:>9,.1f} "
-          f"{r['messages_per_step']:>8,.0f} {r['round_record_bytes']:>9,} {1000 * r['s_per_step']:>8.1f}")
-    p("(ops: store calls + watch events delivered; record B: the closed round record; reads by waiting pulls depend on time)")
+          f"{r['messages_per_step']:>8,.0f} {r['round_marker_bytes']:>9,} {1000 * r['s_per_step']:>8.1f}")
+    p("(ops: store calls + watch events delivered; marker B: a round's close marker; reads by waiting pulls depend on time)")
     p("")
     p("per key family and step, at the largest job:")
     big = max(report["steps"], key=lambda r: (r["trainers"], r["pservers"]))

@@ -3,7 +3,7 @@ largest size this machine runs, counted on pdps's side and by the store itself, 
 the same job on ``memory://`` (the prediction).
 
 A benchmark, not a test: it prints figures and ratios and asserts nothing.
-docs/scale.md is the cost model; docs/scale_stores.md the store limits these figures
+docs/scale.md is the cost model and (section "Real stores") the store limits these figures
 are read against.
 
 What runs

@@ -129,8 +129,8 @@ PULL_SLICE = WAIT_LOG_EVERY
 #: store (not the watches) when the last such read is older than this, in case a watch
 #: missed an event.
 MEMBERS_FRESH = 1.0
-#: A pull waiting at the barrier looks again at least this often (the watches wake it
-#: as soon as the round can close or has closed).
+#: The round-closing thread looks again at least this often (the watches wake it as
+#: soon as the round can close or has closed).
 POLL = MEMBERS_FRESH
 #: Fault injection for tests: seconds a pserver sleeps between writing its checkpoint
 #: part and recording it (so a test can kill it in the middle of a checkpoint).
@@ -159,7 +159,13 @@ class Pserver:
         self._address = address
         self._files = recovery.files_for(config, checkpoints)
         self._keys = Keys(config.name)
-        self._cond = threading.Condition(threading.RLock())
+        lock = threading.RLock()
+        self._cond = threading.Condition(lock)  # waiting pulls: a round applied, an epoch entered, a halt
+        #: the round-closing thread: the open round may be closable (a contribution, a marker,
+        #: a trainer gone, the job done). Waiting pulls do not poll: a thousand of them at
+        #: each of many pservers, waking to look, would cost more CPU than the job.
+        self._closer = threading.Condition(lock)
+        self._waiters = 0  # pulls waiting at the barrier
         self._shard: ParameterShard | None = None
         self._slot_map: SlotMap | None = None  # the job's, read at start
         self.version = 0  # updates applied
@@ -263,6 +269,7 @@ class Pserver:
             halted = self.state in HALTED
             self._move(PserverEvent.CRASH if crashed else PserverEvent.STOP)  # a halted pserver stays as it ended
             self._cond.notify_all()
+            self._closer.notify_all()
         if halted:
             return
         for w in self._watches:
@@ -468,21 +475,27 @@ class Pserver:
     def _wait_round_closed(self, round_no: int, epoch: int, patience: float) -> bool:
         """Wait (lock held) until ``round_no`` is applied here; False if ``patience`` ran out."""
         start = last_log = time.monotonic()
-        while self.round_no <= round_no:
-            if self.state in HALTED:
-                raise TransportError(f"pserver {self.index} stopped while round {round_no} was open")
-            if self.epoch != epoch:
-                raise EpochChanged(f"pserver {self.index} rolled back to epoch {self.epoch} while round {round_no} was open")
-            if self._advance(round_no):
-                continue
-            now = time.monotonic()
-            if now - start >= patience:
-                return False
-            if now - last_log >= WAIT_LOG_EVERY:
-                last_log = now
-                log.warning("pserver %s: round %d waiting %.0fs for trainers %s", self.index, round_no, now - start, sorted(self._waiting or ()))
-            self._cond.wait(min(POLL, max(0.0, patience - (now - start))))
-        return True
+        self._waiters += 1
+        self._closer.notify_all()  # a pull waits: the round-closing thread looks again if it seemed stuck
+        try:
+            while self.round_no <= round_no:
+                if self.state in HALTED:
+                    raise TransportError(f"pserver {self.index} stopped while round {round_no} was open")
+                if self.epoch != epoch:
+                    raise EpochChanged(f"pserver {self.index} rolled back to epoch {self.epoch} while round {round_no} was open")
+                if self._advance(round_no):
+                    continue
+                now = time.monotonic()
+                if now - start >= patience:
+                    return False
+                if now - last_log >= WAIT_LOG_EVERY:
+                    last_log = now
+                    log.warning("pserver %s: round %d waiting %.0fs for trainers %s", self.index, round_no, now - start, sorted(self._waiting or ()))
+                # woken when the round is applied (by the round-closing thread or another pull)
+                self._cond.wait(min(WAIT_LOG_EVERY, max(0.0, patience - (now - start))))
+            return True
+        finally:
+            self._waiters -= 1
 
     def _advance(self, round_no: int) -> bool:
         """Close ``round_no`` if every participant committed, and apply it once it is
@@ -530,13 +543,15 @@ class Pserver:
             while self.state not in HALTED:
                 round_no = self.round_no
                 ready = self.state is PserverState.SERVING and self._shard is not None  # a pserver that holds no slot applies nothing
-                if ready and (round_no in self._marked or self._ready_by_watch(round_no)):
+                # stuck: open a while with someone in it, where a watch may have missed an event
+                stuck = time.monotonic() - self._round_read >= MEMBERS_FRESH and (self._waiters or self._seen.get(round_no))
+                if ready and (round_no in self._marked or self._ready_by_watch(round_no) or stuck):
                     try:
                         self._advance(round_no)
                     except PdpsError as exc:  # the round's gradients are missing here: a rollback is on its way
                         log.warning("pserver %s could not apply round %d: %s", self.index, round_no, exc)
                 if self.round_no == round_no:
-                    self._cond.wait(POLL)
+                    self._closer.wait(POLL)
 
     def _closes(self, round_no: int) -> bool:
         """Whether this pserver closes ``round_no`` as soon as it is ready."""
@@ -591,7 +606,7 @@ class Pserver:
         with self._cond:
             self._done = event.type is EventType.PUT and event.value is not None and _says_done(event.value, event.key)
             if self._done:
-                self._cond.notify_all()  # a round waiting on trainers that have stopped can close
+                self._closer.notify_all()  # a round waiting on trainers that have stopped can close
 
     def _apply_round(self, record: RoundRecord) -> None:
         assert self._shard is not None
@@ -626,6 +641,7 @@ class Pserver:
             self._round_checkpoint = (record.round_no, record.checkpoint)
             self._snapshot(record.checkpoint)
         self._cond.notify_all()
+        self._closer.notify_all()  # the next round may be closable already
 
     def _on_round_event(self, event: WatchEvent) -> None:
         """A contribution or a close marker was written: note it, and wake the waiting
@@ -646,9 +662,9 @@ class Pserver:
                 if self._waiting is not None:
                     self._waiting.discard(trainer)
                     if self._waiting:
-                        return  # waking every waiting pull per contribution would cost O(T) each
+                        return
             if round_no == self.round_no:
-                self._cond.notify_all()
+                self._closer.notify_all()
 
     def _on_trainer_event(self, event: WatchEvent) -> None:
         trainer = self._keys.trainer_id(event.key)
@@ -660,7 +676,7 @@ class Pserver:
                     self._gone.add(trainer)  # its staged gradient goes once no round names it
                 elif self._shard is not None:
                     self._shard.unstage(trainer, forget=True)  # a step it never ended
-                self._cond.notify_all()  # waiting pulls look again: the round may be ready now
+                self._closer.notify_all()  # the round may be ready now
             else:
                 self._members.add(trainer)
 
@@ -780,6 +796,7 @@ class Pserver:
             self._ledger.clear()
             self.rollbacks += 1
             self._cond.notify_all()  # waiting pulls end with EpochChanged
+            self._closer.notify_all()
             try:
                 shard = self._ensure_shard()
             except NotReady:

@@ -52,7 +52,7 @@ flat in the tasks grows 1x (1.2x allowed).
 
 Run
 ---
-    .venv/bin/python bench/scale.py                 # ~15 s on 2 cores
+    .venv/bin/python bench/scale.py                 # ~45 s on 2 cores
     .venv/bin/python bench/scale.py --quick         # ~7 s
     .venv/bin/python bench/scale.py --trainers 10 100 300 --pservers 16 --tasks 10000   # ~1 min
     .venv/bin/python bench/scale.py --trainers 10 50 --pservers 4 --tasks 10000 --json
@@ -98,7 +98,7 @@ from pdps.ports.coordination import Put  # noqa: E402
 from pdps.runtime.counting import CountingStore, StoreCounts  # noqa: E402
 from pdps.shell.control_plane import Records, train  # noqa: E402
 
-FULL = {"trainers": (10, 100), "pservers": (4, 16), "steps": 6, "tasks": (10_000, 100_000), "finishes": 2_000, "latency_ms": 0.5}
+FULL = {"trainers": (10, 100), "pservers": (4, 16), "steps": 6, "tasks": (10_000, 100_000, 1_000_000), "finishes": 2_000, "latency_ms": 0.5}
 QUICK = {"trainers": (5, 50), "pservers": (2, 8), "steps": 5, "tasks": (2_000, 20_000), "finishes": 500, "latency_ms": 0.5}
 #: --pass: one whole pass at the issue's scale (docs/scale.md, "One pass at scale")
 PASS = {"trainers": 1000, "pservers": 64, "tasks": 1_000_000, "step_every": 1000}

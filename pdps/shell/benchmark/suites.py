@@ -100,8 +100,8 @@ SUITE_SPECS: dict[str, Suite] = {
             "The control plane's costs as the job grows: real sync jobs (pdps.simulate: the library's master, pservers and "
             "trainers on memory:// with a 0.5 ms round trip per get and commit, inproc, torch on a model of scalars) at 10 "
             "and 100 trainers x 4 and 16 pservers, counted "
-            "per sync step (store operations, bytes, compare-and-set conflicts, messages); and a real master over 10k and "
-            "100k tasks, counted per task (store operations and bytes, memory by tracemalloc). Ratios between sizes: a "
+            "per sync step (store operations, bytes, compare-and-set conflicts, messages); and a real master over 10k, 100k and "
+            "1M tasks, counted per task (store operations and bytes, memory by tracemalloc). Ratios between sizes: a "
             "linear cost per step grows as the trainers, a per-task cost stays flat; the cost model is in [scale.md](scale.md).",
             (),
             ("--quick",),

@@ -87,7 +87,8 @@ import torch  # noqa: E402
 
 import pdps  # noqa: E402
 from bench.machine import describe  # noqa: E402
-from bench.scale import LEASE_TTL, Records, Scalars, messages, say  # noqa: E402
+from bench.scale import LEASE_TTL, messages, say  # noqa: E402
+from pdps.shell.control_plane import Records, scalars  # noqa: E402
 from pdps.adapters.prometheus_metrics import RoleMetrics  # noqa: E402
 from pdps.core.job import Keys  # noqa: E402
 from pdps.registry import open_compute, open_store, open_transport  # noqa: E402
@@ -308,7 +309,7 @@ def job(url: str, view: Any, *, trainers: int, pservers: int, tasks: int, record
     window = Window(store, metrics, view, first, last)
 
     def train(ctx: pdps.TrainerContext) -> None:
-        model = ctx.attach(Scalars(8 * ctx.config.pservers))
+        model = ctx.attach(scalars(ctx.config.pservers))
         for batch in ctx.batches():
             if steps:
                 ctx.step((model.w * batch["x"].sum()).sum())

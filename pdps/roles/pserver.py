@@ -129,6 +129,10 @@ PULL_SLICE = WAIT_LOG_EVERY
 #: store (not the watches) when the last such read is older than this, in case a watch
 #: missed an event.
 MEMBERS_FRESH = 1.0
+#: ... and, each time such a read finds nothing the watches had not told, waits twice as
+#: long before the next, up to this: a round that waits for slow trainers is not read
+#: once a second by every pserver (at 1,000 trainers, 190 KB a read).
+STUCK_LONGEST = 16.0
 #: The round-closing thread looks again at least this often (the watches wake it as
 #: soon as the round can close or has closed).
 POLL = MEMBERS_FRESH
@@ -179,6 +183,7 @@ class Pserver:
         self._seen: dict[int, set[str]] = {}  # round -> the trainers the watch saw commit to it
         self._marked: set[int] = set()  # rounds whose close marker the watch saw
         self._round_read = time.monotonic()  # when the open round opened here, or was last read
+        self._stuck_after = MEMBERS_FRESH  # how long the open round may wait before it is read again
         self._gone: set[str] = set()  # trainers whose key went: their staging buffers can go
         #: async: the records [start, end) of each task last applied here, and their pass:
         #: the same records pushed again (a re-queued task's first push, a retried call)
@@ -504,11 +509,12 @@ class Pserver:
         Who has committed comes from the watch on ``rounds/``, so a pull that finds the
         round still waiting costs no store read. The round's keys are read (one range)
         to close it and to apply it, and when it has looked stuck for MEMBERS_FRESH (a
-        watch may miss an event). One pserver per round (``round % pservers``) closes it
+        watch may miss an event; twice as long after each such read that found nothing
+        new, up to STUCK_LONGEST). One pserver per round (``round % pservers``) closes it
         as soon as it is ready; the others close it only if it still is not closed after
         MEMBERS_FRESH (that pserver may be gone), so a round costs one close, not one
         race per pserver."""
-        stuck = time.monotonic() - self._round_read >= MEMBERS_FRESH
+        stuck = time.monotonic() - self._round_read >= self._stuck_after
         if round_no not in self._marked and not stuck and not (self._ready_by_watch(round_no) and self._closes(round_no)):
             return False
         try:
@@ -544,7 +550,7 @@ class Pserver:
                 round_no = self.round_no
                 ready = self.state is PserverState.SERVING and self._shard is not None  # a pserver that holds no slot applies nothing
                 # stuck: open a while with someone in it, where a watch may have missed an event
-                stuck = time.monotonic() - self._round_read >= MEMBERS_FRESH and (self._waiters or self._seen.get(round_no))
+                stuck = time.monotonic() - self._round_read >= self._stuck_after and (self._waiters or self._seen.get(round_no))
                 if ready and (round_no in self._marked or self._ready_by_watch(round_no) or stuck):
                     try:
                         self._advance(round_no)
@@ -562,8 +568,12 @@ class Pserver:
         record = read_round(self._store, self._keys, self.epoch, round_no)
         self._round_read = time.monotonic()
         if record is not None and not record.closed:
+            told = self._seen.get(round_no, set())
+            members = set(self._members)
             self._seen[round_no] = set(record.contributions)
             self._waiting = record.waiting_for(participants(self._live(fresh=fresh), self._prev))
+            if fresh and told == self._seen[round_no] and members == self._members:
+                self._stuck_after = min(2 * self._stuck_after, STUCK_LONGEST)  # the watches missed nothing
         return record
 
     def _decide_close(self, record: RoundRecord | None) -> Decision:
@@ -633,7 +643,7 @@ class Pserver:
         self._prev = set(record.contributions)
         self.round_no = record.round_no + 1
         self._waiting = None
-        self._round_read = time.monotonic()
+        self._round_read, self._stuck_after = time.monotonic(), MEMBERS_FRESH
         for r in [r for r in self._seen if r <= record.round_no]:
             del self._seen[r]
         self._marked = {r for r in self._marked if r > record.round_no}
@@ -789,7 +799,7 @@ class Pserver:
                 return  # a late event, or an epoch entered already
             self.epoch, self.round_no, self._prev = epoch.epoch, epoch.round, None
             self._seen, self._marked, self._waiting = {}, set(), None
-            self._round_read = time.monotonic()
+            self._round_read, self._stuck_after = time.monotonic(), MEMBERS_FRESH
             self._move(PserverEvent.LOAD)
             self._round_checkpoint = None
             self._last_records.clear()  # the parameters go back: so does what they hold

@@ -322,8 +322,8 @@ def simulate_control_plane(
     every task would send 128M messages, hours of this process's CPU; a sync pass is
     also 1,000 barrier rounds of 1,000 trainers. ``bench/scale.py --pass`` runs the
     1,000 x 64 x 1M pass async with ``step_every=1000`` (each trainer steps on its
-    first task: 128k pserver messages). A sync job of 1,000 x 64 did not get past its
-    trainers' attach in 12 minutes here (docs/scale.md). ``seed`` names the job (``cp-<seed>-...``): the
+    first task: 128k pserver messages). A sync job of 1,000 x 64 x 3,000 tasks takes about
+    13 minutes here (docs/scale.md). ``seed`` names the job (``cp-<seed>-...``): the
     simulation has no other randomness, thread scheduling aside. ``latency``: the
     :class:`Latency` model of simulated time (0.5 ms a store round trip and a message by
     default). ``settings``: other :class:`~pdps.core.job.JobConfig` fields;

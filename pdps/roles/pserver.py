@@ -654,11 +654,13 @@ class Pserver:
         self._closer.notify_all()  # the next round may be closable already
 
     def _on_round_event(self, event: WatchEvent) -> None:
-        """A contribution or a close marker was written: note it, and wake the waiting
-        pulls when the open round can close or has closed."""
-        entry = self._keys.round_entry(event.key)
-        if entry is None or event.type is not EventType.PUT:
+        """A contribution or a close marker was written: note it, and wake the
+        round-closing thread when the open round can close or has closed."""
+        if event.type is not EventType.PUT:
             return  # old rounds being dropped
+        entry = self._keys.round_entry(event.key)
+        if entry is None:
+            return
         epoch, round_no, trainer = entry
         with self._cond:
             if epoch != self.epoch or round_no < self.round_no:
@@ -673,6 +675,8 @@ class Pserver:
                     self._waiting.discard(trainer)
                     if self._waiting:
                         return
+                    # ready: the pserver that closes this round has MEMBERS_FRESH to do it before the others do
+                    self._round_read, self._stuck_after = time.monotonic(), MEMBERS_FRESH
             if round_no == self.round_no:
                 self._closer.notify_all()
 

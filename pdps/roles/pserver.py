@@ -184,6 +184,7 @@ class Pserver:
         self._marked: set[int] = set()  # rounds whose close marker the watch saw
         self._round_read = time.monotonic()  # when the open round opened here, or was last read
         self._stuck_after = MEMBERS_FRESH  # how long the open round may wait before it is read again
+        self._closers: tuple[int, ...] = ()  # the pservers that close rounds in turn (those holding some of the model)
         self._gone: set[str] = set()  # trainers whose key went: their staging buffers can go
         #: async: the records [start, end) of each task last applied here, and their pass:
         #: the same records pushed again (a re-queued task's first push, a retried call)
@@ -510,7 +511,7 @@ class Pserver:
         round still waiting costs no store read. The round's keys are read (one range)
         to close it and to apply it, and when it has looked stuck for MEMBERS_FRESH (a
         watch may miss an event; twice as long after each such read that found nothing
-        new, up to STUCK_LONGEST). One pserver per round (``round % pservers``) closes it
+        new, up to STUCK_LONGEST). One pserver per round (the pservers holding part of the model in turn) closes it
         as soon as it is ready; the others close it only if it still is not closed after
         MEMBERS_FRESH (that pserver may be gone), so a round costs one close, not one
         race per pserver."""
@@ -560,8 +561,9 @@ class Pserver:
                     self._closer.wait(POLL)
 
     def _closes(self, round_no: int) -> bool:
-        """Whether this pserver closes ``round_no`` as soon as it is ready."""
-        return round_no % self.config.pservers == self.index
+        """Whether this pserver closes ``round_no`` as soon as it is ready: the pservers
+        that hold some of the model take the rounds in turn."""
+        return bool(self._closers) and self._closers[round_no % len(self._closers)] == self.index
 
     def _read_round(self, round_no: int, *, fresh: bool) -> RoundRecord | None:
         """The round's keys, as a record; what it says replaces what the watch told."""
@@ -870,6 +872,8 @@ class Pserver:
             assert self.index is not None and self._slot_map is not None
             layout = Layout.build(specs, self._slot_map, self.config.min_block)
             self._shard = self._compute.shard(layout.blocks_of(self.index), self.config.optimizer, self.config.optimizer_args)
+            idle = set(layout.idle_pservers)  # they see no pull: one of them would close its rounds a second late
+            self._closers = tuple(p for p in range(self._slot_map.num_pservers) if p not in idle)
         return self._shard
 
     def _ready_shard(self) -> ParameterShard:

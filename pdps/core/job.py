@@ -121,7 +121,7 @@ class JobConfig:
     checkpoint_orphan_grace: float = attrs.field(default=3600.0, validator=_seconds())
     # on a pserver restart: "job" rolls everyone back; "lost" (async) restores only its slots
     restore: str = attrs.field(default="job", validator=_text)
-    keep_rounds: int = attrs.field(default=10000, validator=_whole_number(1))  # sync round records kept
+    keep_rounds: int = attrs.field(default=10000, validator=_whole_number(1))  # sync: closed rounds kept
     # on: push each slot during backward, async: pull during the next forward; auto: see trainer
     overlap: str = attrs.field(default="auto", validator=_text)
 

@@ -74,7 +74,7 @@ def check_staleness(base_version: int, current_version: int, bound: int | None) 
 
 @attrs.frozen
 class Contribution:
-    """One trainer's part of a sync round, as committed to the round's record.
+    """One trainer's part of a sync round, as committed under its own key of the round.
 
     ``samples`` weights its gradient; ``task``/``attempt`` and ``start``..``offset`` say
     which records it trained (records ``[start, offset)`` of the task: ``offset`` counts

@@ -318,7 +318,7 @@ class InitRequest(PserverRequest):
 @attrs.frozen
 class PushRequest(PserverRequest):
     """A gradient. Sync: for ``round_no``, from ``samples`` (> 0) samples; staged until
-    the round's record closes. Async: computed on the pserver's ``updates`` (within the
+    the round closes. Async: computed on the pserver's ``updates`` (within the
     staleness bound), for ``records`` ``(pass, task, attempt, start, end)`` of a task
     (applied once), from a pserver ``incarnation``.
 

@@ -361,7 +361,7 @@ class Pserver:
                 if round_no > self.round_no:
                     raise InvalidTransition(f"trainer {trainer}", f"round {self.round_no}", f"push for round {round_no}", "pull first")
                 shard.check(req.tensors, trainer, indices=indices)
-                shard.stage(trainer, req.tensors, indices)  # applied only if the round's record names it
+                shard.stage(trainer, req.tensors, indices)  # applied only if the closed round holds its contribution
                 return PushReply(**self._state(), update_s=time.perf_counter() - began)
             seen = req.require("updates")
             if not req.part:

@@ -21,7 +21,7 @@ from pdps.runtime.retry import Retry
 S = TypeVar("S")
 
 #: A lost race is retried at once twice, then with short jittered pauses: a key that
-#: many writers want (a round's record with a thousand trainers) is not hammered.
+#: many writers want (a record a thousand trainers race for) is not hammered.
 CONTENDED = Backoff(first=0.001, longest=0.05, immediate=2, jitter=0.5)
 #: How many lost races in a row before giving up. Each loss means another writer
 #: succeeded, so a loop that loses this often is not contended but broken.

@@ -149,7 +149,7 @@ SETTINGS: tuple[Setting, ...] = (
     _job("checkpoint_keep", int, "committed checkpoints kept (older ones are deleted after each commit)"),
     _job("checkpoint_orphan_grace", float, "seconds a temporary file of a checkpoint write must go unmodified before a commit deletes it as a killed writer's leftover"),
     _job("restore", str, "when a pserver restarts: roll the whole job back (job), or async only, reload just its slots (lost)", choices=("job", "lost")),
-    _job("keep_rounds", int, "sync: round records kept in the store (the audit of which gradients each step applied)"),
+    _job("keep_rounds", int, "sync: closed rounds kept in the store (their contributions: the audit of which gradients each step applied)"),
     _job("overlap", str, "trainers push each parameter's slots while backward still runs, and in async mode pull while the next forward runs: on, off, or auto (on where it pays: CUDA, in-process pservers, or CPU cores to spare)", choices=("auto", "on", "off")),
 )
 

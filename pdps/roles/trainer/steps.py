@@ -1,5 +1,5 @@
 """How a trainer's step reaches the parameters: the sync round (push, commit the
-contribution to the round's record, pull the round's result) and the async cadence
+contribution under the round's prefix, pull the round's result) and the async cadence
 (push every ``push_every`` batches of a task, pull every ``pull_every``), each
 advancing the task's progress record so every record applies exactly once.
 

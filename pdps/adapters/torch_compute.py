@@ -442,6 +442,27 @@ class TorchReplica:
                 p.grad = grad
 
 
+def block_entry(b: Block) -> str:
+    """The name of a block's entries (:meth:`TorchShard.export_blocks`)."""
+    return f"{b.param}@{b.row_start}:{b.row_end}"
+
+
+def _entries_by_param(entries: Mapping[str, torch.Tensor]) -> dict[str, list[tuple[int, int, dict[str, torch.Tensor]]]]:
+    """``<param>@<first>:<end>/<what>`` entries, grouped: param -> [(first, end, {what: tensor})]."""
+    grouped: dict[tuple[str, int, int], dict[str, torch.Tensor]] = {}
+    for key, t in entries.items():
+        block, sep, what = key.rpartition("/")
+        param, at, rows = block.rpartition("@")
+        first, colon, end = rows.partition(":")
+        if not (sep and at and colon and first.isdigit() and end.isdigit()) or not isinstance(t, torch.Tensor):
+            raise ConfigError(f"unexpected entry {key!r}: block entries are named <param>@<first>:<end>/<values|state.K|scalar.K>")
+        grouped.setdefault((param, int(first), int(end)), {})[what] = t
+    out: dict[str, list[tuple[int, int, dict[str, torch.Tensor]]]] = {}
+    for (param, lo, hi), e in grouped.items():
+        out.setdefault(param, []).append((lo, hi, e))
+    return out
+
+
 class TorchShard:
     """The blocks one pserver owns, in one flat tensor, with the job's optimizer over it.
 
@@ -684,6 +705,83 @@ class TorchShard:
             elif first is not None:
                 raise ConfigError(f"optimizer state {key!r} is a {type(first).__name__}; pdps checkpoints tensors and numbers only")
         return out
+
+    def export_blocks(self, indices: Sequence[int] | None = None) -> dict[str, torch.Tensor]:
+        """The blocks at ``indices`` (default all), keyed by block: ``<param>@<rows>/values``
+        and, for each optimizer state entry, ``<param>@<rows>/state.<key>`` (a tensor:
+        flat if per element, 0-d if per block) or ``<param>@<rows>/scalar.<key>`` (a
+        plain number, as a 0-d tensor); ``<rows>`` is ``<first>:<end>``. The tensors
+        alias the shard (copy them if it steps on). Such entries load into a shard of
+        any other cut of the same parameters (:meth:`import_blocks`): checkpoints and
+        slot migrations are keyed by block, not by pserver."""
+        out: dict[str, torch.Tensor] = {}
+        for i in self._all if indices is None else indices:
+            b, view = self.blocks[i], self._value_views[i]
+            name = block_entry(b)
+            out[f"{name}/values"] = view.detach().reshape(-1)
+            for key, v in self.optimizer.state.get(view, {}).items():
+                if isinstance(v, torch.Tensor):
+                    out[f"{name}/state.{key}"] = v.detach().reshape(-1) if v.dim() else v.detach()
+                elif isinstance(v, (bool, int, float)):
+                    out[f"{name}/scalar.{key}"] = torch.tensor(v)
+                elif v is not None:
+                    raise ConfigError(f"optimizer state {key!r} is a {type(v).__name__}; pdps moves and checkpoints tensors and numbers only")
+        return out
+
+    def import_blocks(self, entries: Mapping[str, torch.Tensor]) -> None:
+        """Load every block of this shard from :meth:`export_blocks` entries of any cut
+        of the same parameters (rows are put together from whichever entries cover
+        them); the shard is then initialized. ConfigError, with nothing changed, if
+        some rows of a block are in no entry, or an entry does not fit."""
+        by_param = _entries_by_param(entries)
+        loaded: list[tuple[torch.Tensor, dict[str, Any]]] = []
+        for b in self.blocks:
+            have = by_param.get(b.param, [])
+            row = b.numel // max(1, b.row_end - b.row_start) if b.shape else 1
+            parts = sorted((lo, hi, e) for lo, hi, e in have if lo < b.row_end and hi > b.row_start) if b.shape else have[:1]
+            covered = b.row_start
+            for lo, hi, _ in parts:
+                if lo > covered:
+                    break
+                covered = max(covered, hi)
+            if not parts or (b.shape and covered < b.row_end):
+                raise ConfigError(f"no state for {b.describe()} (rows {covered}.. are in no entry): the state was saved for other parameters")
+
+            def cut(lo: int, hi: int, t: torch.Tensor) -> torch.Tensor:
+                if not b.shape:
+                    return t.reshape(-1)
+                a, z = max(lo, b.row_start) - lo, min(hi, b.row_end) - lo
+                flat = t.reshape(-1)
+                if flat.numel() != (hi - lo) * row:
+                    raise ConfigError(f"an entry for {b.param}[{lo}:{hi}] has {flat.numel()} elements, not {(hi - lo) * row}")
+                return flat[a * row : z * row]
+
+            values = torch.cat([cut(lo, hi, e["values"]) for lo, hi, e in parts]) if all("values" in e for _, _, e in parts) else None
+            if values is None or values.numel() != b.numel:
+                raise ConfigError(f"no values for {b.describe()} in the entries given")
+            state: dict[str, Any] = {}
+            for key in dict.fromkeys(k for _, _, e in parts for k in e if k != "values"):
+                kind, _, name = key.partition(".")
+                given = [(lo, hi, e.get(key)) for lo, hi, e in parts]
+                first = next(v for _, _, v in given if v is not None)
+                if kind == "scalar":
+                    state[name] = first.item()
+                elif first.dim() == 0:  # a per-block counter (Adam's step): the blocks agree unless a step was cut short
+                    state[name] = max((v for _, _, v in given if v is not None), key=float).clone()
+                else:  # rows never stepped have no state yet: zeros, which the rule starts from
+                    state[name] = torch.cat([cut(lo, hi, v if v is not None else torch.zeros((hi - lo) * row, dtype=first.dtype)) for lo, hi, v in given]).view(b.shape).clone()
+            loaded.append((values, state))
+        with torch.no_grad():
+            for view, (values, state) in zip(self._value_views, loaded):
+                view.copy_(values.view(view.shape))
+                self.optimizer.state.pop(view, None)
+                if state:
+                    self.optimizer.state[view] = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+        if self._acc is not None:
+            self._acc.zero_()
+        self._live.clear()
+        self._staged_blocks.clear()
+        self.initialized = True
 
     def snapshot(self, counters: Mapping[str, int]) -> dict[str, torch.Tensor]:
         state = {k: v.detach().clone() for k, v in self.state_dict().items()}

@@ -243,6 +243,10 @@ class Keys:
     ``quarantine/audit/<pass>/<id>``  an audit entry that could not be decoded, moved aside
     ``state``             {"state": "running" | "done", ...}
     ``ps_desired``        desired pserver count (not leased)
+    ``trainers_desired``  desired trainer count, once a resize named one (not leased)
+    ``resize``            the newest resize and how far it is (:class:`pdps.core.elastic.Resize`)
+    ``resize_got/<version>/<i>``  pserver i holds every slot map ``<version>`` gives it
+                          (written by each pserver that received slots)
     ``ps/<index>``        a pserver's claim of its index, with its address (leased)
     ``trainers/<id>``     a live trainer (leased)
     ``model``             the model's parameter specs (JSON), set by the first trainer
@@ -349,6 +353,19 @@ class Keys:
     @property
     def ps_desired(self) -> str:
         return self.root + "ps_desired"
+
+    @property
+    def trainers_desired(self) -> str:
+        return self.root + "trainers_desired"
+
+    @property
+    def resize(self) -> str:
+        return self.root + "resize"
+
+    def resize_got(self, version: int, index: int | None = None) -> str:
+        """Pserver ``index`` holds its slots of map ``version`` (without it: the prefix)."""
+        prefix = f"{self.root}resize_got/{version:08d}/"
+        return prefix if index is None else f"{prefix}{index}"
 
     @property
     def pservers(self) -> str:

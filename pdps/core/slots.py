@@ -34,7 +34,8 @@ DEFAULT_MIN_BLOCK = 4096
 #: with several blocks each, the hash spreads a pserver's share over its slots.
 BLOCKS_PER_PSERVER = 8
 
-_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
+_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+_DTYPES = frozenset(_ITEMSIZE)
 
 
 @attrs.frozen
@@ -149,11 +150,18 @@ def slot_of(block_key: str, num_slots: int) -> int:
 
 @attrs.frozen
 class SlotMap:
-    """Which pserver owns each slot. ``owners[s]`` is the pserver index of slot ``s``."""
+    """Which pserver owns each slot. ``owners[s]`` is the pserver index of slot ``s``.
+
+    ``base``: the pserver count the model's blocks were cut and placed for (the job's
+    first map); None for a first map, whose own count it is. A resized map keeps it,
+    so a block stays in its slot whatever the pserver count: resizing moves slots,
+    never blocks, and every process computes the same :class:`Layout`.
+    """
 
     version: int
     num_pservers: int
     owners: tuple[int, ...] = attrs.field(converter=tuple)
+    base: int | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.num_pservers < 1:
@@ -162,6 +170,13 @@ class SlotMap:
             raise ConfigError(f"{len(self.owners)} slots cannot cover {self.num_pservers} pservers")
         if any(not 0 <= o < self.num_pservers for o in self.owners):
             raise ConfigError("slot owner out of range")
+        if self.base is not None and not 1 <= self.base <= len(self.owners):
+            raise ConfigError(f"a slot map's base pserver count must be 1..{len(self.owners)}, got {self.base}")
+
+    @property
+    def placement(self) -> SlotMap:
+        """The map the model's blocks are cut and placed by (:meth:`Layout.build`)."""
+        return self if self.base is None else SlotMap.initial(self.base, self.num_slots)
 
     @property
     def num_slots(self) -> int:
@@ -216,17 +231,29 @@ class SlotMap:
         receivers = (p for p in range(m) for _ in range(quota[p] - kept[p]))
         for s, p in zip(moving, receivers):
             owners[s] = p
-        return SlotMap(version=self.version + 1, num_pservers=m, owners=tuple(owners))
+        base = self.num_pservers if self.base is None else self.base
+        return SlotMap(version=self.version + 1, num_pservers=m, owners=tuple(owners), base=base)
 
     def moved(self, other: SlotMap) -> int:
         return sum(a != b for a, b in zip(self.owners, other.owners))
 
+    def moves(self, other: SlotMap) -> list[tuple[int, int, int]]:
+        """``(slot, from pserver, to pserver)`` for each slot ``other`` places elsewhere."""
+        return [(s, a, b) for s, (a, b) in enumerate(zip(self.owners, other.owners)) if a != b]
+
     def to_json(self) -> dict:
-        return {"version": self.version, "num_pservers": self.num_pservers, "owners": list(self.owners)}
+        out = {"version": self.version, "num_pservers": self.num_pservers, "owners": list(self.owners)}
+        if self.base is not None:
+            out["base"] = self.base
+        return out
 
     @classmethod
     def from_json(cls, d: Mapping) -> SlotMap:
-        return cls(version=int(d["version"]), num_pservers=int(d["num_pservers"]), owners=tuple(int(x) for x in d["owners"]))
+        base = d.get("base")
+        return cls(
+            version=int(d["version"]), num_pservers=int(d["num_pservers"]), owners=tuple(int(x) for x in d["owners"]),
+            base=None if base is None else int(base),
+        )
 
 
 @attrs.frozen
@@ -245,12 +272,15 @@ class Layout:
         block of the pserver holding the most blocks (lowest index on a tie) moves to
         one of the empty pserver's slots (chosen by the block's hash), as long as that
         pserver keeps a block: every pserver holds a share when the model has at least
-        one row per pserver, and every process computes the same moves.
+        one row per pserver, and every process computes the same moves. All of this
+        is done for the map's :attr:`~SlotMap.placement` (the job's first map); the
+        blocks then live on whichever pserver ``slot_map`` gives their slot.
         """
-        blocks = tuple(cut_blocks(params, block_floor(params, slot_map.num_pservers, min_block)))
-        slots = [slot_of(b.key, slot_map.num_slots) for b in blocks]
-        owners = slot_map.owners
-        held: list[list[int]] = [[] for _ in range(slot_map.num_pservers)]
+        placement = slot_map.placement  # a resized job's blocks stay where its first map put them
+        blocks = tuple(cut_blocks(params, block_floor(params, placement.num_pservers, min_block)))
+        slots = [slot_of(b.key, placement.num_slots) for b in blocks]
+        owners = placement.owners
+        held: list[list[int]] = [[] for _ in range(placement.num_pservers)]
         for i, b in enumerate(blocks):
             if b.numel:
                 held[owners[slots[i]]].append(i)
@@ -271,6 +301,14 @@ class Layout:
     def pserver_of(self, i: int) -> int:
         return self.slot_map.owners[self.slots[i]]
 
+    def slot_bytes(self, state_copies: int = 1) -> list[int]:
+        """Bytes of each slot's blocks, times ``state_copies`` (the values plus each
+        per-element optimizer state tensor): what moving the slot sends."""
+        out = [0] * self.slot_map.num_slots
+        for b, s in zip(self.blocks, self.slots):
+            out[s] += b.numel * _ITEMSIZE[b.dtype] * state_copies
+        return out
+
     @property
     def idle_pservers(self) -> tuple[int, ...]:
         """The pservers that hold no element of the model: it has fewer rows than
@@ -289,6 +327,8 @@ class Layout:
         if rows < m:
             fit = max(rows, 1)
             why = f"the model has {rows} row{'s' if rows != 1 else ''} with elements, and a row is never split; run it with at most {fit} pserver{'s' if fit != 1 else ''}"
+        elif all(any(o == p for o in self.slot_map.owners) for p in idle):
+            why = f"their slots hold none of the model's {len(self.blocks)} blocks (cut for the job's first {self.slot_map.placement.num_pservers} pservers)"
         else:
             why = "the slot map gives them no slot"
         return f"{len(idle)} of {m} pservers hold no part of the model (pserver {', '.join(map(str, idle))}): {why}"

@@ -140,6 +140,18 @@ class ParameterShard(Protocol):
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
+    def export_blocks(self, indices: Sequence[int] | None = None) -> dict[str, Any]:
+        """The blocks at ``indices`` (default all) with their optimizer state, keyed by
+        block (``<param>@<first row>:<end row>/values``, ``.../state.<k>``,
+        ``.../scalar.<k>``), aliasing the shard: what a slot migration sends and a
+        checkpoint stores."""
+        ...
+
+    def import_blocks(self, entries: Mapping[str, Any]) -> None:
+        """Load every block from :meth:`export_blocks` entries of any cut of the same
+        parameters; the shard is then initialized. ConfigError if rows are missing."""
+        ...
+
     def snapshot(self, counters: Mapping[str, int]) -> dict[str, Any]:
         """:meth:`state_dict` copied now (the shard may step on while the copy is written
         to a checkpoint), with each of ``counters`` as a 0-d int64 tensor under its name."""

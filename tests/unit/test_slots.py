@@ -301,7 +301,7 @@ def test_layout_blocks_of_partitions_all_blocks(params, min_block, old):
     layout = Layout.build(params, old, min_block)
     # each block sits in its hash slot, but for the few moved to pservers that had none
     moved = [i for i, b in enumerate(layout.blocks) if layout.slots[i] != slot_of(b.key, old.num_slots)]
-    assert len(moved) < old.num_pservers
+    assert len(moved) < old.placement.num_pservers
     per = [layout.blocks_of(p) for p in range(old.num_pservers)]
     assert sum(len(x) for x in per) == len(layout.blocks)
     seen = [b for x in per for b in x]
@@ -370,7 +370,24 @@ def spread_cases(draw):
             lambda ss: [ParamSpec(f"p{i}", s, "float32") for i, s in enumerate(ss)]
         )
     )
-    return params, draw(slot_maps()), draw(st.integers(1, 5000))
+    num_slots = draw(st.integers(1, 64))
+    return params, SlotMap.initial(draw(st.integers(1, min(num_slots, 12))), num_slots), draw(st.integers(1, 5000))
+
+
+@settings(max_examples=100, deadline=None)
+@given(params=models, min_block=st.integers(1, 20), first=slot_maps(), sizes=st.lists(st.integers(1, 12), min_size=1, max_size=4))
+def test_a_resized_map_moves_slots_never_blocks(params, min_block, first, sizes):
+    """Elastic resizing re-places slots only: the blocks, and the slot of each, stay
+    those of the job's first map, whatever the pserver count becomes."""
+    first = SlotMap.initial(first.num_pservers, first.num_slots)
+    before = Layout.build(params, first, min_block)
+    resized = first
+    for m in sizes:
+        resized = resized.rebalance(min(m, first.num_slots))
+        assert resized.base == first.num_pservers
+        after = Layout.build(params, SlotMap.from_json(json.loads(json.dumps(resized.to_json()))), min_block)
+        assert after.blocks == before.blocks and after.slots == before.slots
+        assert all(after.pserver_of(i) == resized.owners[s] for i, s in enumerate(after.slots))
 
 
 @settings(max_examples=300, deadline=None)

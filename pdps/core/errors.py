@@ -83,6 +83,14 @@ class GradientRejected(BadRequest):
     code = "gradient_rejected"
 
 
+class ResizeInProgress(ConfigError):
+    """A resize was asked for while another one of the same job is in progress (one at
+    a time): wait for it (``pdps scale --wait``), or ask again once ``pdps status``
+    shows it done."""
+
+    code = "resize_in_progress"
+
+
 class SlotMapChanged(PdpsError):
     """A request was computed for another version of the slot map than the pserver
     serves (the job was resized): re-read the slot map, then compute and send again.

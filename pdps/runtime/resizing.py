@@ -1,0 +1,129 @@
+"""Asking for a resize, and reading how far it is: what ``pdps scale`` and
+:func:`pdps.scale` do, and what the roles read (the rules are in
+:mod:`pdps.core.elastic`).
+
+Asking writes the desired counts (``ps_desired``, ``trainers_desired``) and a
+``requested`` resize record in one transaction that holds only while no other resize
+is in progress: one at a time, decided by the store. The master does the rest.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+
+from pdps.core.elastic import Resize, ResizeState, check_counts, describe
+from pdps.core.errors import ConfigError, ResizeInProgress, Timeout
+from pdps.core.job import Keys, decode_as
+from pdps.core.slots import SlotMap
+from pdps.core.txn import Decision, Done, Write
+from pdps.ports.coordination import Compare, CoordinationStore, EventType, KeyValue, Put, TxnOp, WatchEvent
+from pdps.runtime.cas import read_modify_write
+
+log = logging.getLogger(__name__)
+
+#: How often a waiter reads the resize record again (a watch wakes it sooner).
+REREAD = 0.5
+
+
+def read_resize(store: CoordinationStore, keys: Keys) -> tuple[Resize | None, KeyValue | None]:
+    kv = store.get(keys.resize)
+    return (None if kv is None else decode_as(kv.value, kv.key, Resize.from_json)), kv
+
+
+def read_map(store: CoordinationStore, keys: Keys) -> SlotMap:
+    kv = store.get(keys.slotmap)
+    if kv is None:
+        raise ConfigError(f"job {keys.job!r} has no slot map ({keys.slotmap}): start its master (or publish the job) first")
+    return decode_as(kv.value, kv.key, SlotMap.from_json)
+
+
+def resizes_got(store: CoordinationStore, keys: Keys, version: int) -> list[int]:
+    """The pservers that hold every slot map ``version`` gives them (those that received slots and said so)."""
+    return sorted(int(kv.key.rsplit("/", 1)[1]) for kv in store.range(keys.resize_got(version)))
+
+
+def request_resize(
+    store: CoordinationStore,
+    keys: Keys,
+    *,
+    pservers: int | None = None,
+    trainers: int | None = None,
+    wait: bool = False,
+    timeout: float | None = None,
+    by: str = "",
+    progress: Callable[[Resize], None] | None = None,
+) -> Resize:
+    """Ask for the job to run with ``pservers`` pservers and/or ``trainers`` trainers.
+
+    Refused with :class:`ResizeInProgress` (naming it) while another resize is in
+    progress, unless ``wait``: then this waits for that one to finish, asks, and waits
+    for its own to finish too (``progress`` is called with the record as it moves).
+    :class:`~pdps.core.errors.Timeout` after ``timeout`` seconds of waiting. Returns
+    the record as written (or, with ``wait``, as finished).
+    """
+    current = read_map(store, keys)
+    check_counts(pservers, trainers, current.num_slots)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        ahead, _ = read_resize(store, keys)
+        if ahead is not None and ahead.active:
+            if not wait:
+                raise ResizeInProgress(f"job {keys.job!r}: {describe(ahead, resizes_got(store, keys, ahead.to_map.version) if ahead.to_map else ())} is in progress, asked by {ahead.by or 'an operator'}; wait for it (pdps scale --wait) or ask again once it is done")
+            wait_resized(store, keys, ahead.id, deadline=deadline, progress=progress)
+        mine = Resize(
+            id=f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}", state=ResizeState.REQUESTED,
+            pservers=read_map(store, keys).num_pservers if pservers is None else pservers,
+            trainers=trainers, requested=time.time(), by=by,
+        )
+
+        def ask(found: KeyValue | None) -> Decision:
+            if found is not None and decode_as(found.value, found.key, Resize.from_json).active:
+                return Done(None)  # another asker got in first: look again
+            ops: list[TxnOp] = [Put(keys.resize, json.dumps(mine.to_json()).encode())]
+            if pservers is not None:
+                ops.append(Put(keys.ps_desired, str(pservers).encode()))
+            if trainers is not None:
+                ops.append(Put(keys.trainers_desired, str(trainers).encode()))
+            return Write((Compare.unchanged(keys.resize, found),), ops, result=mine)
+
+        written = read_modify_write(store, keys.resize, ask, what=f"asking job {keys.job!r} to resize")
+        if written is None:
+            continue
+        log.info("job %r: asked for %s", keys.job, describe(written))
+        if not wait:
+            return written
+        return wait_resized(store, keys, written.id, deadline=deadline, progress=progress)
+
+
+def wait_resized(
+    store: CoordinationStore, keys: Keys, resize_id: str, *, deadline: float | None = None, progress: Callable[[Resize], None] | None = None
+) -> Resize:
+    """Wait until resize ``resize_id`` is done (or another one replaced it); the record."""
+    moved = threading.Event()
+
+    def on_event(event: WatchEvent) -> None:
+        if event.key == keys.resize and event.type is EventType.PUT:
+            moved.set()
+
+    watch = store.watch(keys.resize, on_event)
+    try:
+        last: Resize | None = None
+        while True:
+            now, _ = read_resize(store, keys)
+            if now is None or now.id != resize_id or not now.active:
+                return now if now is not None and now.id == resize_id else last or now  # type: ignore[return-value]
+            if progress is not None and now != last:
+                progress(now)
+            last = now
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise Timeout(f"job {keys.job!r}: {describe(now)} has not finished")
+            moved.wait(REREAD if left is None else min(REREAD, left))
+            moved.clear()
+    finally:
+        watch.cancel()

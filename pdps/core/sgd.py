@@ -160,6 +160,8 @@ class RoundRecord:
     contributions: dict[str, Contribution] = attrs.field(factory=dict)
     state: RoundState = RoundState.OPEN  # moved only through ROUND_TRANSITIONS
     checkpoint: str | None = None  # the checkpoint taken right after this round, if any
+    #: the slot map version the job switches to right after this round (a resize), if any
+    map_version: int | None = None
 
     @property
     def closed(self) -> bool:
@@ -205,13 +207,14 @@ class RoundRecord:
         """The round can close: someone contributed, and no participant is missing."""
         return bool(self.contributions) and not self.waiting_for(participants)
 
-    def close(self, checkpoint: str | None = None) -> RoundRecord:
+    def close(self, checkpoint: str | None = None, map_version: int | None = None) -> RoundRecord:
         """The record closed: from now on it never changes. Refused for a round nobody
-        contributed to (it would apply nothing and wait for nobody)."""
+        contributed to (it would apply nothing and wait for nobody). ``map_version``:
+        the slot map every pserver switches to once it has applied this round."""
         state = self._move(RoundEvent.CLOSE)
         if not self.contributions:
             raise InvalidTransition(f"round {self.round_no}", self.state, RoundEvent.CLOSE, "nobody contributed")
-        return attrs.evolve(self, state=state, checkpoint=checkpoint)
+        return attrs.evolve(self, state=state, checkpoint=checkpoint, map_version=map_version)
 
     def weights_to_apply(self) -> list[tuple[str, float]]:
         """:meth:`weights`, for a pserver applying the round: refused while it is open
@@ -225,13 +228,17 @@ class RoundRecord:
     def marker_json(self) -> dict:
         """The close marker as stored (``rounds/<e>/<r>/closed``); each contribution is
         stored under its own key (:meth:`Contribution.to_json`)."""
-        return {"round": self.round_no, "checkpoint": self.checkpoint}
+        out: dict = {"round": self.round_no, "checkpoint": self.checkpoint}
+        if self.map_version is not None:
+            out["map"] = self.map_version
+        return out
 
     @classmethod
     def from_stored(cls, round_no: int, contributions: Mapping[str, Contribution], marker: Mapping | None) -> RoundRecord:
         """The record a round's keys make: its contributions, and its close marker if
         one was written (the round is closed, and names every contribution stored)."""
         checkpoint = None if marker is None else marker.get("checkpoint")
+        map_version = None if marker is None else marker.get("map")
         if marker is not None and int(marker["round"]) != round_no:
             raise ValueError(f"the close marker of round {round_no} names round {marker['round']}")
         return cls(
@@ -239,6 +246,7 @@ class RoundRecord:
             contributions=dict(contributions),
             state=RoundState.OPEN if marker is None else RoundState.CLOSED,
             checkpoint=None if checkpoint is None else str(checkpoint),
+            map_version=None if map_version is None else int(map_version),
         )
 
 

@@ -428,6 +428,42 @@ class AppliedRequest(PserverRequest):
     REPLY: ClassVar[type[Wire]] = AppliedReply
 
 
+@attrs.frozen
+class MigrateReply(PserverReply):
+    """The state of the slots asked for, as ``names`` (block entries:
+    ``<param>@<first>:<end>/values|state.K|scalar.K``) and one tensor per name."""
+
+    names: tuple[str, ...] = _field(list, default=(), item=str)
+    #: async: ``(slot, pushes applied to it)`` for each slot, which the receiver counts on from
+    applied: tuple[tuple[int, int], ...] = _field(list, default=())
+    tensors: tuple[Any, ...] = _tensors()
+
+    def _validate(self) -> None:
+        if any(not isinstance(r, (list, tuple)) or len(r) != 2 or not all(_is(int, v) for v in r) for r in self.applied):
+            raise self._refuse("applied", f"migrate reply: field 'applied' must be [slot, count] pairs, got {self.applied!r:.200}")
+        object.__setattr__(self, "applied", tuple(tuple(r) for r in self.applied))
+        if len(self.names) != len(self.tensors):
+            raise self._refuse("names", f"migrate reply: {len(self.names)} names for {len(self.tensors)} tensors")
+
+
+@attrs.frozen
+class MigrateRequest(PserverRequest):
+    """From a pserver that receives ``slots`` in slot map ``version`` (required): the
+    state those slots had when the sender switched to that map. ``trainer`` names the
+    asking pserver."""
+
+    METHOD: ClassVar[str] = "migrate"
+    REPLY: ClassVar[type[Wire]] = MigrateReply
+
+    slots: tuple[int, ...] = _field(list, default=(), item=int)
+
+    def _validate(self) -> None:
+        if self.version is None:
+            raise self._refuse("version", f"migrate from {self.trainer!r} names no slot map version")
+        if any(s < 0 for s in self.slots) or len(set(self.slots)) != len(self.slots):
+            raise self._refuse("slots", f"migrate from {self.trainer!r}: field 'slots' must name distinct slots >= 0")
+
+
 # --- master ----------------------------------------------------------------------------
 
 
@@ -528,5 +564,5 @@ class CheckpointRequest(MasterRequest):
 
 
 #: Every request class by role, in the order a role serves them.
-PSERVER_REQUESTS: tuple[type[Request], ...] = (InitRequest, PushRequest, PullRequest, AppliedRequest)
+PSERVER_REQUESTS: tuple[type[Request], ...] = (InitRequest, PushRequest, PullRequest, AppliedRequest, MigrateRequest)
 MASTER_REQUESTS: tuple[type[Request], ...] = (GetTaskRequest, FinishTaskRequest, FailTaskRequest, GiveBackRequest, CheckpointRequest)

@@ -94,6 +94,7 @@ from pdps.ports.coordination import Compare, CoordinationStore, Delete, EventTyp
 from pdps.ports.data import DataSource
 from pdps.ports.transport import Endpoint, Transport
 from pdps.roles import calls
+from pdps.roles.resizer import ResizeDriver
 from pdps.runtime import recovery
 from pdps.runtime.cas import read_modify_write
 from pdps.runtime.group_commit import MAX_TXN_OPS, GroupCommitStore, Staged, copy_error
@@ -235,6 +236,10 @@ class Master:
             self._watches.append(self._store.watch(self._keys.checkpoints, self._on_checkpoint_event))
         self._reconcile()  # trainers that went while no master was watching
         t = threading.Thread(target=self._timer_loop, name="pdps-master-timer", daemon=True)
+        t.start()
+        self._threads.append(t)
+        resizer = ResizeDriver(self._store, self.config, self._fence, self._stopped)
+        t = threading.Thread(target=resizer.run, name="pdps-master-resizer", daemon=True)
         t.start()
         self._threads.append(t)
         self.leading.set()

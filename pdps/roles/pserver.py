@@ -31,6 +31,7 @@ from collections import OrderedDict
 
 from pdps.core.backoff import Backoff
 from pdps.core.checkpoints import Epoch, pserver_part
+from pdps.core.elastic import Resize, ResizeState
 from pdps.core.errors import (
     ConfigError,
     CorruptRecord,
@@ -52,7 +53,19 @@ from pdps.core.lifecycle import HALTED, UNSETTLED, PserverEvent, PserverState, n
 from pdps.core.sgd import Mode, RoundRecord, check_staleness, participants
 from pdps.core.slots import Layout, ParamSpec, SlotMap
 from pdps.core.txn import Decision, Done, Write
-from pdps.core.wire import AppliedReply, AppliedRequest, InitReply, InitRequest, PserverRequest, PullReply, PullRequest, PushReply, PushRequest
+from pdps.core.wire import (
+    AppliedReply,
+    AppliedRequest,
+    InitReply,
+    InitRequest,
+    MigrateReply,
+    MigrateRequest,
+    PserverRequest,
+    PullReply,
+    PullRequest,
+    PushReply,
+    PushRequest,
+)
 from pdps.ports.checkpoints import CheckpointFiles
 from pdps.ports.compute import Compute, ParameterShard
 from pdps.ports.coordination import Compare, CoordinationStore, EventType, KeyValue, Put, TxnOp, WatchEvent
@@ -60,6 +73,7 @@ from pdps.ports.transport import Endpoint, Transport
 from pdps.roles import calls
 from pdps.runtime import recovery
 from pdps.runtime.cas import read_modify_write
+from pdps.runtime.resizing import read_map, read_resize
 from pdps.runtime.rounds import read_round
 from pdps.runtime.retry import Retry, retry
 
@@ -79,7 +93,10 @@ def claim_index(store: CoordinationStore, keys: Keys, lease: int, value: bytes, 
     kv = store.get(keys.ps_desired)
     if kv is None:
         raise ConfigError(f"job has no {keys.ps_desired}; start the master (or publish the job) first")
-    desired = int(kv.value)
+    # A shrinking job's departing pservers keep their indexes until the map lets them go
+    # (one that restarts mid-handoff can claim its index again).
+    live = store.get(keys.slotmap)
+    desired = max(int(kv.value), 0 if live is None else decode_as(live.value, live.key, SlotMap.from_json).num_pservers)
     if index is not None and not 0 <= index < desired:
         raise ConfigError(f"pserver index {index} is out of range: job {keys.job!r} has {desired} pservers (0..{desired - 1})")
     candidates = range(desired) if index is None else (index,)
@@ -136,6 +153,10 @@ STUCK_LONGEST = 16.0
 #: The round-closing thread looks again at least this often (the watches wake it as
 #: soon as the round can close or has closed).
 POLL = MEMBERS_FRESH
+#: A receiving pserver asks for at most this many bytes of slots per call.
+MIGRATE_CALL_BYTES = 32 << 20
+#: Pauses between tries of a source pserver that is unreachable or has not switched yet.
+MIGRATE_BACKOFF = Backoff(first=0.02, longest=0.5)
 #: Fault injection for tests: seconds a pserver sleeps between writing its checkpoint
 #: part and recording it (so a test can kill it in the middle of a checkpoint).
 CHECKPOINT_DELAY_ENV = "_PDPS_FAULT_CHECKPOINT_DELAY"  # not PDPS_*: the launcher passes it on
@@ -171,7 +192,25 @@ class Pserver:
         self._closer = threading.Condition(lock)
         self._waiters = 0  # pulls waiting at the barrier
         self._shard: ParameterShard | None = None
-        self._slot_map: SlotMap | None = None  # the job's, read at start
+        self._slot_map: SlotMap | None = None  # the map served: read at start, switched by resizes
+        self._layout: Layout | None = None  # the model's blocks on _slot_map (once the model is known)
+        self._specs: list[ParamSpec] | None = None
+        #: a resize: slot map version -> slot -> the block entries of the slots this pserver
+        #: gave up when it switched to that map, kept until their receivers have them
+        self._outgoing: dict[int, dict[int, dict[str, object]]] = {}
+        self._outgoing_applied: dict[int, dict[int, int]] = {}  # ... and their applied_by_slot
+        #: slots this pserver receives in the map it serves, by source pserver: until they
+        #: are all here, it serves no parameters (NotReady)
+        self._pending: dict[int, list[int]] = {}
+        self._received: dict[str, object] = {}  # block entries: those kept and those received
+        self._resize: Resize | None = None  # the job's newest resize, as the watch reports it
+        self.departed = threading.Event()  # a resize took every slot away and the job let this pserver go
+        #: async: pushes applied here, per slot (a push counts once for each slot it
+        #: stepped); a slot's count moves with it, so the job's counts add up across resizes
+        self.applied_by_slot: dict[int, int] = {}
+        self._my_slots: tuple[int, ...] = ()
+        self.sent_bytes = 0  # slot state sent to receiving pservers, and received from sources
+        self.received_bytes = 0
         self.version = 0  # updates applied
         self.epoch = 0
         self.round_no = 0  # the open sync round
@@ -185,6 +224,7 @@ class Pserver:
         self._round_read = time.monotonic()  # when the open round opened here, or was last read
         self._stuck_after = MEMBERS_FRESH  # how long the open round may wait before it is read again
         self._closers: tuple[int, ...] = ()  # the pservers that close rounds in turn (those holding some of the model)
+        self._placed = True  # False: a sync pserver a resize adds, until it has seen the open round
         self._gone: set[str] = set()  # trainers whose key went: their staging buffers can go
         #: async: the records [start, end) of each task last applied here, and their pass:
         #: the same records pushed again (a re-queued task's first push, a retried call)
@@ -223,7 +263,10 @@ class Pserver:
             self._move(PserverEvent.START)
 
         self._compute.check_optimizer(self.config.optimizer, self.config.optimizer_args)  # never serve a bad rule
-        handlers = {InitRequest: self._init, PushRequest: self._push, PullRequest: self._pull, AppliedRequest: self._applied_records}
+        handlers = {
+            InitRequest: self._init, PushRequest: self._push, PullRequest: self._pull,
+            AppliedRequest: self._applied_records, MigrateRequest: self._migrate,
+        }
         self._endpoint = self._transport.serve(self._address, calls.serve(handlers))
         self._keeper = LeaseKeeper(self._store, self.config.lease_ttl, name="pserver")
         value = json.dumps({"addr": self._endpoint.address}).encode()
@@ -234,13 +277,25 @@ class Pserver:
                 raise ConfigError(f"job {self.config.name!r} has no slot map ({self._keys.slotmap}); start the master (or publish the job) first")
             self._slot_map = decode_as(slots.value, slots.key, SlotMap.from_json)
             epoch, _ = recovery.read_epoch(self._store, self._keys)
-            restart = self._store.get(self._keys.initialized) is not None
+            # a pserver the live map gives no slot yet (a resize is growing the job) is new, not restarted
+            initialized = self._store.get(self._keys.initialized) is not None
+            restart = initialized and self.index < self._slot_map.num_pservers
+            # ... and, sync, takes its place in the rounds at the first round the watch shows it
+            self._placed = not (initialized and not restart and self.config.mode is Mode.SYNC)
+            if not self._placed:
+                with self._cond:
+                    self._ensure_shard()  # of the live map: empty, until the resize switches it
             with self._cond:
                 self.epoch, self.round_no = epoch.epoch, epoch.round
             self._watches.append(self._store.watch(self._keys.trainers, self._on_trainer_event))
             with self._cond:
                 self._live(fresh=True)
             self._watches.append(self._store.watch(self._keys.epoch, self._on_epoch_event))
+            self._watches.append(self._store.watch(self._keys.resize, self._on_resize_event))
+            self._watches.append(self._store.watch(self._keys.slotmap, self._on_slotmap_event))
+            with self._cond:
+                self._resize = read_resize(self._store, self._keys)[0]
+                self._switch_map(read_map(self._store, self._keys))  # a resize may have flipped it since it was read
             if self.config.mode is Mode.SYNC:
                 self._watches.append(self._store.watch(self._keys.state, self._on_state_event))
                 self._watches.append(self._store.watch(self._keys.rounds, self._on_round_event))
@@ -321,9 +376,16 @@ class Pserver:
         raise NotReady(f"pserver {self.index} has not entered epoch {epoch} yet (at {self.epoch})")
 
     def _check_slot_map(self, req: PserverRequest) -> None:
-        """Refuse a request computed for another slot map than the one served here."""
+        """Refuse a request computed for another slot map than the one served here. A
+        request for a newer map than this pserver's: an async pserver looks the map up
+        (a watch may be late); a sync one switches only at the round boundary the
+        resize chose, so the caller waits (NotReady)."""
         if self._slot_map is None:
             raise NotReady(f"pserver {self.index} is starting")
+        if req.version is not None and req.version > self._slot_map.version and self.config.mode is Mode.ASYNC:
+            self._switch_map(read_map(self._store, self._keys))
+        if req.version is not None and req.version > self._slot_map.version:
+            raise NotReady(f"pserver {self.index} serves slot map version {self._slot_map.version} until round {self.round_no} closes; the request is for version {req.version}")
         if req.version is not None and req.version != self._slot_map.version:
             raise SlotMapChanged(
                 f"{req.METHOD} from trainer {req.trainer!r} was computed for slot map version {req.version}, but pserver {self.index} "
@@ -356,6 +418,7 @@ class Pserver:
                 indices = req.claim(shard.blocks, self.index)  # before any state changes
                 if round_no > self.round_no:
                     self._advance(self.round_no)  # it may have closed in the store, unseen here yet
+                    self._check_slot_map(req)  # ... and switched the map (a resize)
                 if round_no < self.round_no:
                     raise StalePush(f"round {round_no} is closed; the open round is {self.round_no}: pull and compute again")
                 if round_no > self.round_no:
@@ -376,6 +439,8 @@ class Pserver:
                 if outcome != "applied":
                     return PushReply(**self._state(), update_s=time.perf_counter() - began, duplicate=outcome == "duplicate")
             self.version += 1
+            for slot in self._my_slots:
+                self.applied_by_slot[slot] = self.applied_by_slot.get(slot, 0) + 1
             records = req.records
             if records is not None:
                 self._last_records[records[1]] = (records[0], records[3], records[4])
@@ -469,6 +534,9 @@ class Pserver:
                     return PullReply(**self._state(), waiting=tuple(sorted(self._waiting or ())), **extra)  # type: ignore[arg-type]
                 if self._round_checkpoint is not None and self._round_checkpoint[0] == after:
                     extra["checkpoint"] = self._round_checkpoint[1]
+                self._check_slot_map(req)  # the round may have switched the map (a resize)
+                shard = self._ready_shard()
+                indices = req.claim(shard.blocks, self.index)
             elif self.config.mode is Mode.SYNC:
                 self._advance(self.round_no)  # serve every round the store has closed
             views = shard.views()
@@ -549,7 +617,8 @@ class Pserver:
         with self._cond:
             while self.state not in HALTED:
                 round_no = self.round_no
-                ready = self.state is PserverState.SERVING and self._shard is not None  # a pserver that holds no slot applies nothing
+                # a pserver that holds no slot applies nothing; one a resize adds waits for its place in the rounds
+                ready = self.state is PserverState.SERVING and self._shard is not None and self._placed
                 # stuck: open a while with someone in it, where a watch may have missed an event
                 stuck = time.monotonic() - self._round_read >= self._stuck_after and (self._waiters or self._seen.get(round_no))
                 if ready and (round_no in self._marked or self._ready_by_watch(round_no) or stuck):
@@ -591,7 +660,10 @@ class Pserver:
         round_no = record.round_no
         ckpt = self._checkpoint_due(round_no)
         marker = self._keys.round_closed(self.epoch, round_no)
-        ops: list[TxnOp] = [Put(marker, json.dumps(record.close(ckpt).marker_json()).encode())]
+        flip = self._flip_due()
+        ops: list[TxnOp] = [Put(marker, json.dumps(record.close(ckpt, None if flip is None else flip.version).marker_json()).encode())]
+        if flip is not None:  # a resize: every pserver switches maps once it has applied this round
+            ops.append(Put(self._keys.slotmap, json.dumps(flip.to_json()).encode()))
         if ckpt is not None:
             ops.append(recovery.announce(self._keys, ckpt, self.epoch, round_no + 1, "sync"))
         return Write((Compare.absent(marker),), ops, result=_CLOSED_HERE)
@@ -623,6 +695,8 @@ class Pserver:
     def _apply_round(self, record: RoundRecord) -> None:
         assert self._shard is not None
         weights = record.weights_to_apply()
+        if not self._shard.blocks:
+            weights = []  # nothing of the model is here (a pserver a resize adds or lets go): nothing to apply
         missing = [t for t, _ in weights if t not in self._shard.staged()]
         if missing:
             # Only a pserver that lost its state can lack a committed gradient; the job
@@ -652,6 +726,8 @@ class Pserver:
         if record.checkpoint is not None:
             self._round_checkpoint = (record.round_no, record.checkpoint)
             self._snapshot(record.checkpoint)
+        if record.map_version is not None and self._slot_map is not None and record.map_version > self._slot_map.version:
+            self._switch_map(read_map(self._store, self._keys))
         self._cond.notify_all()
         self._closer.notify_all()  # the next round may be closable already
 
@@ -665,6 +741,9 @@ class Pserver:
             return
         epoch, round_no, trainer = entry
         with self._cond:
+            if not self._placed and epoch == self.epoch:
+                # rounds before this one were the old map's, which gave this pserver nothing
+                self.round_no, self._placed, self._waiting = max(self.round_no, round_no), True, None
             if epoch != self.epoch or round_no < self.round_no:
                 return
             if trainer is None:
@@ -715,6 +794,8 @@ class Pserver:
         cfg = self.config
         if self.index != 0 or not cfg.checkpoints or self._files is None:
             return
+        if self._resize is not None and self._resize.active:
+            return  # a resize moves slots: a checkpoint waits, so no slot is in it twice or not at all
         by_count = cfg.checkpoint_every and self.version % cfg.checkpoint_every == 0
         by_time = cfg.checkpoint_seconds and time.monotonic() - self._last_checkpoint >= cfg.checkpoint_seconds
         if not (by_count or by_time) or self._writing():
@@ -742,7 +823,7 @@ class Pserver:
             ckpt = str(info.get("id"))
             if info.get("state") != "writing" or int(info.get("epoch", -1)) != self.epoch or ckpt in self._seen_checkpoints:
                 return
-            if self._shard is None or not self._shard.initialized or self.state is not PserverState.SERVING:
+            if self._shard is None or not self._shard.initialized or self.state is not PserverState.SERVING or self._pending:
                 return
             self._snapshot(ckpt)
 
@@ -803,11 +884,14 @@ class Pserver:
         with self._cond:
             if self.state in HALTED or epoch.epoch < self.epoch or (epoch.epoch == self.epoch and self.state is PserverState.SERVING):
                 return  # a late event, or an epoch entered already
-            self.epoch, self.round_no, self._prev = epoch.epoch, epoch.round, None
+            self.epoch, self.round_no, self._prev, self._placed = epoch.epoch, epoch.round, None, True
             self._seen, self._marked, self._waiting = {}, set(), None
             self._round_read, self._stuck_after = time.monotonic(), MEMBERS_FRESH
             self._move(PserverEvent.LOAD)
             self._round_checkpoint = None
+            self._outgoing.clear()  # every pserver loads its slots of the map it serves from the checkpoint
+            self._outgoing_applied.clear()
+            self._pending, self._received = {}, {}
             self._last_records.clear()  # the parameters go back: so does what they hold
             self._ledger.clear()
             self.rollbacks += 1
@@ -826,6 +910,9 @@ class Pserver:
             self._last_checkpoint = time.monotonic()
             self._move(PserverEvent.SERVE)
             self._cond.notify_all()
+            r = self._resize  # a rollback in the middle of a resize: the checkpoint gave this pserver its slots
+            got = self._slot_map.version if self._slot_map is not None and r is not None and r.active else None
+        self._report_got(got)
         log.warning("pserver %s entered epoch %d from %s", self.index, epoch.epoch, epoch.checkpoint or "scratch")
 
     def _load_part(self, ckpt_id: str, shard: ParameterShard) -> int:
@@ -861,6 +948,203 @@ class Pserver:
                 log.warning("pserver %s restarted with no checkpoint to restore; a trainer will initialize it with its values", self.index)
             self._move(PserverEvent.SERVE)
 
+    # --- resizing ---------------------------------------------------------------------
+
+    def _flip_due(self) -> SlotMap | None:
+        """Sync: the map a resize switches to at the round being closed, if one waits."""
+        r = self._resize
+        if r is None or r.state is not ResizeState.MIGRATING or r.to_map is None or r.from_map is None or self._slot_map is None:
+            return None
+        return r.to_map if r.from_map.version == self._slot_map.version else None
+
+    def _on_resize_event(self, event: WatchEvent) -> None:
+        if event.type is not EventType.PUT or event.key != self._keys.resize:
+            return
+        try:
+            resize = decode_as(event.value, event.key, Resize.from_json)
+        except CorruptRecord as exc:
+            log.error("pserver %s ignores a resize record it cannot read: %s", self.index, exc)
+            return
+        with self._cond:
+            self._resize = resize
+            if resize.state is ResizeState.MIGRATING:
+                self._closer.notify_all()  # the next round's closer flips the map
+            if resize.state is not ResizeState.DONE or resize.to_map is None:
+                return
+            for v in [v for v in self._outgoing if v <= resize.to_map.version]:
+                del self._outgoing[v]  # every receiver has its slots
+                self._outgoing_applied.pop(v, None)
+            leaving = self.index is not None and self.index >= resize.to_map.num_pservers and self._slot_map is not None and self._slot_map.version >= resize.to_map.version
+        if leaving:
+            log.warning("pserver %s handed its slots off (%s); leaving the job", self.index, resize.id)
+            self.departed.set()
+
+    def _on_slotmap_event(self, event: WatchEvent) -> None:
+        """A new map: async pservers switch at once. Sync ones switch at the round
+        boundary the close marker names, or here while they hold no parameters yet."""
+        if event.type is not EventType.PUT or event.key != self._keys.slotmap:
+            return
+        try:
+            new = decode_as(event.value, event.key, SlotMap.from_json)
+        except CorruptRecord as exc:
+            log.error("pserver %s ignores a slot map it cannot read: %s", self.index, exc)
+            return
+        with self._cond:
+            if self.config.mode is Mode.ASYNC or self._store.get(self._keys.initialized) is None:
+                self._switch_map(new)
+
+    def _switch_map(self, new: SlotMap) -> None:
+        """Serve ``new`` from now on (lock held). The blocks this pserver gives up are kept
+        aside (aliasing the old shard, which nothing writes any more) for their receivers;
+        those it keeps go into a new shard; those it receives are fetched from their old
+        owners, and until they are all here it serves no parameters."""
+        old = self._slot_map
+        if old is None or new.version <= old.version or self.index is None:
+            return
+        if self._shard is None:
+            try:
+                self._ensure_shard()  # the shard of the old map: empty for a pserver the resize adds
+            except NotReady:
+                pass
+        self._slot_map = new
+        log.warning("pserver %s switches from slot map version %d (%d pservers) to %d (%d pservers)", self.index, old.version, old.num_pservers, new.version, new.num_pservers)
+        got = None
+        if self._shard is None or self._specs is None:
+            got = new.version  # no model yet: nothing to hand over
+        else:
+            before = self._shard
+            if not before.blocks and not before.initialized and self._store.get(self._keys.initialized) is not None:
+                before.import_blocks({})  # nothing of the model was here: nothing is missing either
+            layout = Layout.build(self._specs, new, self.config.min_block)
+            slot_of = {b.key: slot for b, slot in zip(layout.blocks, layout.slots)}
+            mine = {b.key for b in layout.blocks_of(self.index)}
+            keep = [i for i, b in enumerate(before.blocks) if b.key in mine]
+            give = [i for i, b in enumerate(before.blocks) if b.key not in mine]
+            self._use_layout(layout)
+            self._shard = self._compute.shard(self._blocks(), self.config.optimizer, self.config.optimizer_args)
+            self._pending, self._received = {}, {}
+            if before.initialized:
+                outgoing: dict[int, dict[str, object]] = {}
+                for i in give:
+                    outgoing.setdefault(slot_of[before.blocks[i].key], {}).update(before.export_blocks([i]))
+                if outgoing:
+                    self._outgoing[new.version] = outgoing
+                    self._outgoing_applied[new.version] = {slot: self.applied_by_slot.pop(slot, 0) for slot in outgoing}
+                self._received = dict(before.export_blocks(keep))
+                has_blocks = {slot_of[b.key] for b in self._shard.blocks}
+                for slot, src, dst in old.moves(new):
+                    if dst == self.index and slot in has_blocks:
+                        self._pending.setdefault(src, []).append(slot)
+            if self._pending:
+                threading.Thread(target=self._fetch, args=(new.version, self.epoch), name=f"pdps-ps-fetch-{self.index}", daemon=True).start()
+            else:
+                if before.initialized:
+                    self._shard.import_blocks(self._received)
+                self._received = {}
+                got = new.version
+        self._waiting = None
+        self._cond.notify_all()  # waiting pulls look at the map again
+        self._closer.notify_all()
+        if got is not None:
+            threading.Thread(target=self._report_got, args=(got,), daemon=True).start()
+
+    def _migrate(self, req: MigrateRequest) -> MigrateReply:
+        """Hand over the state ``slots`` had when this pserver switched to map ``version``."""
+        with self._cond:
+            if self._slot_map is None or self._slot_map.version < (req.version or 0):
+                raise NotReady(f"pserver {self.index} has not switched to slot map version {req.version} yet")
+            held = self._outgoing.get(req.version or 0, {})
+            missing = [slot for slot in req.slots if slot not in held]
+            if missing:
+                raise NotInitialized(f"pserver {self.index} no longer holds slots {missing} of slot map version {req.version} (it restarted, or the job rolled back)")
+            names: list[str] = []
+            tensors: list[object] = []
+            for slot in req.slots:
+                for name, t in held.get(slot, {}).items():
+                    names.append(name)
+                    tensors.append(t)
+            self.sent_bytes += sum(int(t.nbytes) for t in tensors)  # type: ignore[attr-defined]
+            counts = self._outgoing_applied.get(req.version or 0, {})
+            applied = tuple((slot, counts.get(slot, 0)) for slot in req.slots)
+            return MigrateReply(**self._state(), names=tuple(names), applied=applied, tensors=tuple(tensors))
+
+    def _fetch(self, version: int, epoch: int) -> None:
+        """Receive this pserver's new slots of map ``version`` from their old owners,
+        then start serving them (its own thread; ends early if the epoch or map moves)."""
+        began = time.monotonic()
+        with self._cond:
+            sources = {src: list(slots) for src, slots in self._pending.items()}
+            layout = self._layout
+        assert layout is not None
+        sizes = layout.slot_bytes()
+        for src, slots in sorted(sources.items()):
+            batches: list[list[int]] = [[]]
+            for slot in slots:
+                if batches[-1] and sum(sizes[x] for x in batches[-1]) + sizes[slot] > MIGRATE_CALL_BYTES:
+                    batches.append([])
+                batches[-1].append(slot)
+            for batch in batches:
+                reply = self._ask_source(src, batch, version, epoch)
+                if reply is None:
+                    return  # the epoch or the map moved on: the checkpoint restores these slots
+                with self._cond:
+                    if self.epoch != epoch or self._slot_map is None or self._slot_map.version != version:
+                        return
+                    self._received.update(zip(reply.names, reply.tensors))
+                    for slot, n in reply.applied:
+                        self.applied_by_slot[slot] = self.applied_by_slot.get(slot, 0) + n
+                    self.received_bytes += sum(int(t.nbytes) for t in reply.tensors)
+        with self._cond:
+            if self.epoch != epoch or self._slot_map is None or self._slot_map.version != version or self._shard is None:
+                return
+            self._shard.import_blocks(self._received)
+            self._pending, self._received = {}, {}
+            self._cond.notify_all()
+        log.warning("pserver %s received its slots of slot map version %d in %.2fs", self.index, version, time.monotonic() - began)
+        self._report_got(version)
+
+    def _ask_source(self, src: int, slots: list[int], version: int, epoch: int) -> MigrateReply | None:
+        """One migrate call to pserver ``src``, retried while it is unreachable or has
+        not switched yet; None once this pserver's epoch or map has moved on."""
+        request = MigrateRequest(f"pserver-{self.index}", epoch=epoch, version=version, slots=tuple(slots))
+        waiting = Retry(MIGRATE_BACKOFF)
+        channel = None
+        while True:
+            with self._cond:
+                if self.state in HALTED or self.epoch != epoch or self._slot_map is None or self._slot_map.version != version:
+                    return None
+            try:
+                kv = self._store.get(self._keys.pserver(src))
+                if kv is None:
+                    raise NotReady(f"pserver {src} is not registered")
+                address = decode_as(kv.value, kv.key, lambda d: str(d["addr"]))
+                channel = self._transport.connect(address)
+                try:
+                    return calls.call(channel, request)
+                finally:
+                    channel.close()
+            except (NotReady, TransportError, StoreError, EpochChanged) as exc:
+                if waiting.elapsed >= WAIT_LOG_EVERY and waiting.failures % 10 == 0:
+                    log.warning("pserver %s waits %.0fs for slots %s from pserver %d: %s", self.index, waiting.elapsed, slots[:8], src, exc)
+                waiting.note()
+                waiting.pause()
+            except NotInitialized as exc:
+                # the source lost them (it restarted): the job rolls back, and every pserver
+                # loads its slots of this map from the checkpoint
+                log.error("pserver %s cannot receive slots %s: %s", self.index, slots[:8], exc)
+                return None
+
+    def _report_got(self, version: int | None) -> None:
+        """Say in the store that this pserver holds every slot map ``version`` gives it
+        (the master finishes a resize once every receiver has said so, and then drops
+        these keys)."""
+        if version is None or version < 2 or self.index is None:
+            return
+        try:
+            self._store.put(self._keys.resize_got(version, self.index), json.dumps({"received_bytes": self.received_bytes}).encode())
+        except StoreError as exc:
+            log.error("pserver %s could not report its slots of map %d: %s", self.index, version, exc)
+
     # --- model ------------------------------------------------------------------------
 
     def _ensure_shard(self) -> ParameterShard:
@@ -868,15 +1152,29 @@ class Pserver:
             model = self._store.get(self._keys.model)
             if model is None:
                 raise NotReady(f"job {self.config.name!r} has no model description yet; a trainer must attach first")
-            specs = decode_as(model.value, model.key, lambda ds: [ParamSpec.from_json(d) for d in ds])
+            self._specs = decode_as(model.value, model.key, lambda ds: [ParamSpec.from_json(d) for d in ds])
             assert self.index is not None and self._slot_map is not None
-            layout = Layout.build(specs, self._slot_map, self.config.min_block)
-            self._shard = self._compute.shard(layout.blocks_of(self.index), self.config.optimizer, self.config.optimizer_args)
-            idle = set(layout.idle_pservers)  # they see no pull: one of them would close its rounds a second late
-            self._closers = tuple(p for p in range(self._slot_map.num_pservers) if p not in idle)
+            self._use_layout(Layout.build(self._specs, self._slot_map, self.config.min_block))
+            self._shard = self._compute.shard(self._blocks(), self.config.optimizer, self.config.optimizer_args)
         return self._shard
 
+    def _blocks(self) -> list:
+        assert self._layout is not None and self.index is not None
+        return self._layout.blocks_of(self.index)
+
+    def _use_layout(self, layout: Layout) -> None:
+        self._layout = layout
+        assert self.index is not None
+        self._my_slots = tuple(sorted({s for b, s in zip(layout.blocks, layout.slots) if layout.slot_map.owners[s] == self.index}))
+        idle = set(layout.idle_pservers)  # they see no pull: one of them would close its rounds a second late
+        self._closers = tuple(p for p in range(layout.slot_map.num_pservers) if p not in idle)
+
     def _ready_shard(self) -> ParameterShard:
+        if self._pending:
+            raise NotReady(
+                f"pserver {self.index} is receiving slots of slot map version {self._slot_map.version if self._slot_map else '?'} "
+                f"from pserver {', '.join(map(str, sorted(self._pending)))}"
+            )
         shard = self._ensure_shard()
         if not shard.initialized:
             raise NotInitialized(f"pserver {self.index} has no parameter values (epoch {self.epoch}); call init first")

@@ -282,6 +282,8 @@ def run_pserver(values: Mapping[str, Any]) -> int:
                     log.error("pserver %s lost its lease; exiting so it can be restarted", ps.index)
                     ps.stop()
                     return EXIT_LOST
+                if ps.departed.is_set():
+                    break  # a resize let it go: its slots are elsewhere
             ps.stop()
             log.info("pserver %s stopped", ps.index)
             return 0

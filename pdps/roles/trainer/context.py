@@ -31,13 +31,13 @@ import os
 import threading
 import time
 import uuid
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
 
-from pdps.core.errors import ConfigError, EpochChanged, LeaseExpired, NotInitialized, PdpsError, StalePush, Timeout
+from pdps.core.errors import ConfigError, EpochChanged, LeaseExpired, NotInitialized, PdpsError, SlotMapChanged, StalePush, Timeout
 from pdps.core.job import JobConfig, Keys, decode_json
 from pdps.core.sgd import Mode
 from pdps.core.slots import ParamSpec
@@ -62,7 +62,7 @@ from pdps.roles.trainer.discovery import DISCOVERY_TIMEOUT, Waits, wait_for_key
 from pdps.roles.trainer.master_client import MasterClient
 from pdps.roles.trainer.overlap import Pipeline
 from pdps.roles.trainer.pserver_client import Part, PserverGroup
-from pdps.roles.trainer.steps import AsyncCadence, Attempt, StepRecord, SyncRound
+from pdps.roles.trainer.steps import MAP_CHANGES_PER_CALL, AsyncCadence, Attempt, StepRecord, SyncRound
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +153,10 @@ class TrainerContext(SyncRound, AsyncCadence):
         self.stale_pushes = 0
         self.tasks_done = 0
         self.rollbacks = 0  # epochs this trainer followed
+        self.map_changes = 0  # resizes this trainer followed (slot maps it moved to)
+        #: async: pushes a pserver acknowledged as applied, per slot (a push counts once for
+        #: each slot of the pserver it went to); a pserver counts what it applied the same way
+        self.acknowledged: Counter[int] = Counter()
         self.metrics: dict[str, float] = {}  # free for the training function; shown as progress
         self._pipeline: Pipeline | None = None
         self._times: dict[str, float] = defaultdict(float)
@@ -503,7 +507,10 @@ class TrainerContext(SyncRound, AsyncCadence):
             self._back_to_user()
 
     def _pull_failed(self, exc: BaseException) -> None:
-        """A pull sent ahead failed: follow a rollback as a step would, or raise."""
+        """A pull sent ahead failed: follow a rollback or a resize as a step would, or raise."""
+        if isinstance(exc, SlotMapChanged):
+            self._pull_fresh()
+            return
         if not isinstance(exc, (EpochChanged, NotInitialized)):
             raise exc
         log.warning("trainer %s: %s", self.trainer_id, exc)
@@ -534,11 +541,35 @@ class TrainerContext(SyncRound, AsyncCadence):
         self._time("update", sum(r.update_s or 0.0 for r in replies if isinstance(r, PushReply)))
         return replies
 
+    def _follow_map(self) -> None:
+        """A resize moved slots: address the pservers the new slot map names (the
+        model's blocks are the same; only who holds them changed)."""
+        assert self._group is not None
+        pipeline = self._pipeline
+        if pipeline is not None:
+            pipeline.close()  # its workers are per pserver
+            self._pipeline = None
+        if self._group.refresh():
+            self.map_changes += 1
+        if pipeline is not None:
+            self._pipeline = Pipeline(self)
+
     def _pull_fresh(self) -> None:
-        """Load every pserver's current values (initializing any that has none)."""
+        """Load every pserver's current values (initializing any that has none),
+        following a resize that moved slots meanwhile."""
         assert self._group is not None
         if self._pipeline is not None:
             self._pipeline.drain()
+        for _ in range(MAP_CHANGES_PER_CALL):
+            try:
+                return self._pull_each()
+            except SlotMapChanged as exc:
+                log.info("trainer %s: %s", self.trainer_id, exc)
+                self._follow_map()
+        self._pull_each()
+
+    def _pull_each(self) -> None:
+        assert self._group is not None
         request = PullRequest(self.trainer_id, epoch=self._epoch, version=self._slot_version)
         for part in self._group.parts:
             waited = time.monotonic()

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from pdps.core.errors import EpochChanged, StalePush
+from pdps.core.errors import EpochChanged, SlotMapChanged, StalePush
 from pdps.core.sgd import Mode
 from pdps.core.slots import Block
 from pdps.core.wire import PullReply, PullRequest, PushReply, PushRequest, Request
@@ -167,6 +167,10 @@ class Pipeline:
             reply = self._group.ask(part, request, into)
         except StalePush as exc:
             return exc
+        except SlotMapChanged as exc:  # a resize moved slots: this step is dropped there, as a stale one
+            if not isinstance(request, PushRequest):
+                raise
+            return StalePush(f"pserver {part.index} serves a new slot map: {exc}")
         finally:
             self._ctx._time("comm", time.perf_counter() - t0)
         if isinstance(reply, PushReply) and reply.update_s is not None:

@@ -12,7 +12,7 @@ from typing import Any
 import attrs
 
 from pdps.core.backoff import Backoff
-from pdps.core.errors import CorruptRecord, EpochChanged, NotInitialized, NotReady, PdpsError, StalePush, StoreError, Timeout, TransportError
+from pdps.core.errors import CorruptRecord, EpochChanged, NotInitialized, NotReady, PdpsError, SlotMapChanged, StalePush, StoreError, Timeout, TransportError
 from pdps.core.job import JobConfig, Keys, decode_as
 from pdps.core.slots import Block, Layout, ParamSpec, SlotMap
 from pdps.core.wire import Request
@@ -40,6 +40,7 @@ class Part:
     round_no: int = 0
     version: int = 0
     incarnation: str | None = None
+    slots: tuple[int, ...] = ()  # the slots of its blocks
 
     def __attrs_post_init__(self) -> None:
         self.keys = [b.key for b in self.blocks]
@@ -68,21 +69,58 @@ class PserverGroup:
         self._store, self._transport, self._keys = store, transport, keys
         self._waits = waits
         self.patience = patience
+        self._specs, self._min_block = list(specs), config.min_block
         slot_map = decode_as(wait_for_key(store, keys.slotmap, "the job's slot map"), keys.slotmap, SlotMap.from_json)
-        self.layout = Layout.build(specs, slot_map, config.min_block)
         self.parts: list[Part] = []
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_size = 0
+        self._use(slot_map)
+
+    def _use(self, slot_map: SlotMap) -> None:
+        """Address the pservers ``slot_map`` names, keeping the channels (and what each
+        pserver last said) of those addressed already."""
+        layout = Layout.build(self._specs, slot_map, self._min_block)
+        old = {p.index: p for p in self.parts}
+        round_no = max((p.round_no for p in self.parts), default=0)
+        parts: list[Part] = []
+        slot_of = {b.key: s for b, s in zip(layout.blocks, layout.slots)}
         for i in range(slot_map.num_pservers):
-            blocks = self.layout.blocks_of(i)
+            blocks = layout.blocks_of(i)
             if not blocks:
                 continue  # a pserver whose slots hold no block of this model is never called
+            slots = tuple(sorted({slot_of[b.key] for b in blocks}))
+            prev = old.pop(i, None)
+            if prev is not None:
+                parts.append(Part(i, prev.channel, blocks, prev.address, round_no=prev.round_no, version=prev.version, incarnation=prev.incarnation, slots=slots))
+                continue
             addr = self._address_of(i, wait=True)
             assert addr is not None
-            self.parts.append(Part(i, transport.connect(addr), blocks, addr))
+            parts.append(Part(i, self._transport.connect(addr), blocks, addr, round_no=round_no, slots=slots))
+        for gone in old.values():
+            gone.channel.close()
+        self.layout, self.parts = layout, parts
         # Calls to different pservers overlap when the transport's calls release the GIL
         # (gRPC); in-process calls are plain function calls and stay on this thread.
-        self._pool = None
-        if isinstance(transport, ConcurrentCalls) and transport.concurrent and len(self.parts) > 1:
-            self._pool = ThreadPoolExecutor(len(self.parts), thread_name_prefix="pdps-pserver-call")
+        transport = self._transport
+        if isinstance(transport, ConcurrentCalls) and transport.concurrent and len(parts) > 1:
+            if self._pool is None or self._pool_size < len(parts):
+                if self._pool is not None:
+                    self._pool.shutdown(wait=True)
+                self._pool, self._pool_size = ThreadPoolExecutor(len(parts), thread_name_prefix="pdps-pserver-call"), len(parts)
+
+    def refresh(self) -> bool:
+        """Follow a resize: re-read the slot map and, if it is newer than the one these
+        parts were computed from, address the pservers it names. True if it was."""
+        key = self._keys.slotmap
+        kv = self._store.get(key)
+        if kv is None:
+            return False
+        slot_map = decode_as(kv.value, key, SlotMap.from_json)
+        if slot_map.version <= self.layout.slot_map.version:
+            return False
+        log.info("following the job's resize: slot map version %d -> %d (%d pservers)", self.layout.slot_map.version, slot_map.version, slot_map.num_pservers)
+        self._use(slot_map)
+        return True
 
     def _address_of(self, index: int, *, wait: bool = False) -> str | None:
         key = self._keys.pserver(index)
@@ -148,14 +186,15 @@ class PserverGroup:
 
     def call_each(self, requests: Sequence[tuple[Part, Request]], into: Callable[[Part], Sequence[Any]] | None = None) -> list[Any]:
         """Call several pservers, concurrently where the transport allows; their typed
-        replies. A stale push comes back in its place in the list; any other error is
-        raised once all calls ended (an :class:`EpochChanged` first: the caller must start
-        over). ``into(part)``: where a reply's tensors may be received."""
+        replies. A stale push, or a request for a slot map the pserver no longer serves
+        (:class:`SlotMapChanged`: a resize), comes back in its place in the list; any
+        other error is raised once all calls ended (an :class:`EpochChanged` first: the
+        caller must start over). ``into(part)``: where a reply's tensors may be received."""
 
         def one(part: Part, request: Request) -> Any:
             try:
                 return self.ask(part, request, None if into is None else into(part))
-            except StalePush as exc:
+            except (StalePush, SlotMapChanged) as exc:
                 return exc
 
         if self._pool is None or len(requests) < 2:

@@ -17,20 +17,25 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from pdps.core.errors import EpochChanged, GradientRejected, StalePush
+from pdps.core.errors import EpochChanged, GradientRejected, SlotMapChanged, StalePush
 from pdps.core.job import Keys, decode_as
 from pdps.core.progress import TaskProgress
 from pdps.core.sgd import Contribution, Mode, RoundRecord, RoundState
 from pdps.core.txn import Decision, Done, Write
-from pdps.core.wire import CheckpointRequest, PullReply, PullRequest, PushRequest
+from pdps.core.wire import CheckpointRequest, PullReply, PullRequest, PushReply, PushRequest
 from pdps.ports.coordination import Compare, CoordinationStore, KeyValue, Op, Put, TxnOp
 from pdps.roles.trainer.discovery import WAIT_LOG_EVERY
 from pdps.runtime.cas import read_modify_write
 
 if TYPE_CHECKING:
     from pdps.roles.trainer.context import Batch
+    from pdps.roles.trainer.pserver_client import Part
 
 log = logging.getLogger(__name__)
+
+#: A call refused because a resize changed the slot map is sent again, addressed by the
+#: new map, at most this many times in a row (each refusal is one more resize).
+MAP_CHANGES_PER_CALL = 8
 
 # what a contribution's read-modify-write found instead of committing
 _CLOSED = object()  # the round had closed
@@ -122,12 +127,11 @@ class SyncRound:
                     replies = self._pipeline.push(loss, [push] * len(self._group.parts))
                 else:
                     self._replica.check_finite(self.trainer_id)  # all pservers or none: fail before the first push
-                    requests = [(part, attrs.evolve(push, blocks=tuple(part.keys), tensors=self._replica.grads(part.blocks))) for part in self._group.parts]
-                    replies = self._call_each(requests)
+                    replies = self._push_each(push)
             except GradientRejected as exc:
                 refused, replies = exc, []
             for part, reply in zip(self._group.parts, replies):
-                if isinstance(reply, StalePush):
+                if isinstance(reply, (StalePush, SlotMapChanged)):
                     stale = True
                     log.warning("trainer %s: push to pserver %d was stale (%s); pulling", self.trainer_id, part.index, reply)
         if not stale:
@@ -149,6 +153,20 @@ class SyncRound:
             self._pull_round(round_no)
         if refused is not None:
             raise refused
+
+    def _push_each(self, push: PushRequest) -> list:
+        """Sync: stage the gradient on every pserver. A resize that switched the map at
+        this round boundary refuses it (SlotMapChanged): push again, by the new map
+        (staging replaces what a pserver staged before, so no block counts twice)."""
+        assert self._replica is not None and self._group is not None
+        for _ in range(MAP_CHANGES_PER_CALL):
+            push = attrs.evolve(push, version=self._slot_version)
+            requests = [(part, attrs.evolve(push, blocks=tuple(part.keys), tensors=self._replica.grads(part.blocks))) for part in self._group.parts]
+            replies = self._call_each(requests)
+            if not any(isinstance(r, SlotMapChanged) for r in replies):
+                break
+            self._follow_map()
+        return replies
 
     def _commit(self, round_no: int, contribution: Contribution) -> bool:
         """Commit our contribution to round ``round_no``; False if the round had closed.
@@ -259,7 +277,13 @@ class SyncRound:
         checkpoint = None
         while pending:
             replies = self._call_each([(part, request) for part in pending], into=self._into)
-            self._time("barrier", max(r.wait_s or 0.0 for r in replies if isinstance(r, PullReply)))
+            self._time("barrier", max((r.wait_s or 0.0 for r in replies if isinstance(r, PullReply)), default=0.0))
+            if any(isinstance(r, SlotMapChanged) for r in replies):
+                # the round switched the map (a resize): pull it from the pservers the new map names
+                self._follow_map()
+                request = attrs.evolve(request, version=self._slot_version)
+                pending = list(self._group.parts)
+                continue
             still = []
             for part, reply in zip(pending, replies):
                 assert isinstance(reply, PullReply)  # pulls are never stale
@@ -334,15 +358,24 @@ class AsyncCadence:
                 self._replica.zero_grad()  # pushed or refused: the next step starts clean
         stale = False
         for part, reply in zip(self._group.parts, replies):
-            if isinstance(reply, StalePush):
+            if isinstance(reply, (StalePush, SlotMapChanged)):
+                # a resize moved slots (SlotMapChanged): that pserver applied none of it, and
+                # the push is dropped there as a stale one would be
                 stale = True
                 self.stale_pushes += 1
-                log.info("trainer %s: pserver %d dropped a stale push: %s", self.trainer_id, part.index, reply)
+                log.info("trainer %s: pserver %d dropped a push: %s", self.trainer_id, part.index, reply)
             else:
                 self.pushes += 1
+                self._acknowledged(part, reply)
         if held is not None and acc is not None:
             self._record_progress(held, acc)
         return stale
+
+    def _acknowledged(self, part: Part, reply: PushReply) -> None:
+        """Async: count a push the pserver applied, per slot (:attr:`acknowledged`)."""
+        if not reply.duplicate:
+            for slot in part.slots:
+                self.acknowledged[slot] += 1
 
     def _record_progress(self, held: Attempt, records: tuple[int, int]) -> None:
         """Async: every pserver has the push of ``records``: advance the task's progress

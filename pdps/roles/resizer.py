@@ -1,0 +1,154 @@
+"""The master's part in a resize: move the job's ``resize`` record through its table
+(:mod:`pdps.core.elastic`), one fenced transaction per step.
+
+* A desired pserver count (``ps_desired``) that differs from the live map's with no
+  resize in progress, as an operator (``kubectl scale``) writes it, becomes a resize.
+* ``requested``: more pservers wanted -> ``growing``; fewer -> ``migrating``; the same
+  (trainers only) -> ``done``. A checkpoint being written goes first: a resize never
+  interleaves with one.
+* ``growing``: once every new index is claimed -> ``migrating``.
+* ``migrating`` decides the new map. An async job (or one whose model is not known
+  yet, so nothing has values) switches to it in the same transaction; a sync job at
+  the next round boundary (the pserver closing that round writes it).
+* Once every receiving pserver holds its slots (``resize_got/<version>/<i>``) ->
+  ``done``; departing pservers and trainers then leave by themselves.
+
+Every step reads the store afresh, so a master that takes over (a standby) carries
+on from wherever the record is.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+
+from pdps.core.elastic import Resize, ResizeState, describe
+from pdps.core.slots import SlotMap
+from pdps.core.errors import PdpsError
+from pdps.core.job import JobConfig, Keys
+from pdps.core.sgd import Mode
+from pdps.core.txn import Fence
+from pdps.ports.coordination import Compare, CoordinationStore, KeyValue, Put, TxnOp, WatchEvent
+from pdps.runtime import recovery
+from pdps.runtime.resizing import read_map, read_resize, resizes_got
+
+log = logging.getLogger(__name__)
+
+#: How often the driver looks again without a watch event.
+POLL = 0.5
+#: A checkpoint still being written after this long is taken for an orphan (its writer
+#: died): a resize waits for younger ones only.
+CHECKPOINT_PATIENCE = 120.0
+
+
+class ResizeDriver:
+    def __init__(self, store: CoordinationStore, config: JobConfig, fence: Fence | None, stopped: threading.Event) -> None:
+        self._store, self._config, self._fence, self._stopped = store, config, fence, stopped
+        self._keys = Keys(config.name)
+        self._wake = threading.Event()
+        self._said: tuple[str, str] | None = None
+
+    def run(self) -> None:
+        keys = self._keys
+        watches = [self._store.watch(prefix, self._on_event) for prefix in (keys.resize, keys.ps_desired, keys.pservers, keys.root + "resize_got/", keys.slotmap)]
+        try:
+            while not self._stopped.is_set():
+                try:
+                    self.step()
+                except PdpsError as exc:
+                    log.warning("master: a resize step failed (%s); trying again", exc)
+                self._wake.wait(POLL)
+                self._wake.clear()
+        finally:
+            for w in watches:
+                w.cancel()
+
+    def _on_event(self, event: WatchEvent) -> None:
+        self._wake.set()
+
+    def step(self) -> None:
+        """One step of the job's resize, if one can be taken now."""
+        keys = self._keys
+        resize, found = read_resize(self._store, keys)
+        live = read_map(self._store, keys)
+        if resize is None or not resize.active:
+            self._adopt_desired(live.num_pservers, found)
+            return
+        self._say(resize)
+        if resize.state is ResizeState.MIGRATING:
+            self._migrate(resize, found, live.version)
+            return
+        if self._checkpoint_writing():
+            return  # a resize is ordered after a checkpoint in progress
+        if resize.state is ResizeState.REQUESTED:
+            if resize.pservers > live.num_pservers:
+                self._write(found, resize.grow(), [Put(keys.ps_desired, str(resize.pservers).encode())])
+            elif resize.pservers == live.num_pservers:
+                self._write(found, resize.finish())
+            else:
+                self._plan(resize, found, live)
+        elif resize.state is ResizeState.GROWING:
+            claimed = {int(kv.key.rsplit("/", 1)[1]) for kv in self._store.range(keys.pservers) if kv.key.rsplit("/", 1)[1].isdigit()}
+            if set(range(resize.pservers)) <= claimed:
+                self._plan(resize, found, live)
+
+    def _adopt_desired(self, pservers: int, found: KeyValue | None) -> None:
+        """The operator path: a desired count written straight into ``ps_desired``."""
+        kv = self._store.get(self._keys.ps_desired)
+        try:
+            desired = int(kv.value) if kv is not None else pservers
+        except ValueError:
+            log.error("master: %s holds %r, not a pserver count; ignored", self._keys.ps_desired, kv.value[:40] if kv else b"")
+            return
+        if desired == pservers or not 1 <= desired <= self._config.num_slots:
+            return
+        resize = Resize(id=f"{time.strftime('%Y%m%d-%H%M%S')}-desired", state=ResizeState.REQUESTED, pservers=desired, trainers=None, requested=time.time(), by=f"{self._keys.ps_desired}")
+        if self._write(found, resize):
+            log.warning("master: %s says %d pservers, the job runs %d: %s", self._keys.ps_desired, desired, pservers, describe(resize))
+
+    def _plan(self, resize: Resize, found: KeyValue | None, live: SlotMap) -> None:
+        planned = resize.plan(live)
+        assert planned.to_map is not None
+        ops: list[TxnOp] = []
+        # No values anywhere yet (no trainer attached), or async: switch now. Sync switches at a round boundary.
+        if self._config.mode is Mode.ASYNC or self._store.get(self._keys.model) is None:
+            ops.append(Put(self._keys.slotmap, json.dumps(planned.to_map.to_json()).encode()))
+        if self._write(found, planned, ops):
+            log.warning("master: %s: %d slots move", describe(planned), len(planned.moves()))
+
+    def _migrate(self, resize: Resize, found: KeyValue | None, live_version: int) -> None:
+        assert resize.to_map is not None
+        version = resize.to_map.version
+        if live_version < version:
+            return  # a sync job switches at the next round boundary
+        got = resizes_got(self._store, self._keys, version)
+        if set(resize.receivers()) <= set(got):
+            if self._write(found, resize.finish()):
+                self._store.delete_prefix(self._keys.resize_got(version))
+                log.warning("master: %s", describe(resize.finish()))
+
+    def _checkpoint_writing(self) -> bool:
+        now = time.time()
+        for d in recovery.describe(self._store, self._keys):
+            if d["state"] == "writing" and now - float(d.get("started") or 0.0) < CHECKPOINT_PATIENCE:
+                return True
+        return False
+
+    def _write(self, found: KeyValue | None, resize: Resize, ops: list[TxnOp] | None = None) -> bool:
+        """Write the record (and ``ops``) if it is still as read; False if it moved."""
+        keys = self._keys
+        guard = Compare.unchanged(keys.resize, found)
+        try:
+            return self._store.commit((guard,), [Put(keys.resize, json.dumps(resize.to_json()).encode()), *(ops or ())], fence=self._fence).succeeded
+        except PdpsError as exc:
+            log.info("master: could not move %s (%s); reading it again", resize.id, exc)
+            return False
+
+    def _say(self, resize: Resize) -> None:
+        said = (resize.id, resize.state.value)
+        if said != self._said:
+            self._said = said
+            log.info("master: %s", describe(resize))
+

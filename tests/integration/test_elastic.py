@@ -1,0 +1,106 @@
+"""Elastic jobs: pservers and trainers added and removed while training runs, slots
+migrating pserver to pserver, and training unchanged by it."""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import pdps
+from pdps.adapters.parquet import ParquetSource, write_parquet_shards
+from pdps.core.elastic import ResizeState
+from pdps.core.job import Keys
+from pdps.roles.pserver import Pserver
+from pdps.registry import open_checkpoint_files
+from pdps.runtime.resizing import read_map, request_resize, wait_resized
+from tests.integration.jobkit import start_job
+from tests.integration.test_transactional_sync import LR, closed_rounds, flat_grad, make_model, replay
+
+
+@pytest.fixture
+def source(tmp_path) -> ParquetSource:
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(600, 4))
+    y = np.stack([x[:, 0] - x[:, 1], x[:, 2] * x[:, 3]], axis=1)
+    write_parquet_shards({"x": x, "y": y}, f"{tmp_path.as_uri()}/d", shards=3, row_group_size=20)
+    return ParquetSource(f"{tmp_path.as_uri()}/d")
+
+
+def add_pserver(job) -> Pserver:
+    ps = Pserver(job.store, job.transport, job.compute, job.config, checkpoints=open_checkpoint_files(job.config.checkpoint_url))
+    ps.start()
+    job.pservers.append(ps)
+    return ps
+
+
+def resize(job, pservers: int, timeout: float = 60.0) -> None:
+    """Ask, start the pservers a grow needs (as pdps launch does), wait until done."""
+    keys = Keys(job.config.name)
+    asked = request_resize(job.store, keys, pservers=pservers, by="test")
+    while len([p for p in job.pservers if not p.departed.is_set()]) < pservers:
+        add_pserver(job)
+    done = wait_resized(job.store, keys, asked.id, deadline=time.monotonic() + timeout)
+    assert done.state is ResizeState.DONE, done
+    for ps in [p for p in job.pservers if p.departed.is_set()]:
+        ps.stop()  # as its process would: exit 0
+        job.pservers.remove(ps)
+
+
+def test_sync_training_resized_2_3_1_2_equals_a_replay_of_its_rounds(source):
+    job = start_job(source, name="elastic-sync", mode="sync", pservers=2, min_block=1, num_slots=16, lease_ttl=2.0,
+                    optimizer_args={"lr": LR}, batch_size=10, passes=2, keep_rounds=100000, task_timeout=60.0)
+    grads: dict[tuple[int, int, str], torch.Tensor] = {}
+    lock = threading.Lock()
+    steps = collections.Counter()
+    errors: list[BaseException] = []
+
+    def train(ctx: pdps.TrainerContext) -> None:
+        try:
+            model = ctx.attach(make_model())
+            for batch in ctx.batches():
+                loss = F.mse_loss(model(batch["x"]), batch["y"])
+                round_no = max(p.round_no for p in ctx._group.parts)
+                loss.backward(retain_graph=True)
+                with lock:
+                    grads[(ctx.epoch, round_no, ctx.trainer_id)] = flat_grad(model)
+                model.zero_grad(set_to_none=False)
+                ctx.step(loss)
+                with lock:
+                    steps[ctx.trainer_id] += 1
+                time.sleep(0.01)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    trainers = [job.trainer(f"t{i}") for i in range(2)]
+    for t in trainers:
+        t.register()
+    threads = [threading.Thread(target=train, args=(t,)) for t in trainers]
+    try:
+        for th in threads:
+            th.start()
+        keys = Keys(job.config.name)
+        for target in (3, 1, 2):
+            deadline = time.monotonic() + 30
+            before = sum(steps.values())
+            while sum(steps.values()) < before + 6 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            resize(job, target)
+            assert read_map(job.store, keys).num_pservers == target
+        for th in threads:
+            th.join(timeout=120)
+        assert not errors, errors
+        assert not any(th.is_alive() for th in threads)
+        rounds = closed_rounds(job.store, job.config.name)
+        maps = [r.map_version for _, r in rounds if r.map_version is not None]
+        assert len(maps) == 3, maps
+        got = torch.cat([p.reshape(-1) for p in pdps.fetch_parameters(job.store, job.transport, job.config).values()])
+        torch.testing.assert_close(got, replay(rounds, grads), rtol=0, atol=1e-10)
+        assert sum(t.map_changes for t in trainers) >= 3
+    finally:
+        job.close()

@@ -226,6 +226,10 @@ class PartInfo:
                 f"do not cover its {self.bytes} bytes"
             )
 
+    def keyed_by_block(self) -> PartInfo:
+        """This part, recorded as a pserver part whose tensors are named by block."""
+        return attrs.evolve(self, layout=BLOCKS)
+
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {"name": self.name, "path": self.path, "bytes": self.bytes, "checksum": self.checksum}
         if self.pieces is not None:

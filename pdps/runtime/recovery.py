@@ -42,10 +42,8 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-import attrs
-
 from pdps.core import checkpoints
-from pdps.core.checkpoints import BLOCKS, CheckpointInfo, CommitView, Epoch, Manifest, PartInfo, Pointer, RollbackView, State
+from pdps.core.checkpoints import CheckpointInfo, CommitView, Epoch, Manifest, PartInfo, Pointer, RollbackView, State
 from pdps.core.errors import ConfigError, CorruptCheckpoint, PdpsError, StorageError
 from pdps.core.job import JobConfig, Keys, decode_as
 from pdps.core.slots import Block, Layout, ParamSpec, SlotMap, block_entry, parse_entry
@@ -192,7 +190,7 @@ def write_shard_part(files: CheckpointFiles, ckpt_id: str, index: int, snapshot:
     """Write pserver ``index``'s :meth:`~pdps.ports.compute.ParameterShard.snapshot` as its
     part of ``ckpt_id``, recorded as keyed by block (:data:`~pdps.core.checkpoints.BLOCKS`)."""
     name = checkpoints.pserver_part(index)
-    return attrs.evolve(files.write_part(f"{ckpt_id}/{name}.safetensors", snapshot, name=name), layout=BLOCKS)
+    return files.write_part(f"{ckpt_id}/{name}.safetensors", snapshot, name=name).keyed_by_block()
 
 
 def load_shard(store: CoordinationStore, files: CheckpointFiles, config: JobConfig, ckpt_id: str, shard: ParameterShard) -> int:

@@ -216,6 +216,9 @@ def test_a_checkpoint_written_per_pserver_before_still_restores(taken, source, u
     assert files.verify(storage, files.read_manifest(storage, old_id)) == []
     job = restore_into_new_job(source, url, count, old_id)
     try:
+        report = checkpoint_cli.inspect_checkpoint(job.store, storage, JOB, old_id)
+        assert report["sound"] and [p["layout"] for p in report["parts"]] == [None, "pserver", "pserver"]
+        assert "written by an older pdps" in checkpoint_cli.format_inspection(report, "memory")
         assert all(ps.version == version for ps in job.pservers)
         assert_restored(params_of(fetch_parameters(job.store, job.transport, job.config)), {k: v for k, v in want.items() if k.endswith("/values")})
         assert_restored(on_pservers(job.pservers), want)

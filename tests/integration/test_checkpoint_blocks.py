@@ -6,7 +6,6 @@ roles in one process, real checkpoint files on local disk and on S3 (moto)."""
 from __future__ import annotations
 
 import json
-import threading
 import time
 
 import attrs

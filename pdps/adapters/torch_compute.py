@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from pdps.core.errors import ConfigError, GradientRejected, NotReady
-from pdps.core.slots import Block, ParamSpec
+from pdps.core.slots import Block, ParamSpec, block_entry, parse_entry
 
 log = logging.getLogger(__name__)
 
@@ -442,21 +442,15 @@ class TorchReplica:
                 p.grad = grad
 
 
-def block_entry(b: Block) -> str:
-    """The name of a block's entries (:meth:`TorchShard.export_blocks`)."""
-    return f"{b.param}@{b.row_start}:{b.row_end}"
-
-
 def _entries_by_param(entries: Mapping[str, torch.Tensor]) -> dict[str, list[tuple[int, int, dict[str, torch.Tensor]]]]:
     """``<param>@<first>:<end>/<what>`` entries, grouped: param -> [(first, end, {what: tensor})]."""
     grouped: dict[tuple[str, int, int], dict[str, torch.Tensor]] = {}
     for key, t in entries.items():
-        block, sep, what = key.rpartition("/")
-        param, at, rows = block.rpartition("@")
-        first, colon, end = rows.partition(":")
-        if not (sep and at and colon and first.isdigit() and end.isdigit()) or not isinstance(t, torch.Tensor):
+        name = parse_entry(key)
+        if name is None or not isinstance(t, torch.Tensor):
             raise ConfigError(f"unexpected entry {key!r}: block entries are named <param>@<first>:<end>/<values|state.K|scalar.K>")
-        grouped.setdefault((param, int(first), int(end)), {})[what] = t
+        param, first, end, what = name
+        grouped.setdefault((param, first, end), {})[what] = t
     out: dict[str, list[tuple[int, int, dict[str, torch.Tensor]]]] = {}
     for (param, lo, hi), e in grouped.items():
         out.setdefault(param, []).append((lo, hi, e))
@@ -784,7 +778,7 @@ class TorchShard:
         self.initialized = True
 
     def snapshot(self, counters: Mapping[str, int]) -> dict[str, torch.Tensor]:
-        state = {k: v.detach().clone() for k, v in self.state_dict().items()}
+        state = {k: v.clone() for k, v in self.export_blocks().items()}
         state.update((k, torch.tensor(n, dtype=torch.int64)) for k, n in counters.items())
         return state
 

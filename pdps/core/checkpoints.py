@@ -21,6 +21,11 @@ Rules, in a few lines:
   after the one it restores (they belong to the timeline it leaves).
 * A clean-up DELETES what is neither kept nor possibly still in flight: checkpoints
   older than the newest kept one, and any of an older epoch.
+* A pserver's part holds its blocks' state keyed by block (``<param>@<first>:<end>/...``,
+  :data:`BLOCKS`), so a checkpoint restores onto any pserver count: each pserver
+  takes its rows from whichever parts hold them. A part recorded without a layout
+  was written by pdps before that: its pserver's shard concatenated in the order of
+  the job's first slot map, which a reader recomputes to cut it into blocks.
 * A part's integrity is its size, the crc32 of the whole part and, from writers that
   record them, the crc32 of each ``piece_bytes`` piece: a reader checks pieces
   independently, so several threads can read and check one part.
@@ -48,6 +53,12 @@ MANIFEST = "manifest.json"
 FORMAT = "pdps-checkpoint"
 FORMAT_VERSION = 1
 MASTER_PART = "master"
+#: The layout of a pserver part whose tensors are named by block (``<param>@<first>:<end>/values``,
+#: ``.../state.<k>``, ``.../scalar.<k>``) plus the pserver's counters (``pdps.version``).
+#: A part recorded without a layout holds one pserver's shard concatenated (``values``,
+#: ``state.<k>``, ``scalar.<k>``): pdps before block-keyed checkpoints wrote those.
+BLOCKS = "blocks"
+LAYOUTS = frozenset({BLOCKS})
 
 _ID = re.compile(r"ckpt-(\d{4,})-(\d{10,})-([0-9a-f]{4})")
 _CHECKSUM = re.compile(r"crc32:[0-9a-f]{8}")
@@ -98,6 +109,19 @@ def id_order(ckpt_id: str) -> tuple[int, int, str]:
 
 def pserver_part(index: int) -> str:
     return f"ps-{index}"
+
+
+def pserver_parts(manifest: Manifest) -> dict[int, PartInfo]:
+    """The pservers' parts of a checkpoint, by the index of the pserver that wrote them;
+    CorruptCheckpoint unless they are ``ps-0`` .. ``ps-<N-1>``."""
+    found = {}
+    for name, part in manifest.parts.items():
+        prefix, dash, index = name.partition("-")
+        if prefix == "ps" and dash and index.isdigit():
+            found[int(index)] = part
+    if sorted(found) != list(range(len(found))):
+        raise CorruptCheckpoint(f"checkpoint {manifest.id}: pserver parts {sorted(found)} are not ps-0 .. ps-{len(found) - 1}", manifest.path)
+    return found
 
 
 def expected_parts(config: JobConfig) -> set[str]:
@@ -179,6 +203,8 @@ class PartInfo:
 
     ``pieces`` is None in records of writers that did not record pieces (pdps before
     per-piece checksums, other tools): such a part is checked by its whole crc32.
+    ``layout`` says how a pserver part names its tensors: :data:`BLOCKS`, or None for
+    a part written before checkpoints were keyed by block (and for the master's).
     """
 
     name: str
@@ -187,8 +213,11 @@ class PartInfo:
     checksum: str  # "crc32:%08x"
     pieces: tuple[str, ...] | None = attrs.field(default=None, converter=attrs.converters.optional(tuple))  # "%08x" each
     piece_bytes: int = 0
+    layout: str | None = None
 
     def __attrs_post_init__(self) -> None:
+        if self.layout is not None and self.layout not in LAYOUTS:
+            raise ConfigError(f"checkpoint part {self.name!r}: layout {self.layout!r} is not one of {sorted(LAYOUTS)}")
         if self.pieces is not None and (
             not _natural(self.piece_bytes) or self.piece_bytes == 0 or len(self.pieces) != piece_count(self.bytes, self.piece_bytes)
         ):
@@ -197,11 +226,17 @@ class PartInfo:
                 f"do not cover its {self.bytes} bytes"
             )
 
+    def keyed_by_block(self) -> PartInfo:
+        """This part, recorded as a pserver part whose tensors are named by block."""
+        return attrs.evolve(self, layout=BLOCKS)
+
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {"name": self.name, "path": self.path, "bytes": self.bytes, "checksum": self.checksum}
         if self.pieces is not None:
             d["piece_bytes"] = self.piece_bytes
             d["pieces"] = list(self.pieces)
+        if self.layout is not None:
+            d["layout"] = self.layout
         return d
 
     @classmethod
@@ -218,7 +253,12 @@ class PartInfo:
             raise CorruptCheckpoint(f"checkpoint part {name!r}: 'bytes' must be an int >= 0, got {size!r}", path)
         if not isinstance(checksum, str) or not _CHECKSUM.fullmatch(checksum):
             raise CorruptCheckpoint(f"checkpoint part {name!r}: 'checksum' must look like crc32:0123abcd, got {checksum!r}", path)
-        pieces, piece_bytes = d.get("pieces"), d.get("piece_bytes", 0)
+        pieces, piece_bytes, layout = d.get("pieces"), d.get("piece_bytes", 0), d.get("layout")
+        if layout is not None and layout not in LAYOUTS:
+            raise CorruptCheckpoint(
+                f"checkpoint part {name!r}: layout {layout!r} is not one this pdps reads ({sorted(LAYOUTS)}); "
+                "a newer pdps wrote it: restore it with that one", path
+            )  # fmt: skip
         if pieces is not None:
             if not isinstance(pieces, list) or not all(isinstance(p, str) and _PIECE.fullmatch(p) for p in pieces):
                 raise CorruptCheckpoint(f"checkpoint part {name!r}: 'pieces' must be a list of crc32s like 0123abcd, got {pieces!r:.200}", path)
@@ -226,7 +266,10 @@ class PartInfo:
                 raise CorruptCheckpoint(
                     f"checkpoint part {name!r}: 'piece_bytes' {piece_bytes!r} with {len(pieces)} 'pieces' does not cover its {size} bytes", path
                 )
-        return cls(name=name, path=path, bytes=size, checksum=checksum, pieces=pieces, piece_bytes=piece_bytes if pieces is not None else 0)  # type: ignore[arg-type]
+        return cls(
+            name=name, path=path, bytes=size, checksum=checksum, pieces=pieces,  # type: ignore[arg-type]
+            piece_bytes=piece_bytes if pieces is not None else 0, layout=layout,  # type: ignore[arg-type]
+        )  # fmt: skip
 
 
 @attrs.frozen

@@ -97,6 +97,24 @@ class Block:
         return f"{self.param}[{self.row_start}:{self.row_end}]"
 
 
+def block_entry(b: Block) -> str:
+    """The name a block's state goes by, whatever pserver holds it: ``<param>@<first>:<end>``
+    (``.../values``, ``.../state.<k>``, ``.../scalar.<k>`` are its entries in a slot
+    migration and a checkpoint part)."""
+    return f"{b.param}@{b.row_start}:{b.row_end}"
+
+
+def parse_entry(key: str) -> tuple[str, int, int, str] | None:
+    """``(param, first row, end row, what)`` of an entry named ``<param>@<first>:<end>/<what>``;
+    None for any other name."""
+    block, sep, what = key.rpartition("/")
+    param, at, rows = block.rpartition("@")
+    first, colon, end = rows.partition(":")
+    if not (sep and at and colon and first.isdigit() and end.isdigit()):
+        return None
+    return param, int(first), int(end), what
+
+
 def cut_blocks(params: Sequence[ParamSpec], min_block: int = DEFAULT_MIN_BLOCK) -> list[Block]:
     """Cut parameters into row-aligned blocks of at least ``min_block`` elements."""
     if min_block < 1:

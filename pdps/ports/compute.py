@@ -153,8 +153,9 @@ class ParameterShard(Protocol):
         ...
 
     def snapshot(self, counters: Mapping[str, int]) -> dict[str, Any]:
-        """:meth:`state_dict` copied now (the shard may step on while the copy is written
-        to a checkpoint), with each of ``counters`` as a 0-d int64 tensor under its name."""
+        """:meth:`export_blocks` of every block copied now (the shard may step on while
+        the copy is written to a checkpoint part), with each of ``counters`` as a 0-d
+        int64 tensor under its name."""
         ...
 
 

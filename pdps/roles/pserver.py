@@ -30,7 +30,7 @@ import uuid
 from collections import OrderedDict
 
 from pdps.core.backoff import Backoff
-from pdps.core.checkpoints import Epoch, pserver_part
+from pdps.core.checkpoints import Epoch
 from pdps.core.elastic import Resize, ResizeState
 from pdps.core.errors import (
     ConfigError,
@@ -841,10 +841,9 @@ class Pserver:
         import os
 
         assert self._files is not None and self.index is not None
-        name = pserver_part(self.index)
         try:
             began = time.monotonic()
-            part = self._files.write_part(f"{ckpt_id}/{name}.safetensors", state, name=name)
+            part = recovery.write_shard_part(self._files, ckpt_id, self.index, state)
             with self._cond:
                 self.checkpoint_parts += 1
                 self.checkpoint_seconds += time.monotonic() - began
@@ -920,10 +919,7 @@ class Pserver:
         files = self._files
 
         def load() -> int:
-            manifest = files.read_manifest(ckpt_id)
-            tensors = files.read_part(manifest.parts[pserver_part(self.index)])
-            version = int(tensors.pop("pdps.version"))
-            shard.load_state_dict(tensors)
+            version = recovery.load_shard(self._store, files, self.config, ckpt_id, shard)
             log.info("pserver %s loaded checkpoint %s (version %d)", self.index, ckpt_id, version)
             return version
 

@@ -21,8 +21,12 @@ compare-and-set loop (:func:`pdps.runtime.cas.read_modify_write`) and drives the
   picks the newest committed checkpoint whose every part passes its checksum, falling
   back to older ones and saying so, and bumps the job's ``epoch`` record to
   {epoch + 1, checkpoint, round}. Every role watches ``epoch``: pservers load their
-  parts, the master reloads its queues, trainers drop their step and re-fetch. A part
+  blocks, the master reloads its queues, trainers drop their step and re-fetch. A part
   or commit of the old epoch can no longer land.
+* **A pserver's part** holds its blocks keyed by block (:func:`write_shard_part`), so a
+  pserver loads the blocks its slot map gives it now from whichever parts hold their
+  rows (:func:`load_shard`): a checkpoint restores onto any pserver count. Parts that
+  pdps wrote before, one shard concatenated, are cut into blocks as they are read.
 
 It lives in the runtime, not beside the roles: the master, the pservers, the trainers
 and the operator's commands (``pdps checkpoint``, ``pdps status``) all use it, and it
@@ -35,15 +39,17 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from pdps.core import checkpoints
 from pdps.core.checkpoints import CheckpointInfo, CommitView, Epoch, Manifest, PartInfo, Pointer, RollbackView, State
-from pdps.core.errors import ConfigError, PdpsError, StorageError
-from pdps.core.job import JobConfig, Keys
+from pdps.core.errors import ConfigError, CorruptCheckpoint, PdpsError, StorageError
+from pdps.core.job import JobConfig, Keys, decode_as
+from pdps.core.slots import Block, Layout, ParamSpec, SlotMap, block_entry, parse_entry
 from pdps.core.txn import Compare, KeyValue, Op, Put
 from pdps.ports.checkpoints import CheckpointFiles
+from pdps.ports.compute import ParameterShard
 from pdps.ports.coordination import CoordinationStore
 from pdps.runtime.cas import read_modify_write
 
@@ -172,6 +178,106 @@ def cleanup(
     if gone:
         log.info("deleted checkpoints %s", gone)
     return gone
+
+
+# --- a pserver's part ---------------------------------------------------------------
+
+#: The counter of updates a pserver had applied, a 0-d int64 tensor beside its blocks.
+VERSION = "pdps.version"
+
+
+def write_shard_part(files: CheckpointFiles, ckpt_id: str, index: int, snapshot: Mapping[str, Any]) -> PartInfo:
+    """Write pserver ``index``'s :meth:`~pdps.ports.compute.ParameterShard.snapshot` as its
+    part of ``ckpt_id``, recorded as keyed by block (:data:`~pdps.core.checkpoints.BLOCKS`)."""
+    name = checkpoints.pserver_part(index)
+    return files.write_part(f"{ckpt_id}/{name}.safetensors", snapshot, name=name).keyed_by_block()
+
+
+def load_shard(store: CoordinationStore, files: CheckpointFiles, config: JobConfig, ckpt_id: str, shard: ParameterShard) -> int:
+    """Load every block of ``shard`` from checkpoint ``ckpt_id``, whatever pserver count
+    it was taken with; return the pserver's version: the most updates applied by a
+    pserver whose part held some of its rows.
+
+    Every pserver part is read, and what holds rows of ``shard``'s blocks is kept. A
+    part written before checkpoints were keyed by block is cut into blocks by the
+    layout it was written for: the model (the job's ``model`` record), the job's
+    ``num_slots`` and ``min_block``, and the job's first slot map for as many pservers
+    as the checkpoint has parts. ConfigError, with ``shard`` unchanged, when the
+    checkpoint does not hold every row of it or such a part does not fit that layout;
+    CorruptCheckpoint when a part is not what its record says.
+    """
+    manifest = files.read_manifest(ckpt_id)
+    parts = checkpoints.pserver_parts(manifest)
+    rows: dict[str, list[tuple[int, int]]] = {}
+    for b in shard.blocks:
+        rows.setdefault(b.param, []).append((b.row_start, b.row_end))
+
+    def wanted(key: str) -> bool:
+        name = parse_entry(key)  # an entry of no block is import_blocks' to refuse
+        return name is None or any(lo < name[2] and name[1] < hi for lo, hi in rows.get(name[0], ()))
+
+    layout_then: Layout | None = None
+    entries: dict[str, Any] = {}
+    version = 0
+    for index, part in sorted(parts.items()):
+        tensors = files.read_part(part)
+        counter = tensors.pop(VERSION, None)
+        if counter is None:
+            raise CorruptCheckpoint(f"checkpoint {ckpt_id}: part {part.name} has no {VERSION!r} counter", part.path)
+        if part.layout is None:
+            layout_then = layout_then or _layout_written_for(store, config, manifest, len(parts))
+            tensors = _cut_into_blocks(tensors, layout_then.blocks_of(index), manifest, part, config)
+        mine = {k: t for k, t in tensors.items() if wanted(k)}
+        if not mine:
+            continue
+        version = max(version, int(counter))
+        # all of a part kept: its buffer is needed anyway; some of it: copies, so the rest goes
+        entries.update(mine if len(mine) == len(tensors) else {k: t.clone() for k, t in mine.items()})
+    try:
+        shard.import_blocks(entries)
+    except ConfigError as exc:
+        raise ConfigError(f"checkpoint {ckpt_id} cannot be loaded into this pserver's blocks: {exc}") from exc
+    return version
+
+
+def _layout_written_for(store: CoordinationStore, config: JobConfig, manifest: Manifest, pservers: int) -> Layout:
+    """The layout a checkpoint written per pserver (before block keys) was taken in."""
+    keys = Keys(config.name)
+    kv = store.get(keys.model)
+    if kv is None:
+        raise ConfigError(
+            f"checkpoint {manifest.id} was written before checkpoints were keyed by block: reading it needs the model "
+            f"description ({keys.model}), which a trainer writes when it attaches; attach one first"
+        )
+    specs = decode_as(kv.value, kv.key, lambda ds: [ParamSpec.from_json(d) for d in ds])
+    return Layout.build(specs, SlotMap.initial(pservers, config.num_slots), config.min_block)
+
+
+def _cut_into_blocks(tensors: Mapping[str, Any], blocks: Sequence[Block], manifest: Manifest, part: PartInfo, config: JobConfig) -> dict[str, Any]:
+    """A part written per pserver (``values``, ``state.<k>``, ``scalar.<k>``: the shard's
+    blocks laid end to end) as block entries; ConfigError when it does not fit ``blocks``."""
+    numel = sum(b.numel for b in blocks)
+    for key, t in tensors.items():
+        kind, _, name = key.partition(".")
+        flat = key == "values" or (kind == "state" and name and t.dim() > 0)
+        if not (flat or (kind in ("state", "scalar") and name and t.dim() == 0)):
+            raise CorruptCheckpoint(f"checkpoint {manifest.id}: unexpected entry {key!r} in part {part.name}", part.path)
+        if flat and tuple(t.shape) != (numel,):
+            raise ConfigError(
+                f"checkpoint {manifest.id} was written before checkpoints were keyed by block, and its part {part.name} "
+                f"does not fit the layout it must have been taken in: {key!r} holds {t.numel()} elements where "
+                f"{part.name} of {manifest.extra.get('pservers', '?')} pservers holds {numel} for this job's model with "
+                f"num_slots={config.num_slots} and min_block={config.min_block}. Restore it into a job with the model, "
+                "num_slots and min_block it was taken with (any pserver count)"
+            )
+    out: dict[str, Any] = {}
+    offset = 0
+    for b in blocks:
+        entry = block_entry(b)
+        for key, t in tensors.items():  # a 0-d state tensor is a per-block counter: every block's
+            out[f"{entry}/{key}"] = t[offset : offset + b.numel] if t.dim() > 0 else t
+        offset += b.numel
+    return out
 
 
 # --- choosing and rolling back ------------------------------------------------------

@@ -20,7 +20,7 @@ from typing import Any
 import attrs
 
 from pdps.adapters import safetensors_files as files
-from pdps.core.checkpoints import PartInfo, is_checkpoint_id
+from pdps.core.checkpoints import MASTER_PART, PartInfo, is_checkpoint_id
 from pdps.core.errors import ConfigError, CorruptCheckpoint, NoSuchJob, PdpsError
 from pdps.core.job import JobConfig, Keys, decode_json
 from pdps.ports.coordination import CoordinationStore
@@ -95,7 +95,9 @@ def inspect_checkpoint(store: CoordinationStore, storage: Storage | None, job: s
     and verified part by part: ``job``, ``storage``, ``id``, ``state`` (as
     :func:`list_checkpoints` says), ``epoch``, ``round``, ``created``, ``extra`` (what
     the manifest keeps besides), ``parts`` (``name``, ``path``, ``bytes``,
-    ``checksum`` and ``result``: ``ok`` or what is wrong), ``problems`` (every fault
+    ``checksum``, ``layout``: ``blocks`` for a pserver part keyed by block,
+    ``pserver`` for one an older pdps wrote as its shard concatenated, null for the
+    master's; and ``result``: ``ok`` or what is wrong), ``problems`` (every fault
     found, the manifest's included) and ``sound`` (no problem at all).
 
     Raises :class:`NoSuchCheckpoint` for an id neither the store nor the storage
@@ -226,6 +228,11 @@ def format_inspection(report: dict[str, Any], url: str) -> str:
     rows += [(p["name"], str(p["bytes"]), p["checksum"], "ok" if p["result"] == "ok" else "BAD (below)") for p in r["parts"]]
     w = [max(len(row[i]) for row in rows) for i in range(3)]
     lines += [f"  {row[0]:<{w[0]}}  {row[1]:>{w[1]}}  {row[2]:<{w[2]}}  {row[3]}" for row in rows]
+    if any(p["layout"] == "pserver" for p in r["parts"]):
+        lines.append(
+            "  its pserver parts were written by an older pdps, one shard each: they are cut into blocks when loaded, "
+            "which needs a job with the model, num_slots and min_block they were taken with (any pserver count)"
+        )
     if r["sound"]:
         lines.append(f"  sound: {len(r['parts'])} parts, every size and crc32 checksum as the manifest says")
     else:
@@ -299,9 +306,15 @@ def _epoch_record(store: CoordinationStore, keys: Keys) -> dict[str, Any] | None
 
 def _parts(parts: Any, results: dict[str, str]) -> list[dict[str, Any]]:
     return [
-        {"name": p.name, "path": p.path, "bytes": p.bytes, "checksum": p.checksum, "result": results[p.name]}
+        {"name": p.name, "path": p.path, "bytes": p.bytes, "checksum": p.checksum, "layout": _layout(p), "result": results[p.name]}
         for p in sorted(parts, key=lambda p: p.name)
     ]
+
+
+def _layout(part: PartInfo) -> str | None:
+    if part.layout is not None:
+        return part.layout
+    return None if part.name == MASTER_PART else "pserver"
 
 
 def _when(t: float | None) -> str:

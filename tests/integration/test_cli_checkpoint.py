@@ -133,6 +133,7 @@ def test_inspect_verifies_every_part_and_exits_1_naming_a_checksum_mismatch(job)
     assert (report["id"], report["state"], report["round"], report["epoch"]) == (pointer["id"], "latest", pointer["round"], 0)
     assert report["sound"] is True and report["problems"] == [] and report["extra"] == {"mode": "sync", "pservers": 2}
     assert [p["name"] for p in report["parts"]] == ["master", "ps-0", "ps-1"]
+    assert [p["layout"] for p in report["parts"]] == [None, "blocks", "blocks"]  # pserver parts keyed by block
     for p in report["parts"]:
         assert p["result"] == "ok" and p["checksum"].startswith("crc32:")
         assert p["bytes"] == (ckpt / p["path"]).stat().st_size

@@ -124,6 +124,37 @@ def test_part_info_refuses_pieces_that_do_not_cover_the_part(changes):
         PartInfo("ps-0", "p", 10, "crc32:0badf00d", pieces=("00000001",), piece_bytes=4)
 
 
+# --- part layouts ---------------------------------------------------------------------
+
+
+def test_a_part_keyed_by_block_says_so_and_a_record_without_a_layout_is_one_written_per_pserver():
+    info = PartInfo("ps-0", f"{CID}/ps-0.safetensors", 10, "crc32:0badf00d", layout=checkpoints.BLOCKS)
+    d = json.loads(json.dumps(info.to_json()))
+    assert d["layout"] == "blocks" and PartInfo.from_json(d) == info
+    assert PartInfo("ps-0", f"{CID}/ps-0.safetensors", 10, "crc32:0badf00d").keyed_by_block() == info
+    older = PartInfo.from_json({k: v for k, v in d.items() if k != "layout"})
+    assert older.layout is None and "layout" not in older.to_json()
+
+
+def test_a_layout_this_pdps_does_not_read_is_refused_before_anything_is_loaded():
+    d = {"name": "ps-0", "path": f"{CID}/ps-0.safetensors", "bytes": 10, "checksum": "crc32:0badf00d", "layout": "columns"}
+    with pytest.raises(CorruptCheckpoint, match="layout 'columns' is not one this pdps reads.*a newer pdps wrote it"):
+        PartInfo.from_json(d)
+    with pytest.raises(ConfigError, match="layout 'columns'"):
+        PartInfo("ps-0", "p", 10, "crc32:0badf00d", layout="columns")
+
+
+def test_pserver_parts_are_numbered_from_zero_without_gaps():
+    def manifest(*names: str) -> Manifest:
+        parts = {n: PartInfo(n, f"{CID}/{n}.safetensors", 1, "crc32:00000000") for n in names}
+        return Manifest(id=CID, job="j", round=2, epoch=1, created=0.0, parts=parts)
+
+    got = checkpoints.pserver_parts(manifest("master", "ps-1", "ps-0", "ps-2"))
+    assert sorted(got) == [0, 1, 2] and got[2].name == "ps-2"
+    with pytest.raises(CorruptCheckpoint, match=r"pserver parts \[0, 2\] are not ps-0 .. ps-1"):
+        checkpoints.pserver_parts(manifest("master", "ps-0", "ps-2"))
+
+
 def test_a_manifest_encodes_and_decodes_and_names_its_file_when_wrong():
     part = PartInfo("ps-0", f"{CID}/ps-0.safetensors", 4, "crc32:00000000", pieces=("00000000",), piece_bytes=4)
     manifest = Manifest(CID, "j", 2, 1, 5.5, {"ps-0": part}, extra={"pservers": 1})

@@ -5,8 +5,9 @@ The desired counts live in the store (``ps_desired``; ``trainers_desired`` once 
 resize named a trainer count, the configured count until then), written by
 ``pdps scale`` (:func:`pdps.runtime.resizing.request_resize`). Following them only
 ever *starts* roles: a departing pserver or trainer leaves by itself and exits 0, and
-its place is free from then on; a role that crashed keeps its place (it is restarted,
-or the job ends). Nothing here reads the store or a clock.
+its place is free from then on (:func:`leaves`); a role that crashed keeps its place
+(it is restarted, or the job ends), and so does one that exits 0 when no fewer are
+wanted (a trainer done with the job). Nothing here reads the store or a clock.
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ class Desired:
     pservers: int
     trainers: int
 
+    def of(self, kind: str) -> int:
+        """The count of ``kind`` (``pserver`` or ``trainer``)."""
+        return {"pserver": self.pservers, "trainer": self.trainers}[kind]
+
 
 def parse_count(raw: bytes, key: str) -> int:
     """A desired count as stored (a whole number >= 1 in ASCII); CorruptRecord naming ``key``."""
@@ -35,6 +40,14 @@ def parse_count(raw: bytes, key: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise CorruptRecord(f"{key} must hold a whole number of at least 1 in ASCII, holds {raw[:40]!r}; write it again with pdps scale", key)
     return int(text)
+
+
+def leaves(desired: int, taking_part: int) -> bool:
+    """Whether a role that exited 0 on its own, one of ``taking_part`` of its kind (itself
+    included), left because a resize removed it: only while more take part than are
+    wanted. Its place is then free and it is not restarted; otherwise it ended as before
+    resizing existed (a trainer finished, a pserver died)."""
+    return taking_part > desired
 
 
 def to_start(kind: str, desired: int, started: int, left: int) -> tuple[str, ...]:

@@ -42,7 +42,7 @@ from typing import IO, Any
 import attrs
 
 from pdps.core.errors import ConfigError, PdpsError
-from pdps.core.headcount import free_indexes, to_start
+from pdps.core.headcount import Desired, free_indexes, leaves, to_start
 from pdps.core.job import JobConfig, Keys
 from pdps.roles.trainer.discovery import job_done
 from pdps.runtime.resizing import read_desired
@@ -408,12 +408,13 @@ class Launcher:
             now = time.monotonic()
             if now - start > self.values["timeout"]:
                 raise PdpsError(f"job {self.config.name!r} did not finish in {self.values['timeout']:.0f}s")
+            desired = self._desired(store)
             for role in list(self._roles):
                 code = role.proc.poll() if role.proc is not None else None
                 if code is None or role.finished or role.left:
                     continue
                 if code == 0:
-                    if role.kind == "pserver" or (role.kind == "trainer" and not job_done(store, self._keys)):
+                    if desired is not None and role.kind != "master" and leaves(desired.of(role.kind), self._taking_part(role.kind)):
                         # a resize removed it: it handed its work on (not a failure, not the job's end)
                         role.left = True
                         self._say(f"{role.name} left the job (exited 0)")
@@ -425,7 +426,8 @@ class Launcher:
                     if role.kind == "master" and job_done(store, self._keys):
                         continue
                 self._died(role, code)
-            self._follow(store)
+            if desired is not None:
+                self._follow(store, desired)
             trainers = [r for r in self._roles if r.kind == "trainer"]
             if all(r.finished or r.left for r in trainers):
                 if job_done(store, self._keys):
@@ -439,20 +441,28 @@ class Launcher:
                     log.debug("no progress this time: %s", exc)
             time.sleep(POLL)
 
-    def _follow(self, store: Any) -> None:
-        """Start the pservers and trainers the job wants beyond those taking part
-        (:func:`pdps.core.headcount.to_start`); none once the job is done. A new pserver
-        takes the lowest index no pserver of this launcher holds; each new role gets the
-        next metrics port after the roles before it."""
+    def _desired(self, store: Any) -> Desired | None:
+        """The job's desired counts; None (warned once) while they cannot be read."""
         try:
             desired = read_desired(store, self._keys, self.config.trainers)
         except PdpsError as exc:  # a store outage, or a count someone wrote wrong: follow once it reads again
             if str(exc) != self._unfollowed:
                 log.warning("cannot read the job's desired counts: %s", exc)
             self._unfollowed = str(exc)
-            return
+            return None
         self._unfollowed = ""
-        for kind, want in (("pserver", desired.pservers), ("trainer", desired.trainers)):
+        return desired
+
+    def _taking_part(self, kind: str) -> int:
+        return sum(1 for r in self._roles if r.kind == kind and not r.left)
+
+    def _follow(self, store: Any, desired: Desired) -> None:
+        """Start the pservers and trainers the job wants beyond those taking part
+        (:func:`pdps.core.headcount.to_start`); none once the job is done. A new pserver
+        takes the lowest index no pserver of this launcher holds; each new role gets the
+        next metrics port after the roles before it."""
+        for kind in ("pserver", "trainer"):
+            want = desired.of(kind)
             mine = [r for r in self._roles if r.kind == kind]
             names = to_start(kind, want, len(mine), sum(r.left for r in mine))
             if not names or job_done(store, self._keys):

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 from pdps.core.elastic import Resize, ResizeState, check_counts, describe
 from pdps.core.errors import ConfigError, ResizeInProgress, Timeout
+from pdps.core.headcount import Desired, parse_count
 from pdps.core.job import Keys, decode_as
 from pdps.core.slots import SlotMap
 from pdps.core.txn import Decision, Done, Write
@@ -127,3 +128,11 @@ def wait_resized(
             moved.clear()
     finally:
         watch.cancel()
+
+
+def read_desired(store: CoordinationStore, keys: Keys, configured_trainers: int) -> Desired:
+    """The counts the job wants now (``configured_trainers`` until a resize names one)."""
+    ps, trainers = store.get(keys.ps_desired), store.get(keys.trainers_desired)
+    if ps is None:
+        raise ConfigError(f"job {keys.job!r} has no {keys.ps_desired}; start its master (or publish the job) first")
+    return Desired(parse_count(ps.value, ps.key), configured_trainers if trainers is None else parse_count(trainers.value, trainers.key))

@@ -230,6 +230,12 @@ class Injector:
         self.pservers[self.pservers.index(old)] = replacement
         self._in_background(replacement.start, f"pserver {index}'s replacement")
 
+    def add_pserver(self) -> None:
+        """Start one more pserver (a resize wants it): it claims the first free index."""
+        ps = self._new_pserver(None)
+        self.pservers.append(ps)
+        self._in_background(ps.start, "a new pserver")
+
     def _kill_master(self, _index: None) -> None:
         assert self._mortal is not None
         self._mortal.die()

@@ -4,7 +4,9 @@ The launcher creates the job in the store (its configuration is what every role
 reads), starts a master, the pservers and the trainers as ``python -m pdps ROLE``
 processes, relays their logs to stderr prefixed with the role's name, shows
 progress (a live table on a terminal, plain lines elsewhere: :mod:`pdps.shell.launch_view`),
-gives each role its metrics port, restarts roles that die (``--restart on-failure``), and when the
+gives each role its metrics port, restarts roles that die (``--restart on-failure``), follows
+the job's desired counts while it runs (starts the pservers and trainers a resize adds;
+those a resize removes leave by themselves, exit 0, and are not restarted), and when the
 trainers are done pulls the final parameters, stops the remaining roles and
 reports how the job ended. With ``--transport inproc`` the same job runs in this
 one process (threads, as :func:`pdps.simulate`).
@@ -40,8 +42,10 @@ from typing import IO, Any
 import attrs
 
 from pdps.core.errors import ConfigError, PdpsError
+from pdps.core.headcount import Desired, free_indexes, leaves, to_start
 from pdps.core.job import JobConfig, Keys
 from pdps.roles.trainer.discovery import job_done
+from pdps.runtime.resizing import read_desired
 from pdps.shell.launch_view import LiveView, PlainView, RoleRow, Snapshot, open_view, rates
 
 log = logging.getLogger(__name__)
@@ -60,12 +64,14 @@ LAST_LINES = 12
 class Role:
     """One role process the launcher owns."""
 
-    name: str  # master, pserver-<i>, trainer-<i>
+    name: str  # master, pserver-<n>, trainer-<n>: numbered in the order they were started
     kind: str  # master | pserver | trainer
     argv: list[str]
+    index: int | None = None  # a pserver's fixed index
     proc: subprocess.Popen | None = None
     restarts: int = 0
     finished: bool = False  # exited 0 on its own (trainers: the job is done for them)
+    left: bool = False  # exited 0 on its own before the job was done: a resize removed it
     result: dict | None = None  # a trainer's last stdout line
     threads: list[threading.Thread] = attrs.field(factory=list)
     metrics_port: int | None = None  # what it is told to serve metrics on (None: none)
@@ -235,11 +241,18 @@ class Launcher:
         self._roles: list[Role] = []
         self._keys = Keys(config.name)
         self.restarts = 0
+        self._unfollowed = ""  # why the desired counts could not be read, last time
 
     # --- processes --------------------------------------------------------------------
 
     def _argv(self, kind: str, *extra: str) -> list[str]:
         return [sys.executable, "-m", "pdps", kind, *extra]
+
+    def _role(self, kind: str, name: str, index: int | None = None) -> Role:
+        """A pserver (with its fixed ``index``) or a trainer (its id is its name)."""
+        if kind == "pserver":
+            return Role(name, kind, self._argv("pserver", "--index", str(index)), index=index)
+        return Role(name, kind, self._argv("trainer", "--trainer-id", name, self.values["target"]))
 
     def _start(self, role: Role) -> None:
         env = {**self._env, "PDPS_METRICS_PORT": "none" if role.metrics_port is None else str(role.metrics_port)}
@@ -335,8 +348,8 @@ class Launcher:
         """The roles to start, each with its metrics port: the master ``metrics_port``,
         pserver i +1+i, trainer i +1+pservers+i (0: each a free one; None: none)."""
         roles = [Role("master", "master", self._argv("master"))]
-        roles += [Role(f"pserver-{i}", "pserver", self._argv("pserver", "--index", str(i))) for i in range(self.config.pservers)]
-        roles += [Role(f"trainer-{i}", "trainer", self._argv("trainer", "--trainer-id", f"trainer-{i}", self.values["target"])) for i in range(self.config.trainers)]
+        roles += [self._role("pserver", f"pserver-{i}", i) for i in range(self.config.pservers)]
+        roles += [self._role("trainer", f"trainer-{i}") for i in range(self.config.trainers)]
         base = self.values.get("metrics_port")
         if base is None:
             return roles
@@ -379,6 +392,8 @@ class Launcher:
 
     @staticmethod
     def _state(role: Role) -> str:
+        if role.left:
+            return "left (exited 0)"
         if role.finished:
             return "finished"
         code = None if role.proc is None else role.proc.poll()
@@ -393,11 +408,17 @@ class Launcher:
             now = time.monotonic()
             if now - start > self.values["timeout"]:
                 raise PdpsError(f"job {self.config.name!r} did not finish in {self.values['timeout']:.0f}s")
-            for role in self._roles:
+            desired = self._desired(store)
+            for role in list(self._roles):
                 code = role.proc.poll() if role.proc is not None else None
-                if code is None or role.finished:
+                if code is None or role.finished or role.left:
                     continue
                 if code == 0:
+                    if desired is not None and role.kind != "master" and leaves(desired.of(role.kind), self._taking_part(role.kind)):
+                        # a resize removed it: it handed its work on (not a failure, not the job's end)
+                        role.left = True
+                        self._say(f"{role.name} left the job (exited 0)")
+                        continue
                     role.finished = True
                     if role.kind == "trainer":
                         log.info("%s finished", role.name)
@@ -405,8 +426,10 @@ class Launcher:
                     if role.kind == "master" and job_done(store, self._keys):
                         continue
                 self._died(role, code)
+            if desired is not None:
+                self._follow(store, desired)
             trainers = [r for r in self._roles if r.kind == "trainer"]
-            if all(r.finished for r in trainers):
+            if all(r.finished or r.left for r in trainers):
                 if job_done(store, self._keys):
                     return
                 raise PdpsError(f"every trainer of job {self.config.name!r} has exited, but the job is not done")
@@ -417,6 +440,42 @@ class Launcher:
                 except PdpsError as exc:
                     log.debug("no progress this time: %s", exc)
             time.sleep(POLL)
+
+    def _desired(self, store: Any) -> Desired | None:
+        """The job's desired counts; None (warned once) while they cannot be read."""
+        try:
+            desired = read_desired(store, self._keys, self.config.trainers)
+        except PdpsError as exc:  # a store outage, or a count someone wrote wrong: follow once it reads again
+            if str(exc) != self._unfollowed:
+                log.warning("cannot read the job's desired counts: %s", exc)
+            self._unfollowed = str(exc)
+            return None
+        self._unfollowed = ""
+        return desired
+
+    def _taking_part(self, kind: str) -> int:
+        return sum(1 for r in self._roles if r.kind == kind and not r.left)
+
+    def _follow(self, store: Any, desired: Desired) -> None:
+        """Start the pservers and trainers the job wants beyond those taking part
+        (:func:`pdps.core.headcount.to_start`); none once the job is done. A new pserver
+        takes the lowest index no pserver of this launcher holds; each new role gets the
+        next metrics port after the roles before it."""
+        for kind in ("pserver", "trainer"):
+            want = desired.of(kind)
+            mine = [r for r in self._roles if r.kind == kind]
+            names = to_start(kind, want, len(mine), sum(r.left for r in mine))
+            if not names or job_done(store, self._keys):
+                continue
+            indexes = free_indexes((r.index for r in mine if not r.left and r.index is not None), len(names)) if kind == "pserver" else [None] * len(names)
+            for name, index in zip(names, indexes):
+                role = self._role(kind, name, index)
+                base = self.values.get("metrics_port")
+                if base is not None:
+                    role.metrics_port = base + len(self._roles) if base and base + len(self._roles) <= 65535 else 0
+                self._roles.append(role)
+                self._say(f"the job wants {want} {kind}s: starting {name}" + ("" if index is None else f" (index {index})"))
+                self._start(role)
 
     def _died(self, role: Role, code: int) -> None:
         how = f"signal {signal.Signals(-code).name}" if code < 0 else f"code {code}"

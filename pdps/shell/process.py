@@ -30,7 +30,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from pdps.core.errors import ConfigError, PdpsError
+from pdps.core.errors import ConfigError, PdpsError, ResizeInProgress
 from pdps.core.job import JobConfig, Keys
 from pdps.ports.coordination import CoordinationStore
 
@@ -251,6 +251,45 @@ def run_master(values: Mapping[str, Any]) -> int:
         store.close()
 
 
+def make_room(store: CoordinationStore, config: JobConfig, index: int, stop: threading.Event) -> bool:
+    """Before a pserver with fixed ``index`` claims it: if the job has fewer pservers
+    (a StatefulSet scaled up before ``pdps scale``), ask for a resize to ``index + 1``,
+    behind any resize in progress; if the newest resize removed this index, wait until
+    one wants it again (:func:`pdps.core.headcount.pserver_entry`). False if ``stop``
+    was set meanwhile.
+
+    It does not wait for its own resize to finish: that resize waits for this pserver
+    to claim its index.
+    """
+    from pdps.core.headcount import Entry, pserver_entry
+    from pdps.runtime.resizing import REREAD, read_desired, read_map, read_resize, request_resize
+
+    keys = Keys(config.name)
+    said: Entry | None = None
+    while not stop.is_set():
+        latest, _ = read_resize(store, keys)
+        desired = read_desired(store, keys, config.trainers).pservers
+        entry = pserver_entry(index, desired, read_map(store, keys).num_pservers, latest)
+        if entry is Entry.CLAIM:
+            return True
+        if entry is Entry.ASK:
+            try:
+                request_resize(store, keys, pservers=index + 1, by=f"pserver pod {index}")
+                return True
+            except ResizeInProgress as exc:
+                if said is not Entry.ASK:
+                    log.info("pserver index %d is beyond the job's %d pservers; asking for %d once this resize is done: %s", index, desired, index + 1, exc)
+        elif said is not Entry.WAIT:
+            log.warning(
+                "pserver index %d was removed from job %r by resize %s; waiting until a resize wants it again "
+                "(pdps scale --pservers %d), or until this pod is deleted (scale the StatefulSet down)",
+                index, keys.job, latest.id if latest else "?", index + 1,
+            )  # fmt: skip
+        said = entry
+        stop.wait(REREAD)
+    return False
+
+
 def run_pserver(values: Mapping[str, Any]) -> int:
     """Serve a slice of the parameters until SIGTERM. Exit code."""
     from pdps.adapters.prometheus_metrics import pserver_reading
@@ -261,6 +300,9 @@ def run_pserver(values: Mapping[str, Any]) -> int:
     metrics = role_metrics(values, "pserver", "unclaimed" if values.get("index") is None else str(values["index"]))
     store, config, st = _join(values, metrics)
     try:
+        shutdown = Shutdown(values["grace"])
+        if values.get("index") is not None and not make_room(st, config, values["index"], shutdown.requested):
+            return 0
         ps = Pserver(
             st,
             metrics.transport(open_role_transport(values)),
@@ -272,7 +314,6 @@ def run_pserver(values: Mapping[str, Any]) -> int:
             checkpoints=open_checkpoint_files(config.checkpoint_url),
         )
         metrics.watch(pserver_reading(ps))
-        shutdown = Shutdown(values["grace"])
         with serving_metrics(values, metrics):
             ps.start()
             metrics.id = str(ps.index)

@@ -2,8 +2,10 @@
 
 The composition root for in-process jobs: it builds the roles from adapters
 (``memory://`` store, ``inproc://`` transport and torch compute unless told
-otherwise), runs each trainer's training function on its own thread, and returns
-the final parameters *pulled from the pservers* with the job's counters.
+otherwise), runs each trainer's training function on its own thread, follows the
+job's desired counts (a resize that wants more trainers or pservers gets new threads
+for them; those it removes end by themselves), and returns the final parameters
+*pulled from the pservers* with the job's counters.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from typing import Any
 import attrs
 
 from pdps.core.errors import ConfigError, PdpsError, Timeout
+from pdps.core.headcount import Desired, leaves, to_start
 from pdps.core.job import JobConfig, Keys, decode_as, decode_json, require_seconds, require_whole_number, shown
+from pdps.core.lifecycle import HALTED
 from pdps.core.slots import ParamSpec
 from pdps.core.wire import PullRequest
 from pdps.ports.compute import Compute
@@ -29,6 +33,7 @@ from pdps.roles.master import Master
 from pdps.roles.pserver import Pserver
 from pdps.roles.trainer import Killed, StepRecord, TrainerContext
 from pdps.roles.trainer.pserver_client import PserverGroup
+from pdps.runtime.resizing import read_desired
 from pdps.shell.faults import Faults, Injected, Injector
 
 log = logging.getLogger(__name__)
@@ -132,13 +137,17 @@ def simulate(
         wait = 0.0 if index is None else CLAIM_WAIT_TTLS * config.lease_ttl
         return Pserver(*adapters("pserver", st, tr), compute, config, index=index, claim_wait=wait, checkpoints=open_checkpoint_files(config.checkpoint_url))
 
-    # trainer-0's model is the job's: the others attach after it, so a trainer with another
-    # model is refused the same way in every run
-    contexts = [TrainerContext(*adapters("trainer", st, tr), compute, source, config, trainer_id=f"trainer-{i}", publisher="trainer-0") for i in range(config.trainers)]
+    def new_trainer(trainer_id: str) -> TrainerContext:
+        # trainer-0's model is the job's: the others attach after it, so a trainer with another
+        # model is refused the same way in every run
+        return TrainerContext(*adapters("trainer", st, tr), compute, source, config, trainer_id=trainer_id, publisher="trainer-0")
+
+    contexts = [new_trainer(f"trainer-{i}") for i in range(config.trainers)]
     results: dict[str, Any] = {}
     errors: list[tuple[str, BaseException]] = []  # in the order they happened
     killed: list[str] = []
     roles = Injector(plan, faults.pass_no, st, contexts, new_master, new_pserver, config.pservers)
+    follow = _Follower(st, config)
     try:
         roles.master.start()
         for ps in roles.pservers:
@@ -173,6 +182,7 @@ def simulate(
         threads = [threading.Thread(target=run, args=(c,), name=c.trainer_id, daemon=True) for c in contexts]
         for t in threads:
             t.start()
+        left: set[str] = set()  # trainers a resize removed, which returned by themselves
         deadline, next_progress = start + timeout, start + PROGRESS_EVERY
         while alive := [t for t in threads if t.is_alive()]:
             if time.monotonic() > deadline:
@@ -181,6 +191,20 @@ def simulate(
             for error in (roles.master.error, roles.error):
                 if error is not None:
                     raise error
+            desired = follow.desired()
+            for t in threads:
+                if not t.is_alive() and t.name not in left and t.name not in killed and leaves(desired.trainers, len(threads) - len(left)):
+                    left.add(t.name)
+            for name in () if roles.master.done.is_set() else to_start("trainer", desired.trainers, len(threads), len(left)):
+                log.info("simulate starts %s: the job wants %d trainers", name, desired.trainers)
+                ctx = new_trainer(name)
+                contexts.append(ctx)
+                ctx.register()
+                threads.append(threading.Thread(target=run, args=(ctx,), name=name, daemon=True))
+                threads[-1].start()
+            halted = sum(ps.state in HALTED for ps in roles.pservers)
+            for _ in () if roles.master.done.is_set() else to_start("pserver", desired.pservers, len(roles.pservers), halted):
+                roles.add_pserver()
             now = time.monotonic()
             due = progress is not None and now >= next_progress
             if not (roles.pending or due) or (c := roles.counts()) is None:
@@ -224,9 +248,32 @@ def simulate(
         for ctx in contexts:
             if ctx.trainer_id not in killed:
                 ctx.leave()
+        follow.close()
         roles.stop(timeout=CLAIM_WAIT_TTLS * config.lease_ttl)
         if own_store:
             st.close()
+
+
+class _Follower:
+    """The job's desired counts for :func:`simulate`'s driver loop: read again only after
+    a watch saw them change (a resize), so a job nobody resizes reads them once."""
+
+    def __init__(self, store: CoordinationStore, config: JobConfig) -> None:
+        self._store, self._config, self._keys = store, config, Keys(config.name)
+        self._changed = threading.Event()
+        self._changed.set()
+        self._watches = [store.watch(key, lambda _event: self._changed.set()) for key in (self._keys.ps_desired, self._keys.trainers_desired)]
+        self._desired = Desired(config.pservers, config.trainers)
+
+    def desired(self) -> Desired:
+        if self._changed.is_set():
+            self._changed.clear()
+            self._desired = read_desired(self._store, self._keys, self._config.trainers)
+        return self._desired
+
+    def close(self) -> None:
+        for watch in self._watches:
+            watch.cancel()
 
 
 def _check_arguments(

@@ -74,6 +74,7 @@ _LAZY = {
     "simulate": "pdps.shell.sim",
     "ControlPlaneReport": "pdps.shell.control_plane",
     "simulate_control_plane": "pdps.shell.control_plane",
+    "scale": "pdps.shell.scale",
 }
 
 __all__ = [
@@ -82,7 +83,7 @@ __all__ = [
     "MissingExtraError", "Mode", "NoSuchJob", "NoSuchPass", "NotInitialized", "NotReady", "PdpsError",
     "ResizeInProgress", "SimulationResult", "SlotMapChanged", "StalePush", "StepRecord", "StorageError", "StoreError", "StoreUnavailable", "Timeout",
     "TrainerContext", "TransportError", "UnknownSchemeError", "UnknownTaskError",
-    "fetch_parameters", "open_compute", "open_data_source", "open_storage", "open_store", "open_transport", "simulate",
+    "fetch_parameters", "open_compute", "open_data_source", "open_storage", "open_store", "open_transport", "scale", "simulate",
     "simulate_control_plane",
 ]
 

@@ -118,6 +118,20 @@ def build_parser(argv: Sequence[str] = (), env: Mapping[str, str] | None = None)
     )
     status.set_defaults(func=cmd_status, parser=status)
 
+    scale = sub.add_parser(
+        "scale",
+        help="resize a running job: more or fewer pservers and trainers",
+        description="Ask a running job for other pserver and/or trainer counts. The desired counts go into the "
+        "store with a resize record; the job's master moves the slots live (docs/elasticity.md). One resize at a "
+        "time: while one is in progress this is refused, naming it, unless --wait.",
+    )
+    _add_store_arguments(scale)
+    scale.add_argument("--pservers", type=_positive_int, default=None, metavar="M", help="pservers the job should run")
+    scale.add_argument("--trainers", type=_positive_int, default=None, metavar="N", help="trainers the job should run")
+    scale.add_argument("--wait", action="store_true", help="queue behind a resize in progress, and wait until this one is done")
+    scale.add_argument("--timeout", type=float, default=None, metavar="SECONDS", help="with --wait: give up after this long")
+    scale.set_defaults(func=cmd_scale, parser=scale)
+
     checkpoint = sub.add_parser(
         "checkpoint",
         help="list a job's checkpoints, verify one, or roll the job back to one",
@@ -302,6 +316,31 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(json.dumps(status))
     else:
         print(format_status(status, url) if args.pass_no is None else format_pass_audit(status, url))
+    return 0
+
+
+def cmd_scale(args: argparse.Namespace) -> int:
+    url = _store_url(args)
+    from pdps.core.errors import ConfigError, Timeout
+    from pdps.shell.scale import scale
+
+    if args.pservers is None and args.trainers is None:
+        args.parser.error("name --pservers, --trainers, or both")
+
+    def show(record: dict) -> None:
+        if not args.json:
+            print(f"resize {record['id']}: {record['state']}", file=sys.stderr, flush=True)
+
+    try:
+        record = scale(url, job=args.job, pservers=args.pservers, trainers=args.trainers, wait=args.wait, timeout=args.timeout, progress=show)
+    except (NoSuchJob, ConfigError, Timeout) as exc:  # ResizeInProgress is a ConfigError
+        print(f"pdps: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(record))
+    else:
+        print(f"resize {record['id']} of job {args.job!r} to {record['pservers']} pservers"
+              + (f", {record['trainers']} trainers" if record.get("trainers") is not None else "") + f": {record['state']}")
     return 0
 
 

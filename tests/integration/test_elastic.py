@@ -104,3 +104,50 @@ def test_sync_training_resized_2_3_1_2_equals_a_replay_of_its_rounds(source):
         assert sum(t.map_changes for t in trainers) >= 3
     finally:
         job.close()
+
+
+def test_one_resize_at_a_time_and_counts_in_bounds(source):
+    """``pdps.scale`` refuses a second resize while one is in progress, naming it, and
+    counts no job can run with; the desired counts land in the store with the record."""
+    from pdps.adapters.memory_store import MemoryStore
+    from pdps.core.errors import ConfigError, ResizeInProgress
+    from pdps.roles.master import publish_job
+
+    store = MemoryStore()
+    config = publish_job(store, pdps.JobConfig(name="bounds", dataset=source.url, pservers=2, num_slots=4))
+    keys = Keys(config.name)
+    for bad in ({"pservers": 0}, {"pservers": 5}, {"trainers": 0}, {}):
+        with pytest.raises(ConfigError):
+            pdps.scale(store, job="bounds", **bad)
+    assert store.get(keys.resize) is None
+    first = pdps.scale(store, job="bounds", pservers=3, trainers=4)
+    assert first["state"] == "requested" and first["pservers"] == 3
+    assert store.get(keys.ps_desired).value == b"3" and store.get(keys.trainers_desired).value == b"4"
+    with pytest.raises(ResizeInProgress, match=first["id"]):
+        pdps.scale(store, job="bounds", pservers=1)
+    assert store.get(keys.ps_desired).value == b"3"
+
+
+def test_pdps_scale_command_asks_and_refuses_by_name(etcd_server, source):
+    import json
+    import subprocess
+    import sys
+
+    from pdps.registry import connect_store
+    from pdps.roles.master import publish_job
+
+    url = etcd_server.url
+    store = connect_store(url)
+    try:
+        publish_job(store, pdps.JobConfig(name="scale-cli", dataset=source.url, pservers=2, num_slots=8))
+    finally:
+        store.close()
+    run = lambda *a: subprocess.run([sys.executable, "-m", "pdps", "scale", "--store", url, "--job", "scale-cli", *a], capture_output=True, text=True, timeout=120)
+    ok = run("--pservers", "3", "--json")
+    assert ok.returncode == 0, ok.stderr
+    record = json.loads(ok.stdout.strip().splitlines()[-1])
+    assert record["state"] == "requested" and record["pservers"] == 3
+    again = run("--pservers", "1")
+    assert again.returncode == 1 and record["id"] in again.stderr and "in progress" in again.stderr
+    bad = run("--pservers", "9")
+    assert bad.returncode == 1 and "at most 8 pservers" in bad.stderr

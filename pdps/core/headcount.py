@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import re
 from collections.abc import Iterable
 
 import attrs
@@ -93,3 +94,16 @@ def pserver_entry(index: int, desired: int, map_pservers: int, latest: Resize | 
         return Entry.CLAIM
     removed = latest is not None and latest.from_map is not None and latest.pservers <= index < latest.from_map.num_pservers
     return Entry.WAIT if removed else Entry.ASK
+
+
+def _natural(name: str) -> tuple:
+    """``trainer-10`` after ``trainer-9``: digit runs compare as numbers."""
+    return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name))
+
+
+def surplus(live: Iterable[str], desired: int) -> set[str]:
+    """The trainers that leave when ``desired`` are wanted and ``live`` run: the last
+    ones in natural order of their ids (the newest a launcher numbered), so every
+    trainer that asks computes the same set from the same membership."""
+    ordered = sorted(set(live), key=_natural)
+    return set(ordered[max(desired, 0) :])

@@ -151,3 +151,36 @@ def test_pdps_scale_command_asks_and_refuses_by_name(etcd_server, source):
     assert again.returncode == 1 and record["id"] in again.stderr and "in progress" in again.stderr
     bad = run("--pservers", "9")
     assert bad.returncode == 1 and "at most 8 pservers" in bad.stderr
+
+
+def test_fewer_trainers_wanted_the_surplus_gives_its_task_back_and_leaves(source):
+    """``pdps.scale(trainers=2)`` on a sync job of 3: the last trainer stops after its
+    batch, gives its task back (not a failure) and leaves; the other two finish the
+    job, and every record of every pass is trained exactly once."""
+    from pdps.adapters.memory_store import MemoryStore
+
+    store = MemoryStore()
+    asked = threading.Event()
+
+    def train(ctx: pdps.TrainerContext) -> None:
+        model = ctx.attach(make_model())
+        for n, batch in enumerate(ctx.batches()):
+            loss = F.mse_loss(model(batch["x"]), batch["y"])
+            ctx.step(loss)
+            if ctx.trainer_id == "trainer-0" and n == 4 and not asked.is_set():
+                asked.set()
+                pdps.scale(store, job=ctx.config.name, trainers=2)
+            time.sleep(0.005)
+
+    result = pdps.simulate(train, dataset=source, store=store, trainers=3, pservers=2, mode="sync", batch_size=10, passes=2,
+                           lease_ttl=2.0, task_timeout=60.0, min_block=1, num_slots=8)
+    assert asked.is_set()
+    keys = Keys(result.config.name)
+    assert store.get(keys.trainers_desired).value == b"2"
+    from pdps.shell.status import pass_audit
+
+    for pass_no in range(2):
+        summary = pass_audit(store, result.config.name, pass_no)["summary"]
+        assert summary["records_trained"] == 600 and summary["records_trained_more_than_once"] == 0, summary
+        assert summary["failed"] == 0, summary
+    assert len(result.history["trainer-2"]) < len(result.history["trainer-0"])

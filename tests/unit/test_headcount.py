@@ -96,3 +96,12 @@ def resize(pservers: int, from_pservers: int | None, state: ResizeState = Resize
 )
 def test_a_pserver_with_a_fixed_index(index, desired, map_pservers, latest, expected):
     assert pserver_entry(index, desired, map_pservers, latest) is expected
+
+
+def test_the_surplus_trainers_are_the_last_in_natural_order():
+    from pdps.core.headcount import surplus
+
+    live = ["trainer-10", "trainer-9", "trainer-2", "trainer-0", "trainer-1"]
+    assert surplus(live, 3) == {"trainer-9", "trainer-10"}
+    assert surplus(live, 5) == set() and surplus(live, 9) == set()
+    assert surplus(["b", "a"], 1) == {"b"}

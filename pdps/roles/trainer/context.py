@@ -38,6 +38,7 @@ from typing import Any
 import attrs
 
 from pdps.core.errors import ConfigError, EpochChanged, LeaseExpired, NotInitialized, PdpsError, SlotMapChanged, StalePush, Timeout
+from pdps.core.headcount import parse_count, surplus
 from pdps.core.job import JobConfig, Keys, decode_json
 from pdps.core.sgd import Mode
 from pdps.core.slots import ParamSpec
@@ -55,7 +56,7 @@ from pdps.core.wire import (
     Request,
 )
 from pdps.ports.compute import Compute, ModelReplica, ThreadedCompute
-from pdps.ports.coordination import Compare, CoordinationStore, Put
+from pdps.ports.coordination import Compare, CoordinationStore, EventType, Put, WatchEvent
 from pdps.ports.data import DataSource
 from pdps.ports.transport import ChannelStats, ConcurrentCalls, Transport
 from pdps.roles.trainer.discovery import DISCOVERY_TIMEOUT, Waits, wait_for_key
@@ -154,6 +155,8 @@ class TrainerContext(SyncRound, AsyncCadence):
         self.tasks_done = 0
         self.rollbacks = 0  # epochs this trainer followed
         self.map_changes = 0  # resizes this trainer followed (slot maps it moved to)
+        self.left_by_resize = False  # fewer trainers were wanted, and this one left
+        self._desired_watch: Any = None
         #: async: pushes a pserver acknowledged as applied, per slot (a push counts once for
         #: each slot of the pserver it went to); a pserver counts what it applied the same way
         self.acknowledged: Counter[int] = Counter()
@@ -229,6 +232,26 @@ class TrainerContext(SyncRound, AsyncCadence):
             self._keeper.stop()
             self._keeper = None
             raise ConfigError(f"trainer id {self.trainer_id!r} is already registered in job {self.config.name!r}")
+        if self._desired_watch is None:
+            self._desired_watch = self._store.watch(self._keys.trainers_desired, self._on_desired)
+
+    def _on_desired(self, event: WatchEvent) -> None:
+        """Fewer trainers wanted (``pdps scale --trainers N``): if this one is among the
+        surplus of the trainers registered now, it stops after its current batch, gives
+        its task back (not a failure) and :meth:`batches` ends. Trainers that join later
+        are not asked to leave: an operator may add them past the count."""
+        if event.type is not EventType.PUT or event.key != self._keys.trainers_desired or event.value is None:
+            return
+        try:
+            desired = parse_count(event.value, event.key)
+            live = [self._keys.trainer_id(kv.key) for kv in self._store.range(self._keys.trainers)]
+        except PdpsError as exc:
+            log.warning("trainer %s cannot follow %s: %s", self.trainer_id, self._keys.trainers_desired, exc)
+            return
+        if self.trainer_id in surplus(live, desired):
+            log.warning("trainer %s leaves the job: %d trainers are wanted, %d run", self.trainer_id, desired, len(live))
+            self.left_by_resize = True
+            self.request_stop()
 
     def _rejoin(self) -> None:
         log.warning("trainer %s is no longer registered (lease lost); registering again", self.trainer_id)
@@ -239,6 +262,9 @@ class TrainerContext(SyncRound, AsyncCadence):
 
     def leave(self, *, crashed: bool = False) -> None:
         """Leave the job. ``crashed`` lets the lease run out instead, as a dead process would."""
+        watch, self._desired_watch = self._desired_watch, None
+        if watch is not None:
+            watch.cancel()
         if not crashed:
             self._waits.done()
         keeper, self._keeper = self._keeper, None

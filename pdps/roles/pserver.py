@@ -988,6 +988,12 @@ class Pserver:
         with self._cond:
             if self.config.mode is Mode.ASYNC or self._store.get(self._keys.initialized) is None:
                 self._switch_map(new)
+            elif not self._live(fresh=True):
+                # sync with no trainer to close a round (the master flipped the map itself):
+                # apply what the rounds closed, then switch here
+                while self._placed and self._shard is not None and self._advance(self.round_no):
+                    pass
+                self._switch_map(new)
 
     def _switch_map(self, new: SlotMap) -> None:
         """Serve ``new`` from now on (lock held). The blocks this pserver gives up are kept

@@ -122,7 +122,11 @@ class ResizeDriver:
         assert resize.to_map is not None
         version = resize.to_map.version
         if live_version < version:
-            return  # a sync job switches at the next round boundary
+            # a sync job switches at the next round boundary; with no trainer left to close
+            # one (the pservers see nobody registered), now
+            if not any(True for _ in self._store.range(self._keys.trainers)):
+                self._write(found, resize, [Put(self._keys.slotmap, json.dumps(resize.to_map.to_json()).encode())])
+            return
         got = resizes_got(self._store, self._keys, version)
         if set(resize.receivers()) <= set(got):
             if self._write(found, resize.finish()):

@@ -184,3 +184,26 @@ def test_fewer_trainers_wanted_the_surplus_gives_its_task_back_and_leaves(source
         assert summary["records_trained"] == 600 and summary["records_trained_more_than_once"] == 0, summary
         assert summary["failed"] == 0, summary
     assert len(result.history["trainer-2"]) < len(result.history["trainer-0"])
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_job_with_no_trainer_left_is_resized_and_keeps_its_parameters(source, mode):
+    """No trainer to close a round: the master switches the map itself, the slots move,
+    and the parameters are those the trainers left."""
+    job = start_job(source, name=f"idle-{mode}", mode=mode, pservers=2, min_block=1, num_slots=8, lease_ttl=2.0, optimizer="Adam", optimizer_args={"lr": 0.01})
+    try:
+        ctx = job.trainer("t0")
+        model = ctx.attach(make_model())
+        x = torch.randn(5, 4, dtype=torch.float64)
+        for _ in range(3):
+            ctx.step(F.mse_loss(model(x), torch.zeros(5, 2, dtype=torch.float64)), samples=5)
+        ctx.leave()
+        job.trainers.clear()
+        before = pdps.fetch_parameters(job.store, job.transport, job.config)
+        resize(job, 3)
+        after = pdps.fetch_parameters(job.store, job.transport, job.config)
+        assert read_map(job.store, Keys(job.config.name)).num_pservers == 3
+        assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+        assert sum(p.received_bytes for p in job.pservers) > 0
+    finally:
+        job.close()

@@ -974,6 +974,8 @@ class Pserver:
         if leaving:
             log.warning("pserver %s handed its slots off (%s); leaving the job", self.index, resize.id)
             self.departed.set()
+            # stop from a thread of its own: stopping cancels this very watch
+            threading.Thread(target=self.stop, name=f"pdps-ps-leave-{self.index}", daemon=True).start()
 
     def _on_slotmap_event(self, event: WatchEvent) -> None:
         """A new map: async pservers switch at once. Sync ones switch at the round

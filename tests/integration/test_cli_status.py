@@ -164,3 +164,87 @@ def test_status_shows_who_waits_for_whom_and_since_when(real_store):
     after = pdps_status(real_store.url, "--job", "waiting", "--json")
     assert json.loads(after.stdout)["waits"] == []
     assert "waiting:" not in pdps_status(real_store.url, "--job", "waiting").stdout
+
+
+def test_status_shows_the_slot_map_bytes_per_pserver_and_a_resize_as_it_goes(etcd_store):
+    """A sync job of 3 pservers asked for 2: the record moves as the master moves it
+    (planned, the map switched at a round boundary, receivers reporting, done)."""
+    from pdps.core.slots import SlotMap
+    from pdps.runtime.resizing import request_resize
+    from pdps.shell.status import size_text
+
+    store, keys = etcd_store, Keys("resizing")
+    store.put(keys.config, JobConfig(name="resizing", pservers=3, trainers=2, num_slots=12).encode())
+    live = SlotMap.initial(3, 12)
+    store.put(keys.slotmap, json.dumps(live.to_json()).encode())
+    store.put(keys.ps_desired, b"3")
+    model = [{"name": "w", "shape": [96, 8], "dtype": "float32"}, {"name": "b", "shape": [8], "dtype": "float64"}]
+    store.put(keys.model, json.dumps(model).encode())
+    values = 96 * 8 * 4 + 8 * 8
+
+    def status() -> dict:
+        out = pdps_status(etcd_store.url, "--job", "resizing", "--json")
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+    def text() -> str:
+        out = pdps_status(etcd_store.url, "--job", "resizing")
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    before = status()
+    assert before["slot_map"] == {"version": 1, "pservers": 3, "slots": 12, "base": None}
+    per = before["layout"]["per_pserver"]
+    assert [(p["index"], p["slots"]) for p in per] == [(0, 4), (1, 4), (2, 4)]
+    assert sum(p["bytes"] for p in per) == values and all(p["bytes"] > 0 for p in per)
+    assert (before["pservers_desired"], before["trainers_desired"], before["resize"]) == (3, 2, None)
+    shown = text()
+    assert "  slot map    version 1: 12 slots on 3 pservers" in shown
+    assert f"                2 not running: 4 slots, {size_text(per[2]['bytes'])} of values" in shown
+    assert "resize" not in shown
+
+    asked = request_resize(store, keys, pservers=2, trainers=4, by="pdps scale")
+    requested = status()["resize"]
+    assert {k: requested[k] for k in ("id", "state", "pservers", "trainers", "by", "from_version", "to_version", "slots_moving", "progress")} == {
+        "id": asked.id, "state": "requested", "pservers": 2, "trainers": 4, "by": "pdps scale",
+        "from_version": None, "to_version": None, "slots_moving": None, "progress": None,
+    }  # fmt: skip
+    assert (status()["pservers_desired"], status()["trainers_desired"]) == (2, 4)
+    assert f"  resize      {asked.id} to 2 pservers, 4 trainers: requested (asked by pdps scale at " in text()
+
+    # the master plans the shrink; a sync job keeps its map until the next round closes
+    planned = asked.plan(live)
+    store.put(keys.resize, json.dumps(planned.to_json()).encode())
+    migrating = status()
+    rec = migrating["resize"]
+    assert (rec["state"], rec["from_version"], rec["to_version"]) == ("migrating", 1, 2)
+    leaving = migrating["layout"]["per_pserver"][2]  # shrinking moves exactly the departing pserver's slots
+    assert (rec["slots_moving"], rec["bytes_moving"]) == (leaving["slots"], leaving["bytes"])
+    assert (rec["receivers"], rec["received"], rec["progress"]) == ([0, 1], [], "0 of 2 receivers")
+    assert migrating["slot_map"]["version"] == 1
+    assert f"migrating, map 1 -> 2 (not switched yet), {leaving['slots']} slots" in text()
+
+    # the closing pserver switches the map; pserver 1 holds its slots
+    store.put(keys.slotmap, json.dumps(planned.to_map.to_json()).encode())
+    store.put(keys.resize_got(2, 1), b"{}")
+    switched = status()
+    assert switched["slot_map"] == {"version": 2, "pservers": 2, "slots": 12, "base": 3}
+    assert [(p["index"], p["slots"]) for p in switched["layout"]["per_pserver"]] == [(0, 6), (1, 6)]
+    assert sum(p["bytes"] for p in switched["layout"]["per_pserver"]) == values
+    assert (switched["resize"]["received"], switched["resize"]["progress"]) == ([1], "1 of 2 receivers")
+    shown = text()
+    assert "  slot map    version 2: 12 slots on 2 pservers (blocks placed for 3)" in shown
+    assert (
+        f"  resize      {asked.id} to 2 pservers, 4 trainers: migrating, map 1 -> 2, "
+        f"{leaving['slots']} slots ({size_text(leaving['bytes'])} of values) moving, 1 of 2 receivers hold their slots" in shown
+    ), shown
+
+    store.put(keys.resize, json.dumps(planned.finish().to_json()).encode())
+    done = status()["resize"]
+    assert (done["state"], done["received"], done["progress"]) == ("done", [0, 1], "2 of 2 receivers")
+    assert f"  resize      last: {asked.id} to 2 pservers, 4 trainers: done" in text()
+
+    store.put(keys.resize, b'{"id": "x"')  # an undecodable record must not break status
+    broken = status()["resize"]
+    assert set(broken) == {"error"} and "resize" in broken["error"]
+    assert "  resize      unreadable: " in text()

@@ -318,11 +318,12 @@ def size_text(n: int) -> str:
     """``512 bytes``, ``1.5 KiB``, ``64.0 MiB``, ``1.0 GiB``."""
     if n < 1024:
         return f"{n} bytes"
-    for unit in ("KiB", "MiB", "GiB"):
-        n /= 1024
-        if n < 1024 or unit == "GiB":
+    size, unit = n / 1024, "KiB"
+    for bigger in ("MiB", "GiB"):
+        if size < 1024:
             break
-    return f"{n:.1f} {unit}"
+        size, unit = size / 1024, bigger
+    return f"{size:.1f} {unit}"
 
 
 def clock(t: float | None) -> str:

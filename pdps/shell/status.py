@@ -270,7 +270,7 @@ def format_status(status: dict[str, Any], url: str) -> str:
 
 def _wanted(s: dict[str, Any]) -> str:
     want = s.get("trainers_desired")
-    return "" if want is None or want == len(s["trainers"]) else f" ({want} wanted)"
+    return "" if want is None or want == len(s["trainers"]) or s["state"] == "done" else f" ({want} wanted)"
 
 
 def pserver_lines(s: dict[str, Any]) -> list[str]:

@@ -248,3 +248,55 @@ def test_status_shows_the_slot_map_bytes_per_pserver_and_a_resize_as_it_goes(etc
     broken = status()["resize"]
     assert set(broken) == {"error"} and "resize" in broken["error"]
     assert "  resize      unreadable: " in text()
+
+
+def test_status_of_a_live_job_grown_in_process_counts_what_moved(tmp_path):
+    """A live async job (master, pservers, a trainer that attached its model) grown
+    2 -> 3 by the real master: status, read at every step of the record, ends at the new
+    map, and the bytes it says moved are the bytes the new pserver received."""
+    import time
+
+    from torch import nn
+
+    from pdps.core.elastic import ResizeState
+    from pdps.roles.pserver import Pserver
+    from pdps.registry import open_checkpoint_files
+    from pdps.runtime.resizing import request_resize, wait_resized
+    from pdps.shell.status import format_status, job_status
+    from tests.integration.jobkit import start_job
+
+    url = f"{tmp_path.as_uri()}/data"
+    write_parquet_shards({"x": np.zeros((40, 4), np.float32)}, url, shards=2, row_group_size=10)
+    job = start_job(ParquetSource(url), name="grown", mode="async", pservers=2, num_slots=16, min_block=1, lease_ttl=2.0)
+    keys = Keys("grown")
+    try:
+        trainer = job.trainer("t0")
+        trainer.register()
+        model = trainer.attach(nn.Sequential(nn.Linear(32, 16), nn.Linear(16, 4)).double())
+        values = sum(p.numel() * p.element_size() for p in model.parameters())
+        before = job_status(job.store, "grown")
+        assert before["slot_map"]["version"] == 1 and before["resize"] is None
+        assert sum(p["bytes"] for p in before["layout"]["per_pserver"]) == values
+
+        seen: list[dict] = []
+        asked = request_resize(job.store, keys, pservers=3, by="test")
+        grown = Pserver(job.store, job.transport, job.compute, job.config, checkpoints=open_checkpoint_files(job.config.checkpoint_url))
+        grown.start()
+        job.pservers.append(grown)
+        done = wait_resized(job.store, keys, asked.id, deadline=time.monotonic() + 60, progress=lambda r: seen.append(job_status(job.store, "grown")))
+        assert done.state is ResizeState.DONE
+        assert {s["resize"]["state"] for s in seen} <= {"requested", "growing", "migrating"} and seen
+
+        after = job_status(job.store, "grown")
+        assert after["slot_map"] == {"version": 2, "pservers": 3, "slots": 16, "base": 2}
+        rec = after["resize"]
+        assert (rec["id"], rec["state"], rec["from_version"], rec["to_version"]) == (asked.id, "done", 1, 2)
+        assert (rec["receivers"], rec["received"], rec["progress"]) == ([2], [2], "1 of 1 receivers")
+        per = after["layout"]["per_pserver"]
+        assert sorted(p["slots"] for p in per) == [5, 5, 6]
+        assert sum(p["bytes"] for p in per) == values
+        # a grow moves exactly the new pserver's slots, and plain SGD keeps no state beside the values
+        assert rec["bytes_moving"] == per[2]["bytes"] == grown.received_bytes > 0
+        assert f"  resize      last: {asked.id} to 3 pservers: done (asked by test at " in format_status(after, job.store.url)
+    finally:
+        job.close()

@@ -157,6 +157,7 @@ def model_layout(store: CoordinationStore, keys: Keys, config: JobConfig, slot_m
 
 
 def layout_status(layout: Layout) -> dict[str, Any]:
+    """``layout`` of :func:`job_status`: the spread, and each pserver's share of the live map."""
     idle = layout.idle_pservers
     pservers = layout.slot_map.num_pservers
     slot_bytes = layout.slot_bytes()

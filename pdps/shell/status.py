@@ -15,12 +15,17 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import attrs
+
 from pdps.core.audit import Attempt, Outcome, QueueHeader, decode_attempts, record_counts
+from pdps.core.elastic import ResizeState, minimum_bytes
 from pdps.core.errors import CorruptRecord, NoSuchJob, NoSuchPass
+from pdps.core.headcount import parse_count
 from pdps.core.job import JobConfig, Keys, decode_as, decode_json
 from pdps.core.slots import Layout, ParamSpec, SlotMap
 from pdps.ports.coordination import CoordinationStore
 from pdps.roles.master import decode_record
+from pdps.runtime.resizing import read_resize, resizes_got
 
 
 def job_config(store: CoordinationStore, job: str) -> JobConfig:
@@ -51,11 +56,18 @@ def job_status(store: CoordinationStore, job: str, *, now: float | None = None) 
     ``since``, and ``seconds`` it has waited as of ``now``, default the clock's time)
     and ``layout`` (how the model is spread, once a trainer has published it, else
     null: ``blocks``, ``pservers``, ``pservers_holding`` the ones holding part of the
-    model, ``idle`` the indices of the others, and ``warning``, why some are idle, or
-    null).
+    model, ``idle`` the indices of the others, ``warning``, why some are idle, or
+    null, and ``per_pserver``: ``index``, ``slots``, ``blocks`` and ``bytes`` of values
+    of each pserver of the live map). For resizing: ``slot_map`` (the live map:
+    ``version``, ``pservers``, ``slots``, ``base``; null before the job has one),
+    ``trainers_desired`` (the configured count until a resize names one) and
+    ``resize`` (the newest resize, see :func:`resize_status`; null if none).
     """
     keys = Keys(job)
     config = job_config(store, job)
+    slots_kv = store.get(keys.slotmap)
+    slot_map = None if slots_kv is None else decode_as(slots_kv.value, keys.slotmap, SlotMap.from_json)
+    layout = model_layout(store, keys, config, slot_map)
 
     pass_kv = store.get(keys.pass_no)
     pass_no = decode_as(pass_kv.value, keys.pass_no, int) if pass_kv is not None else 0
@@ -92,7 +104,6 @@ def job_status(store: CoordinationStore, job: str, *, now: float | None = None) 
             addr = None
         pservers.append({"index": int(kv.key.rsplit("/", 1)[1]), "address": addr})
     pservers.sort(key=lambda p: p["index"])
-    desired_kv = store.get(keys.ps_desired)
     master_kv = store.get(keys.master_addr)
     checkpoint_kv = store.get(keys.checkpoint)
     epoch_kv = store.get(keys.epoch)
@@ -112,32 +123,94 @@ def job_status(store: CoordinationStore, job: str, *, now: float | None = None) 
         "master": master_kv.value.decode(errors="replace") if master_kv else None,
         "trainers": sorted(keys.trainer_id(kv.key) for kv in store.range(keys.trainers)),
         "pservers": pservers,
-        "pservers_desired": int(desired_kv.value) if desired_kv else None,
+        "pservers_desired": desired_count(store, keys.ps_desired, None),
+        "trainers_desired": desired_count(store, keys.trainers_desired, config.trainers),
         "checkpoint": decode_json(checkpoint_kv.value, keys.checkpoint) if checkpoint_kv else None,
         "epoch": decode_json(epoch_kv.value, keys.epoch) if epoch_kv else None,
         "waits": waits(store, keys, time.time() if now is None else now),
-        "layout": model_layout(store, keys, config),
+        "slot_map": None if slot_map is None else {"version": slot_map.version, "pservers": slot_map.num_pservers, "slots": slot_map.num_slots, "base": slot_map.base},
+        "layout": None if layout is None else layout_status(layout),
+        "resize": resize_status(store, keys, layout),
     }
 
 
-def model_layout(store: CoordinationStore, keys: Keys, config: JobConfig) -> dict[str, Any] | None:
-    """How the published model is spread over the pservers, computed as every role
-    computes it (from ``model``, ``slotmap`` and ``min_block``); None before a trainer
+def desired_count(store: CoordinationStore, key: str, unset: int | None) -> int | None:
+    """A desired count as stored; ``unset`` when there is none, null when it cannot be read."""
+    kv = store.get(key)
+    if kv is None:
+        return unset
+    try:
+        return parse_count(kv.value, key)
+    except CorruptRecord:
+        return None
+
+
+def model_layout(store: CoordinationStore, keys: Keys, config: JobConfig, slot_map: SlotMap | None) -> Layout | None:
+    """How the published model is spread over ``slot_map``, computed as every role
+    computes it (from ``model``, the map and ``min_block``); None before a trainer
     has published the model."""
-    model_kv, slots_kv = store.get(keys.model), store.get(keys.slotmap)
-    if model_kv is None or slots_kv is None:
+    model_kv = store.get(keys.model)
+    if model_kv is None or slot_map is None:
         return None
     specs = decode_as(model_kv.value, keys.model, lambda ds: [ParamSpec.from_json(d) for d in ds])
-    layout = Layout.build(specs, decode_as(slots_kv.value, keys.slotmap, SlotMap.from_json), config.min_block)
+    return Layout.build(specs, slot_map, config.min_block)
+
+
+def layout_status(layout: Layout) -> dict[str, Any]:
+    """``layout`` of :func:`job_status`: the spread, and each pserver's share of the live map."""
     idle = layout.idle_pservers
     pservers = layout.slot_map.num_pservers
+    slot_bytes = layout.slot_bytes()
+    per_pserver = [{"index": p, "slots": 0, "blocks": 0, "bytes": 0} for p in range(pservers)]
+    for slot, owner in enumerate(layout.slot_map.owners):
+        per_pserver[owner]["slots"] += 1
+        per_pserver[owner]["bytes"] += slot_bytes[slot]
+    for i in range(len(layout.blocks)):
+        per_pserver[layout.pserver_of(i)]["blocks"] += 1
     return {
         "blocks": len(layout.blocks),
         "pservers": pservers,
         "pservers_holding": pservers - len(idle),
         "idle": list(idle),
         "warning": layout.spread_warning(),
+        "per_pserver": per_pserver,
     }
+
+
+def resize_status(store: CoordinationStore, keys: Keys, layout: Layout | None) -> dict[str, Any] | None:
+    """The newest resize and how far it is: ``id``, ``state``, ``pservers``, ``trainers``
+    (null: unchanged), ``by``, ``requested``; once planned ``from_version``,
+    ``to_version``, ``slots_moving``, ``bytes_moving`` (the values of the moving slots;
+    null before a trainer has published the model), ``receivers`` (the pservers that
+    receive slots), ``received`` (those that hold them) and ``progress``
+    (``"k of n receivers"``), all null before the plan. An undecodable record is
+    ``{"error": ...}``: status still shows the rest of the job."""
+    try:
+        resize, _ = read_resize(store, keys)
+    except CorruptRecord as exc:
+        return {"error": str(exc)}
+    if resize is None:
+        return None
+    out: dict[str, Any] = {
+        "id": resize.id, "state": resize.state.value, "pservers": resize.pservers, "trainers": resize.trainers,
+        "by": resize.by, "requested": resize.requested,
+        "from_version": None, "to_version": None, "slots_moving": None, "bytes_moving": None,
+        "receivers": None, "received": None, "progress": None,
+    }  # fmt: skip
+    if resize.from_map is None or resize.to_map is None:
+        return out
+    receivers = resize.receivers()
+    # the master drops resize_got/<version>/ as it marks the resize done, when all had reported
+    got = receivers if resize.state is ResizeState.DONE else resizes_got(store, keys, resize.to_map.version)
+    received = sorted(set(got) & set(receivers))
+    moving = None
+    if layout is not None:  # a block never changes slot (SlotMap.base), so the live layout's blocks are from_map's too
+        moving = minimum_bytes(attrs.evolve(layout, slot_map=resize.from_map), resize.to_map)
+    out.update(
+        from_version=resize.from_map.version, to_version=resize.to_map.version, slots_moving=len(resize.moves()),
+        bytes_moving=moving, receivers=receivers, received=received, progress=f"{len(received)} of {len(receivers)} receivers",
+    )
+    return out
 
 
 def waits(store: CoordinationStore, keys: Keys, now: float) -> list[dict[str, Any]]:
@@ -174,13 +247,16 @@ def format_status(status: dict[str, Any], url: str) -> str:
         f"job {s['job']} on {url}: {s['state']}, pass {s['pass'] + 1} of {s['passes']}",
         f"  tasks       {tasks}: todo {todo}, pending {s['pending']}, done {s['done']}, failed {s['failed']}, quarantined {s['quarantined']}",
         f"  master      {s['master'] or 'none'}",
-        f"  trainers    {len(s['trainers'])}" + (f": {', '.join(s['trainers'])}" if s["trainers"] else ""),
+        f"  trainers    {len(s['trainers'])}" + (f": {', '.join(s['trainers'])}" if s["trainers"] else "") + _wanted(s),
         f"  pservers    {len(s['pservers'])} of {s['pservers_desired'] if s['pservers_desired'] is not None else '?'}"
-        + "".join(f"\n                {p['index']} at {p['address']}" for p in s["pservers"]),
+        + "".join(f"\n                {line}" for line in pserver_lines(s)),
+        f"  slot map    {slot_map_text(s.get('slot_map'))}",
         f"  checkpoint  {_pointer_text(s['checkpoint'])}",
         f"  epoch       {epoch_text(s.get('epoch'))}",
         f"  layout      {layout_text(s.get('layout'))}",
     ]
+    if s.get("resize"):
+        lines.append(f"  resize      {resize_text(s['resize'], s['slot_map']['version'] if s.get('slot_map') else None)}")
     if s.get("layout") and s["layout"]["warning"]:
         lines.append(f"  WARNING: {s['layout']['warning']}")
     for q in s["quarantine"]:
@@ -191,6 +267,64 @@ def format_status(status: dict[str, Any], url: str) -> str:
         lines.append("  waiting:")
         lines += [f"    {wait_text(w)}" for w in s["waits"]]
     return "\n".join(lines)
+
+
+def _wanted(s: dict[str, Any]) -> str:
+    want = s.get("trainers_desired")
+    return "" if want is None or want == len(s["trainers"]) or s["state"] == "done" else f" ({want} wanted)"
+
+
+def pserver_lines(s: dict[str, Any]) -> list[str]:
+    """One line per pserver, live or in the live map: ``0 at grpc://...: 86 slots,
+    1.5 MiB of values``; ``2 not running: ...`` for one the map names but nobody holds."""
+    addresses = {p["index"]: p["address"] for p in s["pservers"]}
+    shares = {p["index"]: p for p in (s.get("layout") or {}).get("per_pserver", [])}
+    mapped = range(s["slot_map"]["pservers"]) if s.get("slot_map") else range(0)
+    lines = []
+    for i in sorted(set(addresses) | set(mapped)):
+        line = f"{i} at {addresses[i]}" if i in addresses else f"{i} not running"
+        if i in shares:
+            line += f": {shares[i]['slots']} slots, {size_text(shares[i]['bytes'])} of values"
+        elif s.get("slot_map") and i not in mapped:
+            line += ": no slots in the live map"
+        lines.append(line)
+    return lines
+
+
+def slot_map_text(m: dict[str, Any] | None) -> str:
+    """``version 2: 256 slots on 3 pservers (blocks placed for 2)``."""
+    if m is None:
+        return "none yet (the master writes it when the job starts)"
+    base = "" if m["base"] is None or m["base"] == m["pservers"] else f" (blocks placed for {m['base']})"
+    return f"version {m['version']}: {m['slots']} slots on {m['pservers']} pservers{base}"
+
+
+def resize_text(r: dict[str, Any], live_version: int | None) -> str:
+    """``<id> to 2 pservers, 4 trainers: migrating, map 1 -> 2, 85 slots (1.2 MiB of
+    values) moving, 1 of 2 receivers hold their slots (asked by pdps scale at 10:04:05)``;
+    ``last: <id> ...: done`` once done. ``live_version``: the live map's, which a sync
+    job switches to ``to_version`` only at the next round boundary."""
+    if "error" in r:
+        return f"unreadable: {r['error']}"
+    trainers = "" if r["trainers"] is None else f", {r['trainers']} trainers"
+    line = f"{'last: ' if r['state'] == 'done' else ''}{r['id']} to {r['pservers']} pservers{trainers}: {r['state']}"
+    if r["state"] == "migrating" and r["to_version"] is not None:
+        moving = "" if r["bytes_moving"] is None else f" ({size_text(r['bytes_moving'])} of values)"
+        pending = " (not switched yet)" if live_version is not None and live_version < r["to_version"] else ""
+        line += f", map {r['from_version']} -> {r['to_version']}{pending}, {r['slots_moving']} slots{moving} moving, {r['progress']} hold their slots"
+    return line + f" (asked by {r['by'] or 'an operator'} at {clock(r['requested'])})"
+
+
+def size_text(n: int) -> str:
+    """``512 bytes``, ``1.5 KiB``, ``64.0 MiB``, ``1.0 GiB``."""
+    if n < 1024:
+        return f"{n} bytes"
+    size, unit = n / 1024, "KiB"
+    for bigger in ("MiB", "GiB"):
+        if size < 1024:
+            break
+        size, unit = size / 1024, bigger
+    return f"{size:.1f} {unit}"
 
 
 def clock(t: float | None) -> str:

@@ -164,3 +164,139 @@ def test_status_shows_who_waits_for_whom_and_since_when(real_store):
     after = pdps_status(real_store.url, "--job", "waiting", "--json")
     assert json.loads(after.stdout)["waits"] == []
     assert "waiting:" not in pdps_status(real_store.url, "--job", "waiting").stdout
+
+
+def test_status_shows_the_slot_map_bytes_per_pserver_and_a_resize_as_it_goes(etcd_store):
+    """A sync job of 3 pservers asked for 2: the record moves as the master moves it
+    (planned, the map switched at a round boundary, receivers reporting, done)."""
+    from pdps.core.slots import SlotMap
+    from pdps.runtime.resizing import request_resize
+    from pdps.shell.status import size_text
+
+    store, keys = etcd_store, Keys("resizing")
+    store.put(keys.config, JobConfig(name="resizing", pservers=3, trainers=2, num_slots=12).encode())
+    live = SlotMap.initial(3, 12)
+    store.put(keys.slotmap, json.dumps(live.to_json()).encode())
+    store.put(keys.ps_desired, b"3")
+    model = [{"name": "w", "shape": [96, 8], "dtype": "float32"}, {"name": "b", "shape": [8], "dtype": "float64"}]
+    store.put(keys.model, json.dumps(model).encode())
+    values = 96 * 8 * 4 + 8 * 8
+
+    def status() -> dict:
+        out = pdps_status(etcd_store.url, "--job", "resizing", "--json")
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+    def text() -> str:
+        out = pdps_status(etcd_store.url, "--job", "resizing")
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    before = status()
+    assert before["slot_map"] == {"version": 1, "pservers": 3, "slots": 12, "base": None}
+    per = before["layout"]["per_pserver"]
+    assert [(p["index"], p["slots"]) for p in per] == [(0, 4), (1, 4), (2, 4)]
+    assert sum(p["bytes"] for p in per) == values and all(p["bytes"] > 0 for p in per)
+    assert (before["pservers_desired"], before["trainers_desired"], before["resize"]) == (3, 2, None)
+    shown = text()
+    assert "  slot map    version 1: 12 slots on 3 pservers" in shown
+    assert f"                2 not running: 4 slots, {size_text(per[2]['bytes'])} of values" in shown
+    assert "resize" not in shown
+
+    asked = request_resize(store, keys, pservers=2, trainers=4, by="pdps scale")
+    requested = status()["resize"]
+    assert {k: requested[k] for k in ("id", "state", "pservers", "trainers", "by", "from_version", "to_version", "slots_moving", "progress")} == {
+        "id": asked.id, "state": "requested", "pservers": 2, "trainers": 4, "by": "pdps scale",
+        "from_version": None, "to_version": None, "slots_moving": None, "progress": None,
+    }  # fmt: skip
+    assert (status()["pservers_desired"], status()["trainers_desired"]) == (2, 4)
+    assert f"  resize      {asked.id} to 2 pservers, 4 trainers: requested (asked by pdps scale at " in text()
+
+    # the master plans the shrink; a sync job keeps its map until the next round closes
+    planned = asked.plan(live)
+    store.put(keys.resize, json.dumps(planned.to_json()).encode())
+    migrating = status()
+    rec = migrating["resize"]
+    assert (rec["state"], rec["from_version"], rec["to_version"]) == ("migrating", 1, 2)
+    leaving = migrating["layout"]["per_pserver"][2]  # shrinking moves exactly the departing pserver's slots
+    assert (rec["slots_moving"], rec["bytes_moving"]) == (leaving["slots"], leaving["bytes"])
+    assert (rec["receivers"], rec["received"], rec["progress"]) == ([0, 1], [], "0 of 2 receivers")
+    assert migrating["slot_map"]["version"] == 1
+    assert f"migrating, map 1 -> 2 (not switched yet), {leaving['slots']} slots" in text()
+
+    # the closing pserver switches the map; pserver 1 holds its slots
+    store.put(keys.slotmap, json.dumps(planned.to_map.to_json()).encode())
+    store.put(keys.resize_got(2, 1), b"{}")
+    switched = status()
+    assert switched["slot_map"] == {"version": 2, "pservers": 2, "slots": 12, "base": 3}
+    assert [(p["index"], p["slots"]) for p in switched["layout"]["per_pserver"]] == [(0, 6), (1, 6)]
+    assert sum(p["bytes"] for p in switched["layout"]["per_pserver"]) == values
+    assert (switched["resize"]["received"], switched["resize"]["progress"]) == ([1], "1 of 2 receivers")
+    shown = text()
+    assert "  slot map    version 2: 12 slots on 2 pservers (blocks placed for 3)" in shown
+    assert (
+        f"  resize      {asked.id} to 2 pservers, 4 trainers: migrating, map 1 -> 2, "
+        f"{leaving['slots']} slots ({size_text(leaving['bytes'])} of values) moving, 1 of 2 receivers hold their slots" in shown
+    ), shown
+
+    store.put(keys.resize, json.dumps(planned.finish().to_json()).encode())
+    done = status()["resize"]
+    assert (done["state"], done["received"], done["progress"]) == ("done", [0, 1], "2 of 2 receivers")
+    assert f"  resize      last: {asked.id} to 2 pservers, 4 trainers: done" in text()
+
+    store.put(keys.resize, b'{"id": "x"')  # an undecodable record must not break status
+    broken = status()["resize"]
+    assert set(broken) == {"error"} and "resize" in broken["error"]
+    assert "  resize      unreadable: " in text()
+
+
+def test_status_of_a_live_job_grown_in_process_counts_what_moved(tmp_path):
+    """A live async job (master, pservers, a trainer that attached its model) grown
+    2 -> 3 by the real master: status, read at every step of the record, ends at the new
+    map, and the bytes it says moved are the bytes the new pserver received."""
+    import time
+
+    from torch import nn
+
+    from pdps.core.elastic import ResizeState
+    from pdps.roles.pserver import Pserver
+    from pdps.registry import open_checkpoint_files
+    from pdps.runtime.resizing import request_resize, wait_resized
+    from pdps.shell.status import format_status, job_status
+    from tests.integration.jobkit import start_job
+
+    url = f"{tmp_path.as_uri()}/data"
+    write_parquet_shards({"x": np.zeros((40, 4), np.float32)}, url, shards=2, row_group_size=10)
+    job = start_job(ParquetSource(url), name="grown", mode="async", pservers=2, num_slots=16, min_block=1, lease_ttl=2.0)
+    keys = Keys("grown")
+    try:
+        trainer = job.trainer("t0")
+        trainer.register()
+        model = trainer.attach(nn.Sequential(nn.Linear(32, 16), nn.Linear(16, 4)).double())
+        values = sum(p.numel() * p.element_size() for p in model.parameters())
+        before = job_status(job.store, "grown")
+        assert before["slot_map"]["version"] == 1 and before["resize"] is None
+        assert sum(p["bytes"] for p in before["layout"]["per_pserver"]) == values
+
+        seen: list[dict] = []
+        asked = request_resize(job.store, keys, pservers=3, by="test")
+        grown = Pserver(job.store, job.transport, job.compute, job.config, checkpoints=open_checkpoint_files(job.config.checkpoint_url))
+        grown.start()
+        job.pservers.append(grown)
+        done = wait_resized(job.store, keys, asked.id, deadline=time.monotonic() + 60, progress=lambda r: seen.append(job_status(job.store, "grown")))
+        assert done.state is ResizeState.DONE
+        assert {s["resize"]["state"] for s in seen} <= {"requested", "growing", "migrating"} and seen
+
+        after = job_status(job.store, "grown")
+        assert after["slot_map"] == {"version": 2, "pservers": 3, "slots": 16, "base": 2}
+        rec = after["resize"]
+        assert (rec["id"], rec["state"], rec["from_version"], rec["to_version"]) == (asked.id, "done", 1, 2)
+        assert (rec["receivers"], rec["received"], rec["progress"]) == ([2], [2], "1 of 1 receivers")
+        per = after["layout"]["per_pserver"]
+        assert sorted(p["slots"] for p in per) == [5, 5, 6]
+        assert sum(p["bytes"] for p in per) == values
+        # a grow moves exactly the new pserver's slots, and plain SGD keeps no state beside the values
+        assert rec["bytes_moving"] == per[2]["bytes"] == grown.received_bytes > 0
+        assert f"  resize      last: {asked.id} to 3 pservers: done (asked by test at " in format_status(after, job.store.url)
+    finally:
+        job.close()

@@ -382,10 +382,12 @@ class Pserver:
         resize chose, so the caller waits (NotReady)."""
         if self._slot_map is None:
             raise NotReady(f"pserver {self.index} is starting")
-        if req.version is not None and req.version > self._slot_map.version and self.config.mode is Mode.ASYNC:
-            self._switch_map(read_map(self._store, self._keys))
         if req.version is not None and req.version > self._slot_map.version:
-            raise NotReady(f"pserver {self.index} serves slot map version {self._slot_map.version} until round {self.round_no} closes; the request is for version {req.version}")
+            stored = read_map(self._store, self._keys)
+            if self.config.mode is Mode.ASYNC:
+                self._switch_map(stored)
+            if self._slot_map.version < req.version <= stored.version:
+                raise NotReady(f"pserver {self.index} serves slot map version {self._slot_map.version} until round {self.round_no} closes; the request is for version {req.version}")
         if req.version is not None and req.version != self._slot_map.version:
             raise SlotMapChanged(
                 f"{req.METHOD} from trainer {req.trainer!r} was computed for slot map version {req.version}, but pserver {self.index} "
@@ -1055,8 +1057,10 @@ class Pserver:
     def _migrate(self, req: MigrateRequest) -> MigrateReply:
         """Hand over the state ``slots`` had when this pserver switched to map ``version``."""
         with self._cond:
-            if self._slot_map is None or self._slot_map.version < (req.version or 0):
-                raise NotReady(f"pserver {self.index} has not switched to slot map version {req.version} yet")
+            if self._slot_map is None:
+                raise NotReady(f"pserver {self.index} is starting")
+            if self._slot_map.version < (req.version or 0):
+                self._check_slot_map(req)  # not switched yet (NotReady), or a map that never was
             held = self._outgoing.get(req.version or 0, {})
             missing = [slot for slot in req.slots if slot not in held]
             if missing:

@@ -33,7 +33,8 @@ def source(tmp_path) -> ParquetSource:
 
 
 def add_pserver(job) -> Pserver:
-    ps = Pserver(job.store, job.transport, job.compute, job.config, checkpoints=open_checkpoint_files(job.config.checkpoint_url))
+    address = job.master.address.split("://")[0] + ("://127.0.0.1:0" if job.master.address.startswith("grpc") else "://")
+    ps = Pserver(job.store, job.transport, job.compute, job.config, address=address, checkpoints=open_checkpoint_files(job.config.checkpoint_url))
     ps.start()
     job.pservers.append(ps)
     return ps
@@ -186,11 +187,15 @@ def test_fewer_trainers_wanted_the_surplus_gives_its_task_back_and_leaves(source
     assert len(result.history["trainer-2"]) < len(result.history["trainer-0"])
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
-def test_a_job_with_no_trainer_left_is_resized_and_keeps_its_parameters(source, mode):
-    """No trainer to close a round: the master switches the map itself, the slots move,
-    and the parameters are those the trainers left."""
-    job = start_job(source, name=f"idle-{mode}", mode=mode, pservers=2, min_block=1, num_slots=8, lease_ttl=2.0, optimizer="Adam", optimizer_args={"lr": 0.01})
+@pytest.mark.parametrize("mode,wire", [("sync", "inproc"), ("async", "grpc")])
+def test_a_job_with_no_trainer_left_is_resized_and_keeps_its_parameters(source, mode, wire):
+    """No trainer to close a round: the master switches the map itself, the slots move
+    (with Adam's state, over gRPC too), and the parameters are those the trainers left."""
+    from pdps.adapters.grpc_transport import GrpcTransport
+
+    over = {} if wire == "inproc" else {"transport": GrpcTransport(), "address": "grpc://127.0.0.1:0"}
+    job = start_job(source, name=f"idle-{mode}", mode=mode, pservers=2, min_block=1, num_slots=8, lease_ttl=2.0, optimizer="Adam",
+                    optimizer_args={"lr": 0.01}, **over)
     try:
         ctx = job.trainer("t0")
         model = ctx.attach(make_model())

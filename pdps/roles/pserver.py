@@ -912,7 +912,8 @@ class Pserver:
             self._move(PserverEvent.SERVE)
             self._cond.notify_all()
             r = self._resize  # a rollback in the middle of a resize: the checkpoint gave this pserver its slots
-            got = self._slot_map.version if self._slot_map is not None and r is not None and r.active else None
+            receiving = r is not None and r.active and r.to_map is not None and self._slot_map is not None and r.to_map.version == self._slot_map.version and self.index in r.receivers()
+            got = self._slot_map.version if receiving and self._slot_map is not None else None
         self._report_got(got)
         log.warning("pserver %s entered epoch %d from %s", self.index, epoch.epoch, epoch.checkpoint or "scratch")
 
@@ -1051,7 +1052,7 @@ class Pserver:
         self._waiting = None
         self._cond.notify_all()  # waiting pulls look at the map again
         self._closer.notify_all()
-        if got is not None:
+        if got is not None and any(dst == self.index for _, _, dst in old.moves(new)):  # only receivers report
             threading.Thread(target=self._report_got, args=(got,), daemon=True).start()
 
     def _migrate(self, req: MigrateRequest) -> MigrateReply:

@@ -15,6 +15,8 @@
 
 from __future__ import annotations
 
+import bisect
+
 import difflib
 import functools
 import importlib
@@ -442,6 +444,29 @@ class TorchReplica:
                 p.grad = grad
 
 
+def _block_state(b: Block, entry: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """The optimizer state of block ``b`` from its own entry (same cut), copied."""
+    state: dict[str, Any] = {}
+    for key, v in entry.items():
+        kind, _, name = key.partition(".")
+        if key == "values":
+            continue
+        if kind == "scalar":
+            state[name] = v.item()
+        elif v.dim() == 0:
+            state[name] = v.clone()
+        elif v.numel() == b.numel:
+            state[name] = v.reshape(b.shape).clone()
+        else:
+            raise ConfigError(f"state {key!r} for {b.describe()} has {v.numel()} elements, not {b.numel}")
+    return state
+
+
+def _joined(pieces: list[torch.Tensor]) -> torch.Tensor:
+    """The pieces end to end; one piece as it is (a block of the same cut: no copy here)."""
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
 def _entries_by_param(entries: Mapping[str, torch.Tensor]) -> dict[str, list[tuple[int, int, dict[str, torch.Tensor]]]]:
     """``<param>@<first>:<end>/<what>`` entries, grouped: param -> [(first, end, {what: tensor})]."""
     grouped: dict[tuple[str, int, int], dict[str, torch.Tensor]] = {}
@@ -728,11 +753,25 @@ class TorchShard:
         them); the shard is then initialized. ConfigError, with nothing changed, if
         some rows of a block are in no entry, or an entry does not fit."""
         by_param = _entries_by_param(entries)
+        for have in by_param.values():
+            have.sort(key=lambda x: (x[0], x[1]))
+        starts = {param: [lo for lo, _, _ in have] for param, have in by_param.items()}
         loaded: list[tuple[torch.Tensor, dict[str, Any]]] = []
         for b in self.blocks:
             have = by_param.get(b.param, [])
             row = b.numel // max(1, b.row_end - b.row_start) if b.shape else 1
-            parts = sorted((lo, hi, e) for lo, hi, e in have if lo < b.row_end and hi > b.row_start) if b.shape else have[:1]
+            parts = have[:1]
+            if b.shape:  # the entries overlapping the block's rows, found by bisection (a model has many blocks)
+                j = max(0, bisect.bisect_right(starts.get(b.param, []), b.row_start) - 1)
+                parts = []
+                while j < len(have) and have[j][0] < b.row_end:
+                    if have[j][1] > b.row_start:
+                        parts.append(have[j])
+                    j += 1
+            exact = parts[0][2] if len(parts) == 1 and (not b.shape or parts[0][:2] == (b.row_start, b.row_end)) else None
+            if exact is not None and "values" in exact and exact["values"].numel() == b.numel:
+                loaded.append((exact["values"], _block_state(b, exact)))  # the same cut (a migration): no slicing
+                continue
             covered = b.row_start
             for lo, hi, _ in parts:
                 if lo > covered:
@@ -750,7 +789,7 @@ class TorchShard:
                     raise ConfigError(f"an entry for {b.param}[{lo}:{hi}] has {flat.numel()} elements, not {(hi - lo) * row}")
                 return flat[a * row : z * row]
 
-            values = torch.cat([cut(lo, hi, e["values"]) for lo, hi, e in parts]) if all("values" in e for _, _, e in parts) else None
+            values = _joined([cut(lo, hi, e["values"]) for lo, hi, e in parts]) if all("values" in e for _, _, e in parts) else None
             if values is None or values.numel() != b.numel:
                 raise ConfigError(f"no values for {b.describe()} in the entries given")
             state: dict[str, Any] = {}
@@ -763,7 +802,7 @@ class TorchShard:
                 elif first.dim() == 0:  # a per-block counter (Adam's step): the blocks agree unless a step was cut short
                     state[name] = max((v for _, _, v in given if v is not None), key=float).clone()
                 else:  # rows never stepped have no state yet: zeros, which the rule starts from
-                    state[name] = torch.cat([cut(lo, hi, v if v is not None else torch.zeros((hi - lo) * row, dtype=first.dtype)) for lo, hi, v in given]).view(b.shape).clone()
+                    state[name] = _joined([cut(lo, hi, v if v is not None else torch.zeros((hi - lo) * row, dtype=first.dtype)) for lo, hi, v in given]).view(b.shape).clone()
             loaded.append((values, state))
         with torch.no_grad():
             for view, (values, state) in zip(self._value_views, loaded):

@@ -34,13 +34,14 @@ def whole(shards: list[TorchShard]) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("to", [1, 3, 5])
+@pytest.mark.parametrize("to", [1, 2, 3, 5])
 def test_state_of_two_pservers_loads_into_another_cut_and_count(to):
     two = Layout.build(SPECS, SlotMap.initial(2, 16), min_block=8)
     shards = [trained(two, p) for p in range(2)]
     entries = {k: v.clone() for s in shards for k, v in s.export_blocks().items()}
     other = Layout.build(SPECS, SlotMap.initial(to, 16), min_block=5)  # cut differently, too
-    assert [b.key for b in other.blocks] != [b.key for b in two.blocks] or to == 2
+    if to == 2:  # the same cut (as a slot migration has it): the fast path
+        other = two
     loaded = [TorchShard(other.blocks_of(p), "Adam", {"lr": 0.01}) for p in range(to)]
     for s in loaded:
         s.import_blocks(entries)

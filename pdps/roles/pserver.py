@@ -204,6 +204,8 @@ class Pserver:
         self._pending: dict[int, list[int]] = {}
         self._received: dict[str, object] = {}  # block entries: those kept and those received
         self._resize: Resize | None = None  # the job's newest resize, as the watch reports it
+        #: (map version, layout, its shard): the shard of the map a resize switches to, built ahead
+        self._prepared: tuple[int, Layout, ParameterShard] | None = None
         self.departed = threading.Event()  # a resize took every slot away and the job let this pserver go
         #: async: pushes applied here, per slot (a push counts once for each slot it
         #: stepped); a slot's count moves with it, so the job's counts add up across resizes
@@ -968,6 +970,8 @@ class Pserver:
             self._resize = resize
             if resize.state is ResizeState.MIGRATING:
                 self._closer.notify_all()  # the next round's closer flips the map
+                if resize.to_map is not None and self._specs is not None and self._slot_map is not None and resize.to_map.version > self._slot_map.version:
+                    threading.Thread(target=self._prepare, args=(resize.to_map,), name=f"pdps-ps-prepare-{self.index}", daemon=True).start()
             if resize.state is not ResizeState.DONE or resize.to_map is None:
                 return
             for v in [v for v in self._outgoing if v <= resize.to_map.version]:
@@ -979,6 +983,16 @@ class Pserver:
             self.departed.set()
             # stop from a thread of its own: stopping cancels this very watch
             threading.Thread(target=self.stop, name=f"pdps-ps-leave-{self.index}", daemon=True).start()
+
+    def _prepare(self, to_map: SlotMap) -> None:
+        """Build the shard of ``to_map`` before the switch, off the lock: the switch then
+        only copies values in (a model of many blocks takes seconds to build a shard for)."""
+        assert self._specs is not None and self.index is not None
+        layout = Layout.build(self._specs, to_map, self.config.min_block)
+        shard = self._compute.shard(layout.blocks_of(self.index), self.config.optimizer, self.config.optimizer_args)
+        with self._cond:
+            if self._slot_map is not None and self._slot_map.version < to_map.version:
+                self._prepared = (to_map.version, layout, shard)
 
     def _on_slotmap_event(self, event: WatchEvent) -> None:
         """A new map: async pservers switch at once. Sync ones switch at the round
@@ -1022,13 +1036,16 @@ class Pserver:
             before = self._shard
             if not before.blocks and not before.initialized and self._store.get(self._keys.initialized) is not None:
                 before.import_blocks({})  # nothing of the model was here: nothing is missing either
-            layout = Layout.build(self._specs, new, self.config.min_block)
+            prepared, self._prepared = self._prepared, None
+            if prepared is None or prepared[0] != new.version:
+                prepared = None
+            layout = Layout.build(self._specs, new, self.config.min_block) if prepared is None else prepared[1]
             slot_of = {b.key: slot for b, slot in zip(layout.blocks, layout.slots)}
             mine = {b.key for b in layout.blocks_of(self.index)}
             keep = [i for i, b in enumerate(before.blocks) if b.key in mine]
             give = [i for i, b in enumerate(before.blocks) if b.key not in mine]
             self._use_layout(layout)
-            self._shard = self._compute.shard(self._blocks(), self.config.optimizer, self.config.optimizer_args)
+            self._shard = self._compute.shard(self._blocks(), self.config.optimizer, self.config.optimizer_args) if prepared is None else prepared[2]
             self._pending, self._received = {}, {}
             if before.initialized:
                 outgoing: dict[int, dict[str, object]] = {}

@@ -80,6 +80,14 @@ class Entry(str, enum.Enum):
         return self.value
 
 
+def claimable(desired: int, map_pservers: int, latest: Resize | None) -> int:
+    """How many pserver indexes may be claimed: those desired, those the live map names,
+    and, while a resize is in progress, those of the map it leaves (a departing pserver
+    restarted in the middle of its handoff takes its index back)."""
+    leaving = latest.from_map.num_pservers if latest is not None and latest.active and latest.from_map is not None else 0
+    return max(desired, map_pservers, leaving)
+
+
 def pserver_entry(index: int, desired: int, map_pservers: int, latest: Resize | None) -> Entry:
     """Whether a pserver with fixed ``index`` (a StatefulSet pod's ordinal) may claim it.
 
@@ -90,7 +98,7 @@ def pserver_entry(index: int, desired: int, map_pservers: int, latest: Resize | 
     departed pod its StatefulSet restarted before being scaled down, and asking would
     undo the shrink, so it waits (to add the index back, ``pdps scale``).
     """
-    if index < max(desired, map_pservers):
+    if index < claimable(desired, map_pservers, latest):
         return Entry.CLAIM
     removed = latest is not None and latest.from_map is not None and latest.pservers <= index < latest.from_map.num_pservers
     return Entry.WAIT if removed else Entry.ASK

@@ -245,6 +245,8 @@ class Keys:
     ``ps_desired``        desired pserver count (not leased)
     ``trainers_desired``  desired trainer count, once a resize named one (not leased)
     ``resize``            the newest resize and how far it is (:class:`pdps.core.elastic.Resize`)
+    ``slotmap_since``     sync: {version, epoch, round}: the round the live map began with,
+                          written with the close marker of the round before it
     ``resize_got/<version>/<i>``  pserver i holds every slot map ``<version>`` gives it
                           (written by each pserver that received slots)
     ``ps/<index>``        a pserver's claim of its index, with its address (leased)
@@ -361,6 +363,10 @@ class Keys:
     @property
     def resize(self) -> str:
         return self.root + "resize"
+
+    @property
+    def slotmap_since(self) -> str:
+        return self.root + "slotmap_since"
 
     def resize_got(self, version: int, index: int | None = None) -> str:
         """Pserver ``index`` holds its slots of map ``version`` (without it: the prefix)."""

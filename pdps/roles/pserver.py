@@ -32,6 +32,7 @@ from collections import OrderedDict
 from pdps.core.backoff import Backoff
 from pdps.core.checkpoints import Epoch
 from pdps.core.elastic import Resize, ResizeState
+from pdps.core.headcount import claimable
 from pdps.core.errors import (
     ConfigError,
     CorruptRecord,
@@ -93,10 +94,11 @@ def claim_index(store: CoordinationStore, keys: Keys, lease: int, value: bytes, 
     kv = store.get(keys.ps_desired)
     if kv is None:
         raise ConfigError(f"job has no {keys.ps_desired}; start the master (or publish the job) first")
-    # A shrinking job's departing pservers keep their indexes until the map lets them go
+    # A shrinking job's departing pservers keep their indexes until the resize is done
     # (one that restarts mid-handoff can claim its index again).
     live = store.get(keys.slotmap)
-    desired = max(int(kv.value), 0 if live is None else decode_as(live.value, live.key, SlotMap.from_json).num_pservers)
+    mapped = 0 if live is None else decode_as(live.value, live.key, SlotMap.from_json).num_pservers
+    desired = claimable(int(kv.value), mapped, read_resize(store, keys)[0])
     if index is not None and not 0 <= index < desired:
         raise ConfigError(f"pserver index {index} is out of range: job {keys.job!r} has {desired} pservers (0..{desired - 1})")
     candidates = range(desired) if index is None else (index,)
@@ -153,6 +155,11 @@ STUCK_LONGEST = 16.0
 #: The round-closing thread looks again at least this often (the watches wake it as
 #: soon as the round can close or has closed).
 POLL = MEMBERS_FRESH
+#: A source pserver unregistered this many lease TTLs has lost the slots it held: the
+#: receiver asks for a rollback (its replacement, if any, restarts empty).
+SOURCE_GONE = 3
+#: What asking a source for slots returns when it lost them.
+_LOST = object()
 #: A receiving pserver asks for at most this many bytes of slots per call.
 MIGRATE_CALL_BYTES = 32 << 20
 #: Pauses between tries of a source pserver that is unreachable or has not switched yet.
@@ -295,12 +302,16 @@ class Pserver:
             self._watches.append(self._store.watch(self._keys.epoch, self._on_epoch_event))
             self._watches.append(self._store.watch(self._keys.resize, self._on_resize_event))
             self._watches.append(self._store.watch(self._keys.slotmap, self._on_slotmap_event))
-            with self._cond:
-                self._resize = read_resize(self._store, self._keys)[0]
-                self._switch_map(read_map(self._store, self._keys))  # a resize may have flipped it since it was read
             if self.config.mode is Mode.SYNC:
                 self._watches.append(self._store.watch(self._keys.state, self._on_state_event))
                 self._watches.append(self._store.watch(self._keys.rounds, self._on_round_event))
+            with self._cond:  # after the watches: a switch in between is seen by one or the other
+                self._resize = read_resize(self._store, self._keys)[0]
+                if self._placed:
+                    self._switch_map(read_map(self._store, self._keys))  # a resize may have flipped it since it was read
+                else:
+                    self._follow_since()
+            if self.config.mode is Mode.SYNC:
                 threading.Thread(target=self._close_rounds, name=f"pdps-ps-rounds-{self.index}", daemon=True).start()
             if self.config.mode is Mode.ASYNC:
                 self._watches.append(self._store.watch(self._keys.checkpoints, self._on_checkpoint_event))
@@ -668,6 +679,8 @@ class Pserver:
         ops: list[TxnOp] = [Put(marker, json.dumps(record.close(ckpt, None if flip is None else flip.version).marker_json()).encode())]
         if flip is not None:  # a resize: every pserver switches maps once it has applied this round
             ops.append(Put(self._keys.slotmap, json.dumps(flip.to_json()).encode()))
+            since = {"version": flip.version, "epoch": self.epoch, "round": round_no + 1}
+            ops.append(Put(self._keys.slotmap_since, json.dumps(since).encode()))
         if ckpt is not None:
             ops.append(recovery.announce(self._keys, ckpt, self.epoch, round_no + 1, "sync"))
         return Write((Compare.absent(marker),), ops, result=_CLOSED_HERE)
@@ -1007,12 +1020,30 @@ class Pserver:
         with self._cond:
             if self.config.mode is Mode.ASYNC or self._store.get(self._keys.initialized) is None:
                 self._switch_map(new)
+            elif not self._placed:
+                self._follow_since()
             elif not self._live(fresh=True):
                 # sync with no trainer to close a round (the master flipped the map itself):
                 # apply what the rounds closed, then switch here
                 while self._placed and self._shard is not None and self._advance(self.round_no):
                     pass
                 self._switch_map(new)
+
+    def _follow_since(self) -> None:
+        """Sync, a pserver a resize adds, not yet placed in the rounds (lock held): if the
+        map that gives it slots is live already, switch to it and take its place at the
+        round that map begins with (``slotmap_since``, written with the switching round's
+        close marker); the rounds before it were the old map's, which gave it nothing."""
+        live = read_map(self._store, self._keys)
+        kv = self._store.get(self._keys.slotmap_since)
+        since = None if kv is None else decode_json(kv.value, kv.key)
+        if self._slot_map is None or live.version <= self._slot_map.version:
+            return
+        if isinstance(since, dict) and since.get("version") == live.version and since.get("epoch") == self.epoch:
+            self.round_no, self._placed, self._waiting = max(self.round_no, int(since["round"])), True, None
+            self._switch_map(live)
+        elif not self._live(fresh=True):
+            self._switch_map(live)  # switched with no round (no trainer left): placed by the next round it sees
 
     def _switch_map(self, new: SlotMap) -> None:
         """Serve ``new`` from now on (lock held). The blocks this pserver gives up are kept
@@ -1111,7 +1142,10 @@ class Pserver:
                 batches[-1].append(slot)
             for batch in batches:
                 reply = self._ask_source(src, batch, version, epoch)
-                if reply is None:
+                if reply is _LOST:
+                    self._request_rollback(f"pserver {self.index} cannot receive slots {batch[:8]} of slot map version {version}: pserver {src} lost them")
+                    return  # the job rolls back, and every pserver loads its slots of this map from the checkpoint
+                if not isinstance(reply, MigrateReply):
                     return  # the epoch or the map moved on: the checkpoint restores these slots
                 with self._cond:
                     if self.epoch != epoch or self._slot_map is None or self._slot_map.version != version:
@@ -1129,19 +1163,24 @@ class Pserver:
         log.warning("pserver %s received its slots of slot map version %d in %.2fs", self.index, version, time.monotonic() - began)
         self._report_got(version)
 
-    def _ask_source(self, src: int, slots: list[int], version: int, epoch: int) -> MigrateReply | None:
+    def _ask_source(self, src: int, slots: list[int], version: int, epoch: int) -> object:
         """One migrate call to pserver ``src``, retried while it is unreachable or has
-        not switched yet; None once this pserver's epoch or map has moved on."""
+        not switched yet: its reply; None once this pserver's epoch or map has moved on;
+        _LOST when the source restarted without the slots, or has been gone SOURCE_GONE
+        lease TTLs (then the job must roll back)."""
         request = MigrateRequest(f"pserver-{self.index}", epoch=epoch, version=version, slots=tuple(slots))
         waiting = Retry(MIGRATE_BACKOFF)
         channel = None
+        unregistered_since: float | None = None
         while True:
+            gone = False
             with self._cond:
                 if self.state in HALTED or self.epoch != epoch or self._slot_map is None or self._slot_map.version != version:
                     return None
             try:
                 kv = self._store.get(self._keys.pserver(src))
                 if kv is None:
+                    gone = True
                     raise NotReady(f"pserver {src} is not registered")
                 address = decode_as(kv.value, kv.key, lambda d: str(d["addr"]))
                 channel = self._transport.connect(address)
@@ -1155,10 +1194,15 @@ class Pserver:
                 waiting.note()
                 waiting.pause()
             except NotInitialized as exc:
-                # the source lost them (it restarted): the job rolls back, and every pserver
-                # loads its slots of this map from the checkpoint
                 log.error("pserver %s cannot receive slots %s: %s", self.index, slots[:8], exc)
-                return None
+                return _LOST  # the source restarted without them
+            if unregistered_since is None and gone:
+                unregistered_since = time.monotonic()
+            elif not gone:
+                unregistered_since = None
+            if unregistered_since is not None and time.monotonic() - unregistered_since > SOURCE_GONE * self.config.lease_ttl:
+                log.error("pserver %s cannot receive slots %s: pserver %d has been gone for %.0fs", self.index, slots[:8], src, time.monotonic() - unregistered_since)
+                return _LOST
 
     def _report_got(self, version: int | None) -> None:
         """Say in the store that this pserver holds every slot map ``version`` gives it

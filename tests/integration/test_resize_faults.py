@@ -1,6 +1,7 @@
 """Faults during a resize (issue 16, item 5): a sync job over gRPC and etcd, run by
-``pdps launch --restart on-failure``, grows from 2 to 3 pservers (``pdps scale --wait``,
-a process of its own) and one process is SIGKILLed in the middle of the migration:
+``pdps launch --restart on-failure``, grows from 2 to 3 pservers or shrinks to 1
+(``pdps scale --wait``, a process of its own) and one process is SIGKILLed in the
+middle of the migration:
 
 * the source pserver or the destination pserver, while a ``migrate`` call between them
   is in flight (each source holds each call a while: the ``_PDPS_FAULT_MIGRATE_DELAY``
@@ -45,28 +46,28 @@ pytestmark = pytest.mark.integration
 TARGET = Path(__file__).parent / "targets" / "replayed.py"
 PASSES, SLOTS = 2, 16
 #: seconds each source holds each migrate call (the window a kill lands in)
-DELAY = 2.0
+DELAY = 1.5
 
 
 class ResizingJob(Job):
     """The replayed job on 2 pservers, with its data, its final parameters' file and
     the ``pdps scale`` process that asks it for 3."""
 
-    def __init__(self, store_url: str, tmp_path: Path, *, delay: float) -> None:
+    def __init__(self, store_url: str, tmp_path: Path, *, delay: float, timeout: float = 120) -> None:
         self.data = write_dataset(f"{tmp_path.as_uri()}/data")
         self.params_out = tmp_path / "params.safetensors"
         settings = [
             "--dataset", self.data, "--trainers", "2", "--pservers", "2", "--mode", "sync", "--passes", str(PASSES),
             "--batch-size", str(BATCH), "--optimizer", "SGD", "--lr", str(LR), "--num-slots", str(SLOTS), "--min-block", "1",
             "--lease-ttl", "1", "--task-timeout", "60", "--restart", "on-failure", "--max-restarts", "2",
-            "--checkpoint-every", "4", "--keep-rounds", "100000", "--timeout", "120", "--json", f"{TARGET}:train",
+            "--checkpoint-every", "4", "--keep-rounds", "100000", "--timeout", str(timeout), "--json", f"{TARGET}:train",
         ]  # fmt: skip
         env = {"PARAMS_OUT": str(self.params_out), "_PDPS_FAULT_MIGRATE_DELAY": str(delay), "STEP_DELAY": "0.05", "OMP_NUM_THREADS": "1"}
         super().__init__(store_url, tmp_path, env=env, settings=settings)
         self.asker: subprocess.Popen | None = None
 
-    def ask_to_grow(self, rng: random.Random) -> None:
-        """At a seeded moment of pass 0, once a checkpoint is committed: ``pdps scale --pservers 3 --wait``."""
+    def ask(self, rng: random.Random, pservers: int = 3) -> None:
+        """At a seeded moment of pass 0, once a checkpoint is committed: ``pdps scale --pservers N --wait``."""
         fraction = rng.uniform(0.1, 0.4)
 
         def due() -> bool:
@@ -74,11 +75,11 @@ class ResizingJob(Job):
             return bool(st and st.get("tasks") and st["done"] >= fraction * st["tasks"] and recovery.committed_ids(self.store, self.keys))
 
         self.wait_for(due, 60, f"a checkpoint and {fraction:.0%} of pass 0")
-        args = [sys.executable, "-m", "pdps", "scale", "--store", self.store_url, "--job", self.name, "--pservers", "3", "--wait", "--json"]
+        args = [sys.executable, "-m", "pdps", "scale", "--store", self.store_url, "--job", self.name, "--pservers", str(pservers), "--wait", "--json"]
         self.asker = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     def in_migrate_call(self, source: int, wait: float) -> None:
-        """Wait until pserver ``source`` holds pserver 2's migrate call, then ``wait`` seconds more."""
+        """Wait until pserver ``source`` holds a migrate call, then ``wait`` seconds more."""
         said = f"[pserver-{source}] "
         self.wait_for(lambda: any(line.startswith(said) and "migrate call" in line for line in self.tail(10**7).splitlines()), 60, f"pserver {source} in a migrate call")
         time.sleep(wait)
@@ -131,7 +132,7 @@ def replay(job: ResizingJob) -> dict[str, torch.Tensor]:
     return {name: p.detach() for name, p in model.named_parameters()}
 
 
-def check_resized(job: ResizingJob, *, rollbacks: int) -> None:
+def check_resized(job: ResizingJob, *, rollbacks: int, pservers: int = 3) -> None:
     """The bar of every run: the job done on one map, each record once, the replay."""
     assert job.asker is not None
     summary = job.finish(timeout=150)
@@ -139,9 +140,9 @@ def check_resized(job: ResizingJob, *, rollbacks: int) -> None:
     resize, _ = read_resize(job.store, job.keys)
     live = read_map(job.store, job.keys)
     assert resize is not None and resize.state is ResizeState.DONE and resize.to_map is not None, resize
-    assert live.version == resize.to_map.version and live.num_pservers == 3, (live, resize)
+    assert live.version == resize.to_map.version and live.num_pservers == pservers, (live, resize)
     owned = collections.Counter(live.owners)
-    assert len(live.owners) == SLOTS and set(owned) == {0, 1, 2} and max(owned.values()) - min(owned.values()) <= 1, live.owners
+    assert len(live.owners) == SLOTS and set(owned) == set(range(pservers)) and max(owned.values()) - min(owned.values()) <= 1, live.owners
     epoch, _ = recovery.read_epoch(job.store, job.keys)
     assert epoch.epoch == rollbacks, epoch
     for p in range(PASSES):
@@ -161,7 +162,7 @@ def test_a_pserver_killed_in_the_middle_of_a_migration_rolls_the_job_back_onto_t
     rng = random.Random(seed)
     job = ResizingJob(etcd_server.url, tmp_path, delay=DELAY)
     try:
-        job.ask_to_grow(rng)
+        job.ask(rng)
         source, into = rng.randrange(2), rng.uniform(0.1, 0.8) * DELAY
         role = f"pserver-{source}" if victim == "source" else "pserver-2"
         print(f"seed {seed}: kill {role} ({victim}) {into:.2f}s into pserver {source}'s migrate call")
@@ -182,12 +183,32 @@ def test_the_process_that_asked_killed_mid_resize_changes_nothing(etcd_server, t
     rng = random.Random(seed)
     job = ResizingJob(etcd_server.url, tmp_path, delay=DELAY / 2)
     try:
-        job.ask_to_grow(rng)
+        job.ask(rng)
         state = rng.choice([ResizeState.GROWING, ResizeState.MIGRATING])
         print(f"seed {seed}: kill the pdps scale process once the resize is {state.value}")
         job.wait_for(lambda: (r := read_resize(job.store, job.keys)[0]) is not None and r.state is state, 60, f"the resize {state.value}")
         os.kill(job.asker.pid, signal.SIGKILL)
         job.asker.wait(timeout=30)
         check_resized(job, rollbacks=0)
+    finally:
+        job.close()
+
+
+@pytest.mark.parametrize("victim,seed", [("destination", 22)])
+def test_a_pserver_killed_in_the_middle_of_a_shrink(etcd_server, tmp_path, victim, seed):
+    """Shrinking 2 -> 1, pserver 0 fetches pserver 1's slots; pserver 1 (the source, leaving)
+    or pserver 0 (the destination) is SIGKILLed a seeded time into that call."""
+    rng = random.Random(seed)
+    job = ResizingJob(etcd_server.url, tmp_path, delay=DELAY, timeout=60)
+    try:
+        job.ask(rng, pservers=1)
+        into = rng.uniform(0.1, 0.8) * DELAY
+        role = "pserver-1" if victim == "source" else "pserver-0"
+        print(f"seed {seed}: kill {role} ({victim}) {into:.2f}s into pserver 1's migrate call")
+        job.in_migrate_call(1, into)
+        job.kill(role)
+        check_resized(job, rollbacks=1, pservers=1)
+        out, err = job.asker.communicate(timeout=30)
+        assert job.asker.returncode == 0 and '"done"' in out, err
     finally:
         job.close()

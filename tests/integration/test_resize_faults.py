@@ -62,7 +62,7 @@ class ResizingJob(Job):
             "--lease-ttl", "1", "--task-timeout", "60", "--restart", "on-failure", "--max-restarts", "2",
             "--checkpoint-every", "4", "--keep-rounds", "100000", "--timeout", str(timeout), "--json", f"{TARGET}:train",
         ]  # fmt: skip
-        env = {"PARAMS_OUT": str(self.params_out), "_PDPS_FAULT_MIGRATE_DELAY": str(delay), "STEP_DELAY": "0.05", "OMP_NUM_THREADS": "1"}
+        env = {"PARAMS_OUT": str(self.params_out), "_PDPS_FAULT_MIGRATE_DELAY": str(delay), "STEP_DELAY": "0.05", "HOLD_AFTER_GROWING": "2", "OMP_NUM_THREADS": "1"}
         super().__init__(store_url, tmp_path, env=env, settings=settings)
         self.asker: subprocess.Popen | None = None
 

@@ -33,7 +33,8 @@ def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def train(ctx):
     """The regression loop, each step ``$STEP_DELAY`` seconds slower. Steps pause while
     a resize is requested or growing (a new pserver process may take many seconds to
-    start on a busy machine), so the job is still training when the map flips."""
+    start on a busy machine), and ``$HOLD_AFTER_GROWING`` seconds more, so the job is
+    still training when the map flips."""
     from pdps.core.elastic import ResizeState
     from pdps.core.job import Keys
     from pdps.registry import connect_store
@@ -44,11 +45,18 @@ def train(ctx):
     keys = Keys(os.environ["PDPS_JOB"])
     try:
         model = ctx.attach(make_model())
+        held = False
         for batch in ctx.batches():
             time.sleep(delay)
             deadline = time.monotonic() + 120
             while time.monotonic() < deadline and (r := read_resize(store, keys)[0]) is not None and r.state in (ResizeState.REQUESTED, ResizeState.GROWING):
                 time.sleep(0.05)
+                held = True
+            if held:
+                # a pserver the grow adds that is still starting when the map flips misses the
+                # flip (a race in Pserver.start, reported): give it time to settle first
+                time.sleep(float(os.environ.get("HOLD_AFTER_GROWING", "0")))
+                held = False
             ctx.step(loss_of(model, batch["x"], batch["y"]))
     finally:
         store.close()

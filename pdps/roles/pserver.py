@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 import uuid
@@ -167,6 +168,9 @@ MIGRATE_BACKOFF = Backoff(first=0.02, longest=0.5)
 #: Fault injection for tests: seconds a pserver sleeps between writing its checkpoint
 #: part and recording it (so a test can kill it in the middle of a checkpoint).
 CHECKPOINT_DELAY_ENV = "_PDPS_FAULT_CHECKPOINT_DELAY"  # not PDPS_*: the launcher passes it on
+#: ... and seconds a source pserver holds each ``migrate`` call before it answers (so a
+#: test can kill the source or the receiver in the middle of a migration).
+MIGRATE_DELAY_ENV = "_PDPS_FAULT_MIGRATE_DELAY"
 
 
 class Pserver:
@@ -1105,6 +1109,10 @@ class Pserver:
 
     def _migrate(self, req: MigrateRequest) -> MigrateReply:
         """Hand over the state ``slots`` had when this pserver switched to map ``version``."""
+        delay = float(os.environ.get(MIGRATE_DELAY_ENV, "0") or 0)
+        if delay:
+            log.warning("pserver %s holds %s's migrate call for slots %s of slot map version %s %.1fs (fault injection)", self.index, req.trainer, list(req.slots[:8]), req.version, delay)
+            time.sleep(delay)
         with self._cond:
             if self._slot_map is None:
                 raise NotReady(f"pserver {self.index} is starting")

@@ -76,18 +76,20 @@ def role_pid(launcher: subprocess.Popen, role: str) -> int | None:
 class Job:
     """One ``pdps launch`` of the digits example on its own job and checkpoint directory."""
 
-    def __init__(self, store_url: str, tmp_path: Path, *, env: dict[str, str] | None = None) -> None:
+    def __init__(self, store_url: str, tmp_path: Path, *, env: dict[str, str] | None = None, settings: list[str] | None = None) -> None:
+        """``settings``: the launch flags and target after ``--store``, ``--job`` and
+        ``--checkpoint-url`` (default: the digits job of these tests)."""
         self.name = f"f-{uuid.uuid4().hex[:8]}"
         self.store_url = store_url
         self.checkpoints = (tmp_path / "ckpt").as_uri()
         self.log = tmp_path / "launch.log"
-        args = [
-            sys.executable, "-m", "pdps", "launch", "--store", store_url, "--job", self.name,
-            "--trainers", "2", "--pservers", "2", "--mode", "sync", "--passes", str(PASSES), "--lr", LR, "--batch-size", BATCH,
-            "--lease-ttl", LEASE_TTL, "--task-timeout", "60", "--restart", "on-failure", "--max-restarts", "3",
-            "--checkpoint-url", self.checkpoints, "--checkpoint-every", str(CHECKPOINT_EVERY),
-            "--timeout", "240", "--json", "pdps.examples.digits:train",
-        ]  # fmt: skip
+        if settings is None:
+            settings = [
+                "--trainers", "2", "--pservers", "2", "--mode", "sync", "--passes", str(PASSES), "--lr", LR, "--batch-size", BATCH,
+                "--lease-ttl", LEASE_TTL, "--task-timeout", "60", "--restart", "on-failure", "--max-restarts", "3",
+                "--checkpoint-every", str(CHECKPOINT_EVERY), "--timeout", "240", "--json", "pdps.examples.digits:train",
+            ]  # fmt: skip
+        args = [sys.executable, "-m", "pdps", "launch", "--store", store_url, "--job", self.name, "--checkpoint-url", self.checkpoints, *settings]
         self._err = self.log.open("w")
         self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=self._err, text=True, env={**os.environ, **(env or {})})
         self.store = open_store(store_url)

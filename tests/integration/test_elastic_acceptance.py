@@ -48,6 +48,9 @@ TARGET = Path(__file__).parent / "targets" / "replayable.py"
 #: the seeded points; PDPS_TEST_SEED=<n> replays another run's
 SEED = int(os.environ.get("PDPS_TEST_SEED", "16"))
 ROWS, ROW_GROUP, BATCH, PASSES = 720, 40, 10, 2
+#: seconds a trainer sleeps after each step: while a resize is asked for and its roles
+#: start, and otherwise (72 rounds a pass with 2 trainers)
+SLOW, FAST = 1.0, 0.05
 
 
 @pytest.fixture
@@ -65,12 +68,14 @@ class Job:
     operator or a StatefulSet starts them): a float64 SGD job of :func:`make_model` with
     fine blocks and every round kept; its trainers run the replayable target."""
 
-    def __init__(self, procs, url: str, dataset: str, out: Path, *, trainers: int, pservers: int, delay: float) -> None:
+    def __init__(self, procs, url: str, dataset: str, out: Path, *, trainers: int, pservers: int) -> None:
         self.url, self.out, self.name = url, out, f"acc-{uuid.uuid4().hex[:8]}"
+        self._pace = out.parent / "pace"
+        self.pace(FAST)
         self._procs, self._common = procs, ("--store", url, "--job", self.name)
         self._env = {
             "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),  # the target imports tests.*
-            "GRADS_OUT": str(out), "STEP_DELAY": str(delay),
+            "GRADS_OUT": str(out), "STEP_PACE": str(self._pace),
         }  # fmt: skip
         self.master = procs(
             "master", *self._common, "--dataset", dataset, "--mode", "sync", "--trainers", str(trainers),
@@ -93,6 +98,12 @@ class Job:
         self.trainers.append(self._procs("trainer", *self._common, "--trainer-id", f"trainer-{self._named}", f"{TARGET}:recorded", env=self._env))
         self._named += 1
 
+    def pace(self, seconds: float) -> None:
+        """Seconds each trainer sleeps after each step from now on."""
+        part = self._pace.with_suffix(".part")
+        part.write_text(str(seconds))
+        os.replace(part, self._pace)
+
     def alive(self, roles: list[subprocess.Popen]) -> list[subprocess.Popen]:
         return [p for p in roles if p.poll() is None]
 
@@ -110,7 +121,9 @@ class Job:
 
     def scale(self, *, pservers: int | None = None, trainers: int | None = None) -> dict:
         """Ask with :func:`pdps.scale` (``wait=True``) and, once the request is in, start
-        the roles it adds; then wait until those it removes have left, each exit 0."""
+        the roles it adds; then wait until those it removes have left, each exit 0. The
+        trainers go slowly meanwhile (the job must not end before the new roles start)."""
+        self.pace(SLOW)
         asked: list = []
         asker = threading.Thread(target=lambda: asked.append(pdps.scale(self.url, job=self.name, pservers=pservers, trainers=trainers, wait=True, timeout=90)))
         asker.start()
@@ -127,6 +140,8 @@ class Job:
         assert asked, "pdps.scale did not return"
         wait_until(lambda: len(self.alive(roles)) == want, 60, f"{want} to take part")
         assert all(p.returncode == 0 for p in roles if p.poll() is not None), [p.returncode for p in roles]
+        if trainers is None:
+            self.pace(FAST)
         return asked[0]
 
     def finish(self) -> dict:
@@ -174,7 +189,7 @@ def test_processes_resized_2_3_1_2_pservers_equal_a_replay(etcd_server, dataset,
     """Pserver processes grown and shrunk by ``pdps.scale`` while 2 trainer processes train."""
     out = tmp_path / "grads"
     out.mkdir()
-    job = Job(procs, etcd_server.url, dataset, out, trainers=2, pservers=2, delay=0.1)
+    job = Job(procs, etcd_server.url, dataset, out, trainers=2, pservers=2)
     for k, pservers in zip(seeded_points(3), (3, 1, 2)):
         job.after_steps(k)
         record = job.scale(pservers=pservers)
@@ -190,11 +205,14 @@ def test_processes_resized_3_2_4_trainers_equal_a_replay(etcd_server, dataset, p
     more wanted: the trainer processes started for them join at the next round."""
     out = tmp_path / "grads"
     out.mkdir()
-    job = Job(procs, etcd_server.url, dataset, out, trainers=3, pservers=2, delay=0.15)
+    job = Job(procs, etcd_server.url, dataset, out, trainers=3, pservers=2)
     for k, trainers in zip(seeded_points(2), (2, 4)):
         job.after_steps(k)
         record = job.scale(trainers=trainers)
         assert record["state"] == "done" and record["trainers"] == trainers, record
+        joined = {f"trainer-{i}" for i in range(3, trainers)}
+        wait_until(lambda: joined <= {p.stem.split("-", 2)[2] for p in out.glob("*.f64")}, 90, f"{sorted(joined)} to step")
+        job.pace(FAST)
     assert job.trainers[2].returncode == 0  # trainer-2, the surplus of 3 when 2 were wanted
     params = job.finish()
     rounds = check_replay_and_audit(etcd_server.url, job.name, out, params)

@@ -2,7 +2,9 @@
 (``.../replayable.py:recorded``; the repository root must be on ``PYTHONPATH``).
 
 Each applied step's gradient goes to ``$GRADS_OUT/<epoch>-<round>-<trainer id>.f64``
-(raw float64 bytes, written whole or not at all).
+(raw float64 bytes, written whole or not at all). After each step the trainer sleeps
+as many seconds as ``$STEP_PACE`` (a file) says: a test slows the job down while it
+waits for a resize, so that the job outlasts the resize however slowly processes start.
 """
 
 import os
@@ -25,7 +27,7 @@ def save(name: str, values: np.ndarray) -> None:
 def recorded(ctx):
     """A plain loop; before each step, the gradient it will push is kept aside, and saved
     under the round the step was applied in (:attr:`TrainerContext.history`)."""
-    delay = float(os.environ.get("STEP_DELAY", "0"))
+    pace = Path(os.environ["STEP_PACE"])
     model = ctx.attach(make_model())
     for batch in ctx.batches():
         loss = F.mse_loss(model(batch["x"]), batch["y"])
@@ -37,6 +39,6 @@ def recorded(ctx):
         if len(ctx.history) > applied:
             s = ctx.history[-1]
             save(f"{s.epoch}-{s.round}-{ctx.trainer_id}", grad)
-        time.sleep(delay)
+        time.sleep(float(pace.read_text()))
     return {"steps": ctx.steps}
 

@@ -259,6 +259,37 @@ def wait_steps(steps: collections.Counter, errors: list, k: int, timeout: float 
         time.sleep(0.01)
 
 
+def test_async_resizes_lose_no_acknowledged_push(source):
+    """Resized 2->3->1->2 in async mode: per slot, the pushes the pservers applied (a
+    departing pserver's counts travel with its slots) equal those the trainers were told
+    were applied."""
+    job = start_job(source, name="elastic-async", mode="async", pservers=2, min_block=1, num_slots=16, lease_ttl=2.0,
+                    optimizer_args={"lr": LR}, batch_size=10, passes=2, task_timeout=60.0)  # fmt: skip
+    everyone = list(job.pservers)
+    try:
+        contexts, threads, steps, errors = train_threads(job, 2, delay=0.02)
+        for k, pservers in zip(seeded_points(3), (3, 1, 2)):
+            wait_steps(steps, errors, k)
+            resize(job, pservers)
+            everyone += [ps for ps in job.pservers if ps not in everyone]
+        last_resize_at = sum(steps.values())
+        for th in threads:
+            th.join(timeout=60)
+        assert not errors, errors
+        assert not any(th.is_alive() for th in threads)
+        assert sum(steps.values()) > last_resize_at  # the resizes happened while the job trained
+        assert all(ctx.map_changes == 3 for ctx in contexts), [ctx.map_changes for ctx in contexts]
+        acknowledged = sum((ctx.acknowledged for ctx in contexts), collections.Counter())
+        applied = collections.Counter()
+        for ps in everyone:
+            applied.update(ps.applied_by_slot)
+        assert +applied == +acknowledged and acknowledged
+        departed = [ps for ps in everyone if ps.departed.is_set()]
+        assert len(departed) == 2 and not any(sum(ps.applied_by_slot.values()) for ps in departed)
+    finally:
+        job.close()
+
+
 def test_each_resize_sends_the_fewest_bytes_the_maps_allow(source):
     """Sync, Adam: each of 2->3->1->2 sends each moving block's values, exp_avg and
     exp_avg_sq once, plus at most one 0-d tensor per moving block (Adam's ``step``):

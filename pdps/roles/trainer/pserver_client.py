@@ -144,6 +144,21 @@ class PserverGroup:
             part.channel = self._transport.connect(addr)
             part.address = addr
 
+    def _map_moved(self, part: Part, exc: TransportError) -> None:
+        """Raise SlotMapChanged if the job's slot map is newer than the one ``part`` was
+        addressed by: an unreachable pserver may have left the job in a resize."""
+        try:
+            kv = self._store.get(self._keys.slotmap)
+            current = None if kv is None else decode_as(kv.value, kv.key, SlotMap.from_json).version
+        except (StoreError, CorruptRecord):
+            return
+        if current is not None and current > self.layout.slot_map.version:
+            raise SlotMapChanged(
+                f"pserver {part.index} is unreachable ({exc}) and the job's slot map is at version {current} "
+                f"(this trainer's is {self.layout.slot_map.version}): a resize moved its slots",
+                sent=self.layout.slot_map.version, current=current,
+            )
+
     def call(self, part: Part, method: str, request: Message, into: Sequence[Any] | None = None) -> Message:
         """Call one pserver, pausing and retrying while it is unreachable or not ready.
         ``into``: where the reply's tensors may be received (see ``Channel.call``)."""
@@ -166,6 +181,7 @@ class PserverGroup:
                 if isinstance(exc, Timeout):
                     raise
                 error = exc
+                self._map_moved(part, exc)  # a resize let this pserver go: follow the map, not the pserver
                 self._reconnect(part)
             if not retrying.failures:
                 since = time.time()

@@ -1196,14 +1196,14 @@ class Pserver:
                     return calls.call(channel, request)
                 finally:
                     channel.close()
+            except NotInitialized as exc:  # (a NotReady: caught first)
+                log.error("pserver %s cannot receive slots %s: %s", self.index, slots[:8], exc)
+                return _LOST  # the source restarted without them
             except (NotReady, TransportError, StoreError, EpochChanged) as exc:
                 if waiting.elapsed >= WAIT_LOG_EVERY and waiting.failures % 10 == 0:
                     log.warning("pserver %s waits %.0fs for slots %s from pserver %d: %s", self.index, waiting.elapsed, slots[:8], src, exc)
                 waiting.note()
                 waiting.pause()
-            except NotInitialized as exc:
-                log.error("pserver %s cannot receive slots %s: %s", self.index, slots[:8], exc)
-                return _LOST  # the source restarted without them
             if unregistered_since is None and gone:
                 unregistered_since = time.monotonic()
             elif not gone:

@@ -32,7 +32,8 @@ push and the pull move all of it, and no time goes to anything else.
 
 Figures, per resize
 -------------------
-* ``wall``: from the request to the resize record's ``done``.
+* ``wall``: from the request to the resize record's ``done``; ``states_s``: when the
+  record first showed each state (requested, growing, migrating), seconds after the request.
 * ``pause``: the longest a trainer waited beyond a usual step: over the gaps between
   consecutive completed steps of each trainer, from its last step completed before the
   request to its first one completed after ``done``, the longest, minus the median
@@ -282,7 +283,9 @@ def resize_live(job: Job, to: int, steps: int) -> dict[str, Any]:
     record = request_resize(job.store, keys, pservers=to, by="bench/elastic.py")
     while len(job.live_pservers()) < to:
         job.add_pserver()  # as pdps launch does when ps_desired grows
-    finished = wait_resized(job.store, keys, record.id, deadline=time.monotonic() + WAIT_S)
+    states: dict[str, float] = {}  # when the record first showed each state, seconds after the request
+    note = lambda r: states.setdefault(r.state.value, time.monotonic() - asked)  # noqa: E731
+    finished = wait_resized(job.store, keys, record.id, deadline=time.monotonic() + WAIT_S, progress=note)
     done = time.monotonic()
     if finished is None or finished.state is not ResizeState.DONE or finished.from_map is None or finished.to_map is None:
         raise RuntimeError(f"resize to {to} pservers did not finish: {finished}")
@@ -299,7 +302,7 @@ def resize_live(job: Job, to: int, steps: int) -> dict[str, Any]:
     moved = sent1 - sent0
     return {
         "from": before.num_pservers, "to": to, "wall_s": done - asked, "longest_gap_s": longest, "step_s": usual,
-        "pause_s": max(0.0, longest - usual), "slots_moved": len(finished.moves()),
+        "pause_s": max(0.0, longest - usual), "slots_moved": len(finished.moves()), "states_s": {**states, "done": done - asked},
         "bytes_moved": moved, "bytes_received": received1 - received0, "bytes_minimum": minimum,
         "bytes_vs_minimum": moved / minimum if minimum else float(moved == 0),
         # a resize should never cost a rollback; one that did shows here, its pause in the figures
@@ -424,6 +427,10 @@ def print_table(report: dict[str, Any]) -> None:
         for x in r["resizes"]:
             parts = ", ".join(f"{k} {v:.2f}" for k, v in x["restart"]["parts_s"].items())
             say(f"  {r['mib']} MiB {r['mode']} {x['from']}->{x['to']}: {parts}")
+    say("resize record states (seconds after the request):")
+    for r in report["runs"]:
+        for x in r["resizes"]:
+            say(f"  {r['mib']} MiB {r['mode']} {x['from']}->{x['to']}: " + ", ".join(f"{k} {v:.2f}" for k, v in x["states_s"].items()))
     for name, r in report["ratios"].items():
         say(f"{name}: {r['value']:.3f}x ({r['mib']} MiB, {r['mode']}, {r['resize']})")
 

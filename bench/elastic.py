@@ -53,8 +53,8 @@ moved over minimum (the worst resize of any model).
 
 Run
 ---
-    .venv/bin/python bench/elastic.py                    # ~4 min on 2 cores: 64 MiB and 1 GiB
-    .venv/bin/python bench/elastic.py --quick            # ~20 s: 8 MiB, 3 steps
+    .venv/bin/python bench/elastic.py                    # ~2.5 min on 2 cores: 64 MiB and 1 GiB
+    .venv/bin/python bench/elastic.py --quick            # ~15 s: 8 MiB, 3 steps
     .venv/bin/python bench/elastic.py --mib 64 --modes sync async --transport inproc
 
 ``--json``: the table and progress on stderr, one JSON object on stdout's last line.

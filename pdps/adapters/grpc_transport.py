@@ -606,7 +606,8 @@ class _BufferPool:
             if best is None:
                 best = np.empty(size, dtype=np.uint8)
                 if len(self._arrays) >= self._keep and idle:
-                    self._arrays.remove(min(idle, key=lambda a: a.size))
+                    smallest = min(idle, key=lambda a: a.size)  # by identity: == on arrays compares their elements
+                    self._arrays = [a for a in self._arrays if a is not smallest]
                 if len(self._arrays) < self._keep and sum(a.size for a in self._arrays) + size <= self._max_bytes:
                     self._arrays.append(best)
             return torch.from_numpy(best)[:size]

@@ -1075,3 +1075,15 @@ def test_a_tls_handshake_that_never_comes_is_given_up_on_both_ports(serve, tls):
             sock.close()
     client = TlsConfig(cert=tls["client_cert"], key=tls["client_key"], ca=tls["ca"])
     assert GrpcTransport(tls=client).connect(ep.address).call("ping", Message({}), timeout=10).meta == {}
+
+
+def test_a_full_receive_buffer_pool_makes_room_for_a_larger_buffer_than_it_holds():
+    """The pool drops its smallest idle buffer, found by identity: comparing numpy arrays
+    with == (list.remove) raised on buffers of other sizes, and every call receiving
+    into a new size failed once the pool was full (a 1 GiB model after a 64 MiB one)."""
+    pool = gt._BufferPool(keep=2, max_bytes=1 << 30, min_bytes=1)
+    pool.take(36 << 20)
+    pool.take(4 << 20)  # both idle once their tensors go; the smallest is not the first
+    got = pool.take(100 << 20)
+    assert got.numel() == 100 << 20
+    assert sorted(a.size for a in pool._arrays) == [36 << 20, 100 << 20]  # the smallest idle one made room

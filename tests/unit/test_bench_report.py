@@ -99,7 +99,22 @@ def scale_json(step_ops=11.0, memory=600.0):
     return {"bench": "scale", "config": {"trainers": [10, 100]}, "steps": steps, "tasks": tasks, "master_bytes_per_task": memory, "ratios": ratios}
 
 
-FAKES = {"transport": transport_json, "master": master_json, "checkpoint": checkpoint_json, "end-to-end": e2e_json, "scale": scale_json}
+def elastic_json(pause=0.2, restart=6.0, moved=1.0):
+    def resize(a, b):
+        return {"from": a, "to": b, "wall_s": 0.5, "step_s": 1.0, "longest_gap_s": 1.0 + pause, "pause_s": pause,
+                "bytes_moved": int(moved * 2**28), "bytes_minimum": 2**28, "bytes_vs_minimum": moved, "rollbacks": 0,
+                "restart": {"pause_s": restart}, "pause_vs_restart": restart / pause}
+
+    worst = {"mib": 1024, "mode": "sync", "resize": "2->3"}
+    return {
+        "config": {"mib": [1024], "resizes": [2, 3, 4, 2]},
+        "runs": [{"mib": 1024, "mode": "sync", "resizes": [resize(2, 3), resize(3, 4), resize(4, 2)]}],
+        "ratios": {"pause_vs_restart": {"value": restart / pause, **worst}, "bytes_vs_minimum": {"value": moved, **worst}},
+    }
+
+
+FAKES = {"transport": transport_json, "master": master_json, "checkpoint": checkpoint_json, "end-to-end": e2e_json, "scale": scale_json,
+         "elastic": elastic_json}
 MACHINE = {"cpu_count": 2, "cpu_model": "Fake CPU 9000", "memory_gib": 7.5, "python": "3.11.7", "torch": "2.13.0", "etcd": "etcd Version: 3.4.23"}
 
 
@@ -300,6 +315,7 @@ def full_results(**checkpoint):
         "checkpoint": ran(checkpoint_json(**checkpoint), checkpoint_json(**checkpoint)),
         "end-to-end": ran(e2e_json(), e2e_json()),
         "scale": ran(scale_json(), scale_json()),
+        "elastic": ran(elastic_json(), elastic_json()),
     })
 
 

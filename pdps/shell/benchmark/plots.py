@@ -37,6 +37,8 @@ PLOTS: dict[str, PlotSpec] = {
     "checkpoint": PlotSpec("Checkpoint: save and restore throughput vs raw I/O", "GB/s", "GB/s"),
     "scale": PlotSpec("Scale: each cost at the largest size / at the smallest (linear in trainers: 10x; flat in tasks: 1x)",
                       "x", "growth (log scale)", log=True),
+    "elastic": PlotSpec("Elastic: each resize's wall time and longest trainer pause vs stop, checkpoint, restart",
+                        "s", "seconds (log scale)", log=True),
 }
 
 

@@ -24,7 +24,7 @@ from pdps.core.errors import PdpsError
 
 MET, MISSED, ERROR, NOT_RUN, NOT_CHECKED = "MET", "MISSED", "ERROR", "NOT RUN", "NOT CHECKED"
 STABILITY = 0.15  # two consecutive runs agree on each ratio within 15%
-SUITES = ("transport", "master", "checkpoint", "end-to-end", "scale")
+SUITES = ("transport", "master", "checkpoint", "end-to-end", "scale", "elastic")
 
 
 class BenchError(PdpsError):
@@ -275,6 +275,32 @@ def _scale(id: str, description: str, threshold: float) -> Target:
     return Target(f"scale.{id}", "scale", description, threshold, scale_ratio(id), scale_detail(id), at_most=True)
 
 
+# elastic: {"runs": [{"mib", "mode", "resizes": [{"from", "to", "wall_s", "pause_s", "bytes_moved", "bytes_minimum",
+#           "restart": {"pause_s"}, ...}]}], "ratios": {name: {"value", "mib", "mode", "resize"}}}
+
+
+def elastic_ratio(name: str) -> Callable[[Report], float]:
+    def figure(report: Report) -> float:
+        return number(get(report, "ratios", name, "value", suite="elastic"), f"ratios.{name}.value", suite="elastic")
+
+    return figure
+
+
+def elastic_detail(name: str) -> Callable[[Report], str]:
+    def detail(report: Report) -> str:
+        r = get(report, "ratios", name, suite="elastic")
+        where = f"{r.get('mib')} MiB, {r.get('mode')}, {r.get('resize')}"
+        for run in get(report, "runs", suite="elastic"):
+            for x in run.get("resizes", ()) if run.get("mib") == r.get("mib") and run.get("mode") == r.get("mode") else ():
+                if f"{x.get('from')}->{x.get('to')}" == r.get("resize"):
+                    if name == "pause_vs_restart":
+                        return f"{where}: live pause {float(x['pause_s']):.3f} s; stop, checkpoint, restart {float(x['restart']['pause_s']):.2f} s"
+                    return f"{where}: moved {int(x['bytes_moved']):,} B; minimum {int(x['bytes_minimum']):,} B"
+        return where
+
+    return detail
+
+
 # --- the table ---------------------------------------------------------------------------
 
 TARGETS: tuple[Target, ...] = (
@@ -308,6 +334,11 @@ TARGETS: tuple[Target, ...] = (
     _scale("task_memory_tasks", "master memory per task at 10x the tasks / at 1x (flat: 1x; hash tables grow by doubling)", 1.5),
     Target("scale.master_memory", "scale", "master memory per task (task specs + queue), the largest queue",
            1024.0, scale_memory, scale_memory_detail, unit="B/task", at_most=True),
+    Target("elastic.pause_vs_restart", "elastic", "stop, checkpoint, restart with the new count, restore / the longest "
+           "trainer pause of a live resize, 1 GiB model, the worst of 2->3->4->2 pservers",
+           10.0, elastic_ratio("pause_vs_restart"), elastic_detail("pause_vs_restart")),
+    Target("elastic.bytes_vs_minimum", "elastic", "bytes a resize moved / the minimum from its two slot maps, the worst resize",
+           1.05, elastic_ratio("bytes_vs_minimum"), elastic_detail("bytes_vs_minimum"), at_most=True),
 )
 
 
@@ -352,6 +383,18 @@ def suite_figures(suite: str, report: Report) -> list[tuple[str, float, str]]:
             label = f"master, {r['tasks']:,} tasks"
             out.append((f"{label}: memory / task", number(r.get("master_bytes_per_task"), f"{label} memory", suite=suite), "B"))
             out.append((f"{label}: store ops / task", number(r.get("store_ops_per_task"), f"{label} ops", suite=suite), "ops"))
+        for name, r in get(report, "ratios", suite=suite).items():
+            out.append((name, number(r.get("value"), f"ratios.{name}", suite=suite), "x"))
+    elif suite == "elastic":
+        for r in get(report, "runs", suite=suite):
+            for x in get(r, "resizes", suite=suite):
+                label = f"{r['mib']} MiB {r['mode']}, {x['from']}->{x['to']}"
+                out.append((f"{label}: resize wall time", number(x.get("wall_s"), f"{label} wall_s", suite=suite), "s"))
+                out.append((f"{label}: longest trainer pause", number(x.get("pause_s"), f"{label} pause_s", suite=suite), "s"))
+                restart = number(get(x, "restart", "pause_s", suite=suite), f"{label} restart.pause_s", suite=suite)
+                out.append((f"{label}: stop, checkpoint, restart", restart, "s"))
+                out.append((f"{label}: bytes moved", number(x.get("bytes_moved"), f"{label} bytes_moved", suite=suite), "B"))
+                out.append((f"{label}: bytes minimum", number(x.get("bytes_minimum"), f"{label} bytes_minimum", suite=suite), "B"))
         for name, r in get(report, "ratios", suite=suite).items():
             out.append((name, number(r.get("value"), f"ratios.{name}", suite=suite), "x"))
     else:

@@ -1,0 +1,51 @@
+"""``pdps bench --suite elastic --quick``: the resize suite runs the library's roles, resizes
+2 -> 3 -> 4 -> 2 pservers live and restarts from a checkpoint for each, and reports every
+figure its targets read. No speed is asserted: only that the figures exist and agree
+with each other and with the slot maps."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.integration
+
+
+def test_the_elastic_suite_reports_each_resize_against_a_checkpoint_restart(tmp_path):
+    out = tmp_path / "results"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pdps", "bench", "--suite", "elastic", "--quick", "--runs", "1", "--out", str(out), "--no-docs"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "[elastic 1/1] pause: longest gap between a trainer's consecutive steps" in proc.stderr  # the definition, printed
+    suite = json.loads((out / "results.json").read_text())["suites"]["elastic"]
+    (run,) = suite["runs"]
+    report = run["report"]
+    assert report["config"]["resizes"] == [2, 3, 4, 2] and report["config"]["transport"] == "grpc"
+    (job,) = report["runs"]
+    assert [(x["from"], x["to"]) for x in job["resizes"]] == [(2, 3), (3, 4), (4, 2)]
+    for x in job["resizes"]:
+        assert x["slots_moved"] > 0 and 0 < x["bytes_minimum"] <= job["mib"] * 2**20
+        assert x["bytes_moved"] == x["bytes_received"] == x["bytes_minimum"], x  # SGD: the values alone move, once
+        assert 0 < x["wall_s"] and 0 < x["step_s"] <= x["longest_gap_s"] and x["pause_s"] == pytest.approx(x["longest_gap_s"] - x["step_s"])
+        restart = x["restart"]
+        assert (restart["from"], restart["to"]) == (x["from"], x["to"]) and restart["checkpoint_round"] == report["config"]["steps"]
+        parts = list(restart["parts_s"].values())
+        assert parts == sorted(parts) and parts[-1] == pytest.approx(restart["pause_s"]) and parts[0] >= 0
+        assert x["pause_vs_restart"] == pytest.approx(restart["pause_s"] / max(x["pause_s"], 0.001))
+    assert report["ratios"]["bytes_vs_minimum"]["value"] == 1.0
+    worst = min(x["pause_vs_restart"] for x in job["resizes"])
+    assert report["ratios"]["pause_vs_restart"]["value"] == worst
+    verdicts = {v["id"]: v for v in json.loads((out / "results.json").read_text())["targets"]}
+    for target in ("elastic.pause_vs_restart", "elastic.bytes_vs_minimum"):
+        assert verdicts[target]["status"] in ("MET", "MISSED") and f" {target} " in proc.stdout
+    assert verdicts["elastic.bytes_vs_minimum"]["status"] == "MET"
+    names = {f["name"] for f in run["figures"]}
+    assert "8 MiB sync, 2->3: longest trainer pause" in names and "8 MiB sync, 4->2: stop, checkpoint, restart" in names

@@ -513,7 +513,9 @@ class TorchShard:
         self.device = str(_device(device))
         self.numel = sum(b.numel for b in self.blocks)
         self.values = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
-        self._grad = torch.zeros_like(self.values)
+        # not zeroed: each step zeroes it or copies into it before reading (a resize builds
+        # shards of a large model while training goes on: a pass over memory saved)
+        self._grad = torch.empty_like(self.values)
         self.values.grad = self._grad
         self._acc: torch.Tensor | None = None  # float32 sum of staged half-precision gradients
         self._staged: dict[str, tuple[torch.Tensor, list[torch.Tensor]]] = {}

@@ -161,6 +161,11 @@ POLL = MEMBERS_FRESH
 SOURCE_GONE = 3
 #: What asking a source for slots returns when it lost them.
 _LOST = object()
+#: A request that needs the slots a pserver is receiving waits this long for them
+#: before it is answered NotReady (and sent again by the caller, with backoff).
+PENDING_WAIT = 5.0
+#: How long a switch waits for the shard being built ahead for it.
+PREPARE_WAIT = 60.0
 #: A receiving pserver asks for at most this many bytes of slots per call.
 MIGRATE_CALL_BYTES = 32 << 20
 #: Pauses between tries of a source pserver that is unreachable or has not switched yet.
@@ -217,6 +222,10 @@ class Pserver:
         self._resize: Resize | None = None  # the job's newest resize, as the watch reports it
         #: (map version, layout, its shard): the shard of the map a resize switches to, built ahead
         self._prepared: tuple[int, Layout, ParameterShard] | None = None
+        self._preparing: int | None = None  # the map version whose shard is being built ahead
+        #: sync, (map version, round, shard): the shard of the map this pserver switched
+        #: from after that round, served to pulls of that round for that map (_frozen_for)
+        self._frozen: tuple[int, int, ParameterShard] | None = None
         self.departed = threading.Event()  # a resize took every slot away and the job let this pserver go
         #: async: pushes applied here, per slot (a push counts once for each slot it
         #: stepped); a slot's count moves with it, so the job's counts add up across resizes
@@ -311,6 +320,8 @@ class Pserver:
                 self._watches.append(self._store.watch(self._keys.rounds, self._on_round_event))
             with self._cond:  # after the watches: a switch in between is seen by one or the other
                 self._resize = read_resize(self._store, self._keys)[0]
+                if self._resize is not None and self._resize.state is ResizeState.MIGRATING:
+                    self._start_preparing(self._resize)
                 if self._placed:
                     self._switch_map(read_map(self._store, self._keys))  # a resize may have flipped it since it was read
                 else:
@@ -538,10 +549,12 @@ class Pserver:
         after, slice_s = req.after_round, req.slice_s
         timeout = 600.0 if req.deadline is None else max(0.0, req.deadline - time.monotonic())
         with self._cond:
+            extra: dict[str, object] = {}
+            if self._frozen_for(req):
+                return self._frozen_reply(req, extra)
             self._check_request(req)
             shard = self._ready_shard()
             indices = req.claim(shard.blocks, self.index)
-            extra: dict[str, object] = {}
             if after is not None and self.config.mode is Mode.SYNC:
                 epoch = self.epoch
                 began = time.perf_counter()
@@ -553,6 +566,8 @@ class Pserver:
                     return PullReply(**self._state(), waiting=tuple(sorted(self._waiting or ())), **extra)  # type: ignore[arg-type]
                 if self._round_checkpoint is not None and self._round_checkpoint[0] == after:
                     extra["checkpoint"] = self._round_checkpoint[1]
+                if self._frozen_for(req):
+                    return self._frozen_reply(req, extra)
                 self._check_slot_map(req)  # the round may have switched the map (a resize)
                 shard = self._ready_shard()
                 indices = req.claim(shard.blocks, self.index)
@@ -562,6 +577,27 @@ class Pserver:
             if indices is not None:  # some slots only: a trainer pulling while its forward runs
                 views = [views[i] for i in indices]
             return PullReply(**self._state(), tensors=views, **extra)  # type: ignore[arg-type]
+
+    def _frozen_for(self, req: PullRequest) -> bool:
+        """Sync: a pull of the round after which this pserver switched maps, computed for
+        the map it switched from. The shard of that map is frozen at that round (nothing
+        writes it any more; the slots it gave up are sent from it), so the pull is served
+        from it at once: the trainer computes the next step while the receiving pservers
+        fetch their slots, instead of waiting for them."""
+        frozen = self._frozen
+        return (
+            frozen is not None and req.after_round == frozen[1] and req.version == frozen[0]
+            and req.epoch in (None, self.epoch) and self.config.mode is Mode.SYNC
+        )
+
+    def _frozen_reply(self, req: PullRequest, extra: dict[str, object]) -> PullReply:
+        assert self._frozen is not None
+        shard = self._frozen[2]
+        indices = req.claim(shard.blocks, self.index)
+        views = shard.views()
+        if indices is not None:
+            views = [views[i] for i in indices]
+        return PullReply(**self._state(), tensors=views, **extra)  # type: ignore[arg-type]
 
     # --- sync rounds ------------------------------------------------------------------
 
@@ -618,6 +654,10 @@ class Pserver:
             return False
         if record is None or not record.closed:
             return False
+        if record.map_version is not None and self._preparing == record.map_version:
+            self._await_prepared(record.map_version)  # before the round is applied: nothing moves meanwhile
+            if self.round_no != round_no:
+                return True  # applied by another thread while this one waited
         self._apply_round(record)
         return True
 
@@ -747,8 +787,12 @@ class Pserver:
         if record.checkpoint is not None:
             self._round_checkpoint = (record.round_no, record.checkpoint)
             self._snapshot(record.checkpoint)
+        self._frozen = None  # a round applied after a switch: the frozen shard is past
         if record.map_version is not None and self._slot_map is not None and record.map_version > self._slot_map.version:
+            before = (self._slot_map.version, self._shard)
             self._switch_map(read_map(self._store, self._keys))
+            if before[1] is not None and before[1].initialized and before[1] is not self._shard:
+                self._frozen = (before[0], record.round_no, before[1])
         self._cond.notify_all()
         self._closer.notify_all()  # the next round may be closable already
 
@@ -910,6 +954,7 @@ class Pserver:
             self._move(PserverEvent.LOAD)
             self._round_checkpoint = None
             self._outgoing.clear()  # every pserver loads its slots of the map it serves from the checkpoint
+            self._frozen = None
             self._outgoing_applied.clear()
             self._pending, self._received = {}, {}
             self._last_records.clear()  # the parameters go back: so does what they hold
@@ -987,8 +1032,7 @@ class Pserver:
             self._resize = resize
             if resize.state is ResizeState.MIGRATING:
                 self._closer.notify_all()  # the next round's closer flips the map
-                if resize.to_map is not None and self._specs is not None and self._slot_map is not None and resize.to_map.version > self._slot_map.version:
-                    threading.Thread(target=self._prepare, args=(resize.to_map,), name=f"pdps-ps-prepare-{self.index}", daemon=True).start()
+                self._start_preparing(resize)
             if resize.state is not ResizeState.DONE or resize.to_map is None:
                 return
             for v in [v for v in self._outgoing if v <= resize.to_map.version]:
@@ -1001,15 +1045,38 @@ class Pserver:
             # stop from a thread of its own: stopping cancels this very watch
             threading.Thread(target=self.stop, name=f"pdps-ps-leave-{self.index}", daemon=True).start()
 
+    def _start_preparing(self, resize: Resize) -> None:
+        """A resize is migrating (lock held): build the shard of its map ahead of the switch."""
+        to_map = resize.to_map
+        if to_map is None or self._specs is None or self._slot_map is None or to_map.version <= self._slot_map.version:
+            return
+        if self._preparing == to_map.version or (self._prepared is not None and self._prepared[0] == to_map.version):
+            return
+        self._preparing = to_map.version
+        threading.Thread(target=self._prepare, args=(to_map,), name=f"pdps-ps-prepare-{self.index}", daemon=True).start()
+
     def _prepare(self, to_map: SlotMap) -> None:
         """Build the shard of ``to_map`` before the switch, off the lock: the switch then
-        only copies values in (a model of many blocks takes seconds to build a shard for)."""
+        only copies values in (building a large shard takes seconds while training runs)."""
         assert self._specs is not None and self.index is not None
-        layout = Layout.build(self._specs, to_map, self.config.min_block)
-        shard = self._compute.shard(layout.blocks_of(self.index), self.config.optimizer, self.config.optimizer_args)
+        try:
+            layout = Layout.build(self._specs, to_map, self.config.min_block)
+            shard = self._compute.shard(layout.blocks_of(self.index), self.config.optimizer, self.config.optimizer_args)
+        finally:
+            with self._cond:
+                self._preparing = None
+                self._cond.notify_all()
         with self._cond:
             if self._slot_map is not None and self._slot_map.version < to_map.version:
                 self._prepared = (to_map.version, layout, shard)
+                self._cond.notify_all()
+
+    def _await_prepared(self, version: int) -> None:
+        """Wait (lock held, released while waiting) for the shard of map ``version`` being
+        built ahead, rather than building it a second time under the lock."""
+        deadline = time.monotonic() + PREPARE_WAIT
+        while self._preparing == version and self.state not in HALTED and time.monotonic() < deadline:
+            self._cond.wait(max(0.0, deadline - time.monotonic()))
 
     def _on_slotmap_event(self, event: WatchEvent) -> None:
         """A new map: async pservers switch at once. Sync ones switch at the round
@@ -1071,6 +1138,7 @@ class Pserver:
             before = self._shard
             if not before.blocks and not before.initialized and self._store.get(self._keys.initialized) is not None:
                 before.import_blocks({})  # nothing of the model was here: nothing is missing either
+            self._await_prepared(new.version)
             prepared, self._prepared = self._prepared, None
             if prepared is None or prepared[0] != new.version:
                 prepared = None
@@ -1248,6 +1316,10 @@ class Pserver:
         self._closers = tuple(p for p in range(layout.slot_map.num_pservers) if p not in idle)
 
     def _ready_shard(self) -> ParameterShard:
+        if self._pending:  # receiving slots: wait for them a while (woken when they are in), then say so
+            deadline = time.monotonic() + PENDING_WAIT
+            while self._pending and self.state not in HALTED and time.monotonic() < deadline:
+                self._cond.wait(max(0.0, deadline - time.monotonic()))
         if self._pending:
             raise NotReady(
                 f"pserver {self.index} is receiving slots of slot map version {self._slot_map.version if self._slot_map else '?'} "

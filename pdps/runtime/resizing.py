@@ -17,9 +17,9 @@ import uuid
 from collections.abc import Callable
 
 from pdps.core.elastic import Resize, ResizeState, check_counts, describe
-from pdps.core.errors import ConfigError, ResizeInProgress, Timeout
+from pdps.core.errors import ConfigError, CorruptRecord, ResizeInProgress, Timeout
 from pdps.core.headcount import Desired, parse_count
-from pdps.core.job import Keys, decode_as
+from pdps.core.job import Keys, decode_as, decode_json
 from pdps.core.slots import SlotMap
 from pdps.core.txn import Decision, Done, Write
 from pdps.ports.coordination import Compare, CoordinationStore, EventType, KeyValue, Put, TxnOp, WatchEvent
@@ -41,6 +41,15 @@ def read_map(store: CoordinationStore, keys: Keys) -> SlotMap:
     if kv is None:
         raise ConfigError(f"job {keys.job!r} has no slot map ({keys.slotmap}): start its master (or publish the job) first")
     return decode_as(kv.value, kv.key, SlotMap.from_json)
+
+
+def _job_done(store: CoordinationStore, keys: Keys) -> bool:
+    kv = store.get(keys.state)
+    try:
+        state = None if kv is None else decode_json(kv.value, kv.key)
+    except CorruptRecord:
+        return False
+    return isinstance(state, dict) and state.get("state") == "done"
 
 
 def resizes_got(store: CoordinationStore, keys: Keys, version: int) -> list[int]:
@@ -121,6 +130,8 @@ def wait_resized(
             if progress is not None and now != last:
                 progress(now)
             last = now
+            if _job_done(store, keys):
+                raise ConfigError(f"job {keys.job!r} has ended; {describe(now)} will not finish")
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 raise Timeout(f"job {keys.job!r}: {describe(now)} has not finished")

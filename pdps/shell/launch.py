@@ -72,6 +72,7 @@ class Role:
     restarts: int = 0
     finished: bool = False  # exited 0 on its own (trainers: the job is done for them)
     left: bool = False  # exited 0 on its own before the job was done: a resize removed it
+    said_left: bool = False  # it said so on stdout ({"left": true}) before exiting
     result: dict | None = None  # a trainer's last stdout line
     threads: list[threading.Thread] = attrs.field(factory=list)
     metrics_port: int | None = None  # what it is told to serve metrics on (None: none)
@@ -297,6 +298,8 @@ class Launcher:
                     self._say(f"{role.name} serves metrics at {role.metrics_url}")
                 else:
                     role.result = said
+                    if isinstance(said, dict) and said.get("left") is True:
+                        role.said_left = True  # a resize removed it: its exit 0 is no failure, however late it is seen
 
     def _say(self, text: str) -> None:
         with self._err_lock:
@@ -414,7 +417,10 @@ class Launcher:
                 if code is None or role.finished or role.left:
                     continue
                 if code == 0:
-                    if desired is not None and role.kind != "master" and leaves(desired.of(role.kind), self._taking_part(role.kind)):
+                    for t in role.threads:
+                        t.join(timeout=2.0)  # its last stdout line (said it left?) is read by then: the pipe closed with it
+                    removed = role.said_left or (desired is not None and leaves(desired.of(role.kind), self._taking_part(role.kind)))
+                    if role.kind != "master" and removed:
                         # a resize removed it: it handed its work on (not a failure, not the job's end)
                         role.left = True
                         self._say(f"{role.name} left the job (exited 0)")

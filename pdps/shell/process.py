@@ -324,6 +324,7 @@ def run_pserver(values: Mapping[str, Any]) -> int:
                     ps.stop()
                     return EXIT_LOST
                 if ps.departed.is_set():
+                    print(json.dumps({"pserver": ps.index, "left": True}), flush=True)  # for pdps launch
                     break  # a resize let it go: its slots are elsewhere
             ps.stop()
             log.info("pserver %s stopped", ps.index)
@@ -374,7 +375,7 @@ def run_trainer(values: Mapping[str, Any]) -> int:
                 return 1
             finally:
                 ctx.leave()
-        line = {"trainer": ctx.trainer_id, "steps": ctx.steps, "tasks_done": ctx.tasks_done, "stopped": shutdown.requested.is_set()}
+        line = {"trainer": ctx.trainer_id, "steps": ctx.steps, "tasks_done": ctx.tasks_done, "stopped": shutdown.requested.is_set(), "left": ctx.left_by_resize}
         try:
             line["result"] = json.loads(json.dumps(result))
         except (TypeError, ValueError):

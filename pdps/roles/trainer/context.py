@@ -426,7 +426,7 @@ class TrainerContext(SyncRound, AsyncCadence):
                     continue
                 n = len(next(iter(columns.values()))) if columns else 0
                 if offset:
-                    log.info("trainer %s resumes task %d at record %d of %d (a checkpoint restore)", self.trainer_id, task.id, offset, n)
+                    log.info("trainer %s resumes task %d at record %d of %d (trained that far before: a checkpoint restored, or a task given back)", self.trainer_id, task.id, offset, n)
                 self._abandon = False
                 device = "cpu" if self._replica is None else self._replica.device
                 for start in range(min(offset, n), n, bs):

@@ -417,10 +417,13 @@ class Launcher:
                 if code is None or role.finished or role.left:
                     continue
                 if code == 0:
-                    for t in role.threads:
-                        t.join(timeout=2.0)  # its last stdout line (said it left?) is read by then: the pipe closed with it
-                    removed = role.said_left or (desired is not None and leaves(desired.of(role.kind), self._taking_part(role.kind)))
-                    if role.kind != "master" and removed:
+                    if role.kind != "master":
+                        for t in role.threads:
+                            t.join(timeout=2.0)  # its last stdout line (said it left?) is read by then: the pipe closed with it
+                    removed = role.kind != "master" and (
+                        role.said_left or (desired is not None and leaves(desired.of(role.kind), self._taking_part(role.kind)))
+                    )
+                    if removed:
                         # a resize removed it: it handed its work on (not a failure, not the job's end)
                         role.left = True
                         self._say(f"{role.name} left the job (exited 0)")

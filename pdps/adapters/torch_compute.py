@@ -23,7 +23,7 @@ import importlib
 import inspect
 import json
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -537,6 +537,7 @@ class TorchShard:
         # a bad optimizer is refused the same way everywhere
         self.optimizer = _build(cls, optimizer, self._value_views or [self.values], self.optimizer_args, given)
         self.initialized = False
+        self._expecting = False  # expect_import(): gradients may be staged before the values come
         log.debug("shard of %d blocks (%d elements) on %s with %s(%r)", len(self.blocks), self.numel, self.device, optimizer, self.optimizer_args)
 
     def _views_of(self, flat: torch.Tensor) -> list[torch.Tensor]:
@@ -597,6 +598,7 @@ class TorchShard:
             self._acc.zero_()
         self._live.clear()
         self._staged_blocks.clear()
+        self._expecting = False
         self.initialized = True
 
     # --- transactional sync rounds: stage per trainer, apply what the round names --------
@@ -607,9 +609,11 @@ class TorchShard:
 
         ``indices`` names the blocks ``tensors`` are for (default: all, in order); a key
         is staged once every block has been (:meth:`staged`). One buffer per key,
-        reused round after round: no allocation per step.
+        reused round after round: no allocation per step. Before the shard is
+        initialized only after :meth:`expect_import`.
         """
-        self._ready()
+        if not self._expecting:
+            self._ready()
         buf = self._staged.get(key)
         if buf is None:
             acc_dtype = torch.float32 if self.dtype in (torch.float16, torch.bfloat16) else self.dtype
@@ -622,6 +626,16 @@ class TorchShard:
         have.update(self._all if indices is None else indices)
         if len(have) == len(self.blocks):
             self._live.add(key)
+
+    def reserve(self, keys: Iterable[str]) -> None:
+        """Allocate and touch the staging buffers of ``keys`` and the gradient buffer: a
+        shard built ahead of a resize's switch allocates nothing in its first round."""
+        acc_dtype = torch.float32 if self.dtype in (torch.float16, torch.bfloat16) else self.dtype
+        for key in keys:
+            if key not in self._staged:
+                flat = torch.zeros(self.numel, dtype=acc_dtype, device=self.device)
+                self._staged[key] = (flat, self._views_of(flat))
+        self._grad.zero_()
 
     def staged(self) -> set[str]:
         """Keys whose gradient is staged for the open round."""
@@ -812,11 +826,18 @@ class TorchShard:
                 self.optimizer.state.pop(view, None)
                 if state:
                     self.optimizer.state[view] = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
-        if self._acc is not None:
-            self._acc.zero_()
-        self._live.clear()
-        self._staged_blocks.clear()
+        if not self._expecting:  # gradients staged while the values were on their way stay staged
+            if self._acc is not None:
+                self._acc.zero_()
+            self._live.clear()
+            self._staged_blocks.clear()
+        self._expecting = False
         self.initialized = True
+
+    def expect_import(self) -> None:
+        """The values are on their way (a resize moving slots here): gradients may be
+        staged before :meth:`import_blocks`, which keeps them."""
+        self._expecting = True
 
     def snapshot(self, counters: Mapping[str, int]) -> dict[str, torch.Tensor]:
         state = {k: v.clone() for k, v in self.export_blocks().items()}

@@ -368,6 +368,13 @@ class Keys:
     def slotmap_since(self) -> str:
         return self.root + "slotmap_since"
 
+    def resize_ready(self, version: int, index: int | None = None) -> str:
+        """Pserver ``index`` has built its shard of map ``version`` ahead of the switch
+        (without it: the prefix). A sync switch waits for every pserver of the new map
+        (at most :data:`~pdps.roles.pserver.READY_PATIENCE`)."""
+        prefix = f"{self.root}resize_ready/{version:08d}/"
+        return prefix if index is None else f"{prefix}{index}"
+
     def resize_got(self, version: int, index: int | None = None) -> str:
         """Pserver ``index`` holds its slots of map ``version`` (without it: the prefix)."""
         prefix = f"{self.root}resize_got/{version:08d}/"

@@ -224,12 +224,16 @@ _count = _at_least(0)
 @attrs.frozen
 class PserverReply(Wire):
     """What every pserver reply says of the pserver: its open sync ``round_no``, the
-    ``updates`` it applied, its ``epoch`` and ``incarnation`` (new at each start)."""
+    ``updates`` it applied, its ``epoch`` and ``incarnation`` (new at each start), and
+    ``map_version``, the slot map it serves (a sync pull of the round a resize switched
+    at is served for the map it switched from, and says the new one: the trainer
+    follows it before its next push rather than being refused)."""
 
     round_no: int = _field(int, key="round", check=_count)
     updates: int = _field(int, check=_count)
     epoch: int = _field(int, check=_count)
     incarnation: str = _field(str)
+    map_version: int | None = _field(int, key="map", default=None, check=_at_least(1))
 
 
 @attrs.frozen

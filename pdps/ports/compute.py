@@ -24,7 +24,7 @@ sync mode pulls happen between rounds and see one version.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from pdps.core.slots import Block, ParamSpec
@@ -104,6 +104,12 @@ class ParameterShard(Protocol):
         :meth:`apply_staged_step`."""
         ...
 
+    def reserve(self, keys: Iterable[str]) -> None:
+        """Allocate (and touch) the staging buffers of ``keys`` ahead of their first
+        :meth:`stage`, and the gradient buffer: a shard built ahead of a resize's switch
+        then allocates nothing in its first round."""
+        ...
+
     def staged(self) -> set[str]:
         """The keys staged for the open round."""
         ...
@@ -150,6 +156,12 @@ class ParameterShard(Protocol):
     def import_blocks(self, entries: Mapping[str, Any]) -> None:
         """Load every block from :meth:`export_blocks` entries of any cut of the same
         parameters; the shard is then initialized. ConfigError if rows are missing."""
+        ...
+
+    def expect_import(self) -> None:
+        """The values are on their way (a resize moving slots here): :meth:`stage` is
+        allowed before the shard is initialized, and the next :meth:`import_blocks`
+        keeps what was staged."""
         ...
 
     def snapshot(self, counters: Mapping[str, int]) -> dict[str, Any]:

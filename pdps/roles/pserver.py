@@ -168,6 +168,10 @@ PENDING_WAIT = 5.0
 PREPARE_WAIT = 60.0
 #: A receiving pserver asks for at most this many bytes of slots per call.
 MIGRATE_CALL_BYTES = 32 << 20
+#: Sync: how long a resize's switch waits for every pserver of the new map to have
+#: built its shard ahead (``resize_ready``) before it happens anyway (a pserver that
+#: never says so, being dead or restarting, then builds it at the switch).
+READY_PATIENCE = 10.0
 #: Pauses between tries of a source pserver that is unreachable or has not switched yet.
 MIGRATE_BACKOFF = Backoff(first=0.02, longest=0.5)
 #: Fault injection for tests: seconds a pserver sleeps between writing its checkpoint
@@ -223,6 +227,8 @@ class Pserver:
         #: (map version, layout, its shard): the shard of the map a resize switches to, built ahead
         self._prepared: tuple[int, Layout, ParameterShard] | None = None
         self._preparing: int | None = None  # the map version whose shard is being built ahead
+        self._ready: dict[int, set[int]] = {}  # map version -> the pservers whose shard of it is built ahead
+        self._migrating_since: tuple[int, float] | None = None  # (map version, when this pserver saw it migrating)
         #: sync, (map version, round, shard): the shard of the map this pserver switched
         #: from after that round, served to pulls of that round for that map (_frozen_for)
         self._frozen: tuple[int, int, ParameterShard] | None = None
@@ -389,7 +395,10 @@ class Pserver:
 
     def _state(self) -> dict:
         """The fields of every reply (:class:`~pdps.core.wire.PserverReply`)."""
-        return {"round_no": self.round_no, "updates": self.version, "epoch": self.epoch, "incarnation": self.incarnation}
+        return {
+            "round_no": self.round_no, "updates": self.version, "epoch": self.epoch, "incarnation": self.incarnation,
+            "map_version": None if self._slot_map is None else self._slot_map.version,
+        }
 
     def _check_request(self, req: PserverRequest) -> None:
         """Refuse a request of another epoch or slot map; the caller holds the lock."""
@@ -438,7 +447,7 @@ class Pserver:
         with self._cond:
             began = time.perf_counter()  # the pserver's own time: what "update" means in a step breakdown
             self._check_request(req)
-            shard = self._ready_shard()
+            shard = self._receiving_shard() if self.config.mode is Mode.SYNC else self._ready_shard()
             if req.incarnation is not None and req.incarnation != self.incarnation:
                 raise StalePush(f"pserver {self.index} restarted since trainer {trainer!r} last pulled from it: pull first")
             if self.config.mode is Mode.SYNC:
@@ -638,6 +647,8 @@ class Pserver:
         as soon as it is ready; the others close it only if it still is not closed after
         MEMBERS_FRESH (that pserver may be gone), so a round costs one close, not one
         race per pserver."""
+        if self._pending and round_no in self._marked:
+            return False  # closed, and applied here once the slots being received are in
         stuck = time.monotonic() - self._round_read >= self._stuck_after
         if round_no not in self._marked and not stuck and not (self._ready_by_watch(round_no) and self._closes(round_no)):
             return False
@@ -658,6 +669,9 @@ class Pserver:
             self._await_prepared(record.map_version)  # before the round is applied: nothing moves meanwhile
             if self.round_no != round_no:
                 return True  # applied by another thread while this one waited
+        if self._pending:  # receiving slots (a resize): their gradients are staged; apply once they are in
+            self._marked.add(round_no)
+            return False
         self._apply_round(record)
         return True
 
@@ -1014,13 +1028,33 @@ class Pserver:
     # --- resizing ---------------------------------------------------------------------
 
     def _flip_due(self) -> SlotMap | None:
-        """Sync: the map a resize switches to at the round being closed, if one waits."""
+        """Sync: the map a resize switches to at the round being closed, if one waits:
+        once every pserver of it has built its shard ahead (a round is not held up by
+        one being built), or READY_PATIENCE after the resize began migrating."""
         r = self._resize
         if r is None or r.state is not ResizeState.MIGRATING or r.to_map is None or r.from_map is None or self._slot_map is None:
             return None
-        return r.to_map if r.from_map.version == self._slot_map.version else None
+        if r.from_map.version != self._slot_map.version:
+            return None
+        version = r.to_map.version
+        if set(range(r.to_map.num_pservers)) <= self._ready.get(version, set()):
+            return r.to_map
+        since = self._migrating_since
+        if since is None or since[0] != version:
+            self._migrating_since = since = (version, time.monotonic())
+        if time.monotonic() - since[1] >= READY_PATIENCE:
+            log.warning("pserver %s switches to slot map version %d although pservers %s have not said their shard is built", self.index, version, sorted(set(range(r.to_map.num_pservers)) - self._ready.get(version, set())))
+            return r.to_map
+        return None
 
     def _on_resize_event(self, event: WatchEvent) -> None:
+        if event.type is EventType.PUT and event.key.startswith(self._keys.root + "resize_ready/"):
+            version, index = event.key.rsplit("/", 2)[-2:]
+            if version.isdigit() and index.isdigit():
+                with self._cond:
+                    self._ready.setdefault(int(version), set()).add(int(index))
+                    self._closer.notify_all()
+            return
         if event.type is not EventType.PUT or event.key != self._keys.resize:
             return
         try:
@@ -1048,28 +1082,43 @@ class Pserver:
     def _start_preparing(self, resize: Resize) -> None:
         """A resize is migrating (lock held): build the shard of its map ahead of the switch."""
         to_map = resize.to_map
-        if to_map is None or self._specs is None or self._slot_map is None or to_map.version <= self._slot_map.version:
+        if to_map is None or self._slot_map is None or to_map.version <= self._slot_map.version:
             return
+        if self._specs is None:  # a pserver the resize adds has held nothing yet
+            model = self._store.get(self._keys.model)
+            if model is None:
+                return  # no model: the master switches the map at once
+            self._specs = decode_as(model.value, model.key, lambda ds: [ParamSpec.from_json(d) for d in ds])
         if self._preparing == to_map.version or (self._prepared is not None and self._prepared[0] == to_map.version):
             return
         self._preparing = to_map.version
-        threading.Thread(target=self._prepare, args=(to_map,), name=f"pdps-ps-prepare-{self.index}", daemon=True).start()
+        self._ready.setdefault(to_map.version, set()).update(int(kv.key.rsplit("/", 1)[1]) for kv in self._store.range(self._keys.resize_ready(to_map.version)))
+        threading.Thread(target=self._prepare, args=(to_map, set(self._members)), name=f"pdps-ps-prepare-{self.index}", daemon=True).start()
 
-    def _prepare(self, to_map: SlotMap) -> None:
-        """Build the shard of ``to_map`` before the switch, off the lock: the switch then
-        only copies values in (building a large shard takes seconds while training runs)."""
+    def _prepare(self, to_map: SlotMap, trainers: set[str]) -> None:
+        """Build the shard of ``to_map`` before the switch, off the lock, with its buffers
+        touched and a staging buffer per trainer (building those of a large model takes
+        seconds while training runs; at the switch it would pause every trainer), then
+        say so in the store (``resize_ready``): the switch waits for every pserver's."""
         assert self._specs is not None and self.index is not None
+        built = False
         try:
             layout = Layout.build(self._specs, to_map, self.config.min_block)
             shard = self._compute.shard(layout.blocks_of(self.index), self.config.optimizer, self.config.optimizer_args)
+            shard.reserve(trainers)
+            built = True
         finally:
             with self._cond:
                 self._preparing = None
                 self._cond.notify_all()
         with self._cond:
-            if self._slot_map is not None and self._slot_map.version < to_map.version:
+            if built and self._slot_map is not None and self._slot_map.version < to_map.version:
                 self._prepared = (to_map.version, layout, shard)
                 self._cond.notify_all()
+        try:
+            self._store.put(self._keys.resize_ready(to_map.version, self.index), b"{}")
+        except StoreError as exc:
+            log.warning("pserver %s could not say its shard of slot map version %d is built (%s); the switch waits a while for it", self.index, to_map.version, exc)
 
     def _await_prepared(self, version: int) -> None:
         """Wait (lock held, released while waiting) for the shard of map ``version`` being
@@ -1163,6 +1212,8 @@ class Pserver:
                     if dst == self.index and slot in has_blocks:
                         self._pending.setdefault(src, []).append(slot)
             if self._pending:
+                # sync pushes are staged while the slots come (the round applies once they are in)
+                self._shard.expect_import()
                 threading.Thread(target=self._fetch, args=(new.version, self.epoch), name=f"pdps-ps-fetch-{self.index}", daemon=True).start()
             else:
                 if before.initialized:
@@ -1204,7 +1255,7 @@ class Pserver:
     def _fetch(self, version: int, epoch: int) -> None:
         """Receive this pserver's new slots of map ``version`` from their old owners,
         then start serving them (its own thread; ends early if the epoch or map moves)."""
-        began = time.monotonic()
+        began, fetched = time.monotonic(), 0
         with self._cond:
             sources = {src: list(slots) for src, slots in self._pending.items()}
             layout = self._layout
@@ -1229,14 +1280,17 @@ class Pserver:
                     self._received.update(zip(reply.names, reply.tensors))
                     for slot, n in reply.applied:
                         self.applied_by_slot[slot] = self.applied_by_slot.get(slot, 0) + n
-                    self.received_bytes += sum(int(t.nbytes) for t in reply.tensors)
+                    got = sum(int(t.nbytes) for t in reply.tensors)
+                    self.received_bytes += got
+                    fetched += got
         with self._cond:
             if self.epoch != epoch or self._slot_map is None or self._slot_map.version != version or self._shard is None:
                 return
             self._shard.import_blocks(self._received)
             self._pending, self._received = {}, {}
             self._cond.notify_all()
-        log.warning("pserver %s received its slots of slot map version %d in %.2fs", self.index, version, time.monotonic() - began)
+            self._closer.notify_all()  # a round closed meanwhile can be applied now
+        log.warning("pserver %s received its slots of slot map version %d (%d bytes) in %.2fs", self.index, version, fetched, time.monotonic() - began)
         self._report_got(version)
 
     def _ask_source(self, src: int, slots: list[int], version: int, epoch: int) -> object:
@@ -1314,6 +1368,14 @@ class Pserver:
         self._my_slots = tuple(sorted({s for b, s in zip(layout.blocks, layout.slots) if layout.slot_map.owners[s] == self.index}))
         idle = set(layout.idle_pservers)  # they see no pull: one of them would close its rounds a second late
         self._closers = tuple(p for p in range(layout.slot_map.num_pservers) if p not in idle)
+
+    def _receiving_shard(self) -> ParameterShard:
+        """Sync, where a push is staged: the shard, even while slots are being received
+        (a gradient needs no values to be staged; the round it is for applies once the
+        slots are in, so the trainer's push overlaps the migration instead of waiting)."""
+        if self._pending and self._shard is not None:
+            return self._shard
+        return self._ready_shard()
 
     def _ready_shard(self) -> ParameterShard:
         if self._pending:  # receiving slots: wait for them a while (woken when they are in), then say so

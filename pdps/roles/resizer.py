@@ -131,6 +131,7 @@ class ResizeDriver:
         if set(resize.receivers()) <= set(got):
             if self._write(found, resize.finish()):
                 self._store.delete_prefix(self._keys.resize_got(version))
+                self._store.delete_prefix(self._keys.resize_ready(version))
                 log.warning("master: %s", describe(resize.finish()))
 
     def _checkpoint_writing(self) -> bool:

@@ -4,6 +4,7 @@ migrating pserver to pserver, and training unchanged by it."""
 from __future__ import annotations
 
 import collections
+import json
 import threading
 import time
 
@@ -210,5 +211,81 @@ def test_a_job_with_no_trainer_left_is_resized_and_keeps_its_parameters(source, 
         assert read_map(job.store, Keys(job.config.name)).num_pservers == 3
         assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
         assert sum(p.received_bytes for p in job.pservers) > 0
+    finally:
+        job.close()
+
+
+def test_a_sync_switch_holds_up_nothing_it_need_not(source, monkeypatch):
+    """What a sync resize's switch costs the trainers, by the store's own order of
+    events: every pserver of the new map says its shard is built (``resize_ready``)
+    before the map switches; with the slots held up on their way (a source answering
+    its migrate call 1.5 s late), the trainer's push of the next round is staged on the
+    receiving pserver and its contribution committed before that pserver has its slots
+    (``resize_got``); no push is refused for the old map (the pull of the switching
+    round told the trainer the new one); and training still equals a replay."""
+    from pdps.core.errors import SlotMapChanged
+    from pdps.roles.pserver import MIGRATE_DELAY_ENV
+
+    monkeypatch.setenv(MIGRATE_DELAY_ENV, "1.5")
+    refused = collections.Counter()
+    check = Pserver._check_slot_map
+
+    def counting(self, req):
+        try:
+            return check(self, req)
+        except SlotMapChanged:
+            refused[req.METHOD] += 1
+            raise
+
+    monkeypatch.setattr(Pserver, "_check_slot_map", counting)
+    job = start_job(source, name="elastic-switch", mode="sync", pservers=2, min_block=1, num_slots=16, lease_ttl=2.0,
+                    optimizer_args={"lr": LR}, batch_size=10, passes=1, keep_rounds=100000, task_timeout=60.0)
+    keys = Keys(job.config.name)
+    events: list = []
+    watch = job.store.watch(keys.root, lambda e: events.append(e) if e.type.name == "PUT" else None)
+    grads: dict[tuple[int, int, str], torch.Tensor] = {}
+    steps = [0]
+    errors: list[BaseException] = []
+    ctx = job.trainer("t0")
+    ctx.register()
+
+    def train() -> None:
+        try:
+            model = ctx.attach(make_model())
+            for batch in ctx.batches():
+                loss = F.mse_loss(model(batch["x"]), batch["y"])
+                round_no = max(p.round_no for p in ctx._group.parts)
+                loss.backward(retain_graph=True)
+                grads[(ctx.epoch, round_no, ctx.trainer_id)] = flat_grad(model)
+                model.zero_grad(set_to_none=False)
+                ctx.step(loss)
+                steps[0] += 1
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    th = threading.Thread(target=train)
+    try:
+        th.start()
+        deadline = time.monotonic() + 30
+        while steps[0] < 4 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        resize(job, 3)
+        th.join(timeout=120)
+        assert not errors, errors
+        assert not th.is_alive()
+        watch.cancel()
+        order = sorted(events, key=lambda e: e.revision)
+        flip = next(i for i, e in enumerate(order) if e.key == keys.slotmap and json.loads(e.value)["version"] == 2)
+        ready = {e.key.rsplit("/", 1)[1] for e in order[:flip] if e.key.startswith(keys.resize_ready(2))}
+        assert ready == {"0", "1", "2"}, ready
+        since = next(r for _, r in closed_rounds(job.store, job.config.name) if r.map_version == 2).round_no + 1
+        committed = next(i for i, e in enumerate(order) if e.key == keys.contribution(0, since, "t0"))
+        got = next(i for i, e in enumerate(order) if e.key == keys.resize_got(2, 2))
+        assert flip < committed < got, (flip, committed, got)
+        assert not refused, refused
+        assert not list(job.store.range(keys.resize_ready(2)))  # dropped with the resize done
+        rounds = closed_rounds(job.store, job.config.name)
+        final = torch.cat([p.reshape(-1) for p in pdps.fetch_parameters(job.store, job.transport, job.config).values()])
+        torch.testing.assert_close(final, replay(rounds, grads), rtol=0, atol=1e-10)
     finally:
         job.close()

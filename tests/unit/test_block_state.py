@@ -65,3 +65,27 @@ def test_a_bad_entry_name_is_refused():
     shard = trained(Layout.build(SPECS, SlotMap.initial(1, 16), min_block=8), 0)
     with pytest.raises(ConfigError, match="unexpected entry"):
         shard.import_blocks({"values": torch.zeros(3)})
+
+
+def test_gradients_staged_while_the_values_come_are_applied_with_them():
+    """A shard built ahead of a resize's switch (``reserve``d buffers) takes gradients
+    before its values (``expect_import``); importing the values keeps them, and the
+    round applies as on a shard that had its values first."""
+    layout = Layout.build(SPECS, SlotMap.initial(1, 16), min_block=8)
+    source = trained(layout, 0)
+    g = [torch.randn(b.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64) for b in source.blocks]
+    early = TorchShard(layout.blocks_of(0), "Adam", {"lr": 0.01})
+    early.reserve(["t"])
+    with pytest.raises(Exception, match="not initialized"):
+        early.stage("t", g)  # values first, unless told they are on their way
+    early.expect_import()
+    early.stage("t", g)
+    early.import_blocks({k: v.clone() for k, v in source.export_blocks().items()})
+    assert early.staged() == {"t"}
+    late = TorchShard(layout.blocks_of(0), "Adam", {"lr": 0.01})
+    late.import_blocks({k: v.clone() for k, v in source.export_blocks().items()})
+    late.stage("t", g)
+    early.apply_staged([("t", 0.5)])
+    late.apply_staged([("t", 0.5)])
+    for a, b in zip(early.views(), late.views()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -275,6 +275,7 @@ class SyncRound:
         request = PullRequest(self.trainer_id, epoch=self._epoch, version=self._slot_version, after_round=round_no, slice_s=WAIT_LOG_EVERY)
         pending = list(self._group.parts)
         checkpoint = None
+        newer = 0  # the newest slot map a pserver says it serves
         while pending:
             replies = self._call_each([(part, request) for part in pending], into=self._into)
             self._time("barrier", max((r.wait_s or 0.0 for r in replies if isinstance(r, PullReply)), default=0.0))
@@ -292,6 +293,7 @@ class SyncRound:
                     continue
                 self._load(part, reply)
                 checkpoint = reply.checkpoint or checkpoint
+                newer = max(newer, reply.map_version or 0)
             pending = [p for p, _ in still]
             if still and time.time() - last_log >= WAIT_LOG_EVERY:
                 last_log = time.time()
@@ -299,6 +301,11 @@ class SyncRound:
                 self._waits.waiting(f"the barrier of round {round_no}", whom, first)
         if last_log:
             self._waits.done()
+        if newer > self._slot_version:
+            # the round switched the map (a resize) and was served from the old one: address
+            # the new map's pservers now, rather than have the next push refused after
+            # sending the whole gradient
+            self._follow_map()
         if checkpoint is not None:
             self._master.call(CheckpointRequest(self.trainer_id, checkpoint, epoch=self._epoch))
 

@@ -19,7 +19,7 @@ from pdps.core.elastic import ResizeState
 from pdps.core.job import Keys
 from pdps.roles.pserver import Pserver
 from pdps.registry import open_checkpoint_files
-from pdps.runtime.resizing import read_map, request_resize, wait_resized
+from pdps.runtime.resizing import read_map, read_resize, request_resize, wait_resized
 from tests.integration.jobkit import start_job
 from tests.integration.test_transactional_sync import LR, closed_rounds, flat_grad, make_model, replay
 
@@ -288,4 +288,80 @@ def test_a_sync_switch_holds_up_nothing_it_need_not(source, monkeypatch):
         final = torch.cat([p.reshape(-1) for p in pdps.fetch_parameters(job.store, job.transport, job.config).values()])
         torch.testing.assert_close(final, replay(rounds, grads), rtol=0, atol=1e-10)
     finally:
+        job.close()
+
+
+@pytest.mark.parametrize("when", ["growing", "migrating"])
+def test_a_master_replaced_in_the_middle_of_a_resize_finishes_it(source, monkeypatch, when):
+    """The master stops while a grow waits for its new pserver (``growing``) or while the
+    slots are on their way (``migrating``: a source answers its migrate call 1.5 s late);
+    a standby master takes the lock and carries the resize on from its record to
+    ``done``. Training equals a replay, and the audit counts every record once."""
+    from pdps.roles.master import Master
+    from pdps.roles.pserver import MIGRATE_DELAY_ENV
+    from pdps.shell.status import pass_audit
+
+    if when == "migrating":
+        monkeypatch.setenv(MIGRATE_DELAY_ENV, "1.5")
+    job = start_job(source, name=f"elastic-master-{when}", mode="sync", pservers=2, min_block=1, num_slots=16, lease_ttl=2.0,
+                    optimizer_args={"lr": LR}, batch_size=10, passes=1, keep_rounds=100000, task_timeout=60.0)
+    keys = Keys(job.config.name)
+    standby = Master(job.store, job.transport, source, job.config, address="inproc://", checkpoints=open_checkpoint_files(job.config.checkpoint_url))
+    took_over = threading.Thread(target=standby.start, kwargs={"standby": True})
+    took_over.start()
+    grads: dict[tuple[int, int, str], torch.Tensor] = {}
+    steps = [0]
+    errors: list[BaseException] = []
+    ctx = job.trainer("t0")
+    ctx.register()
+
+    def train() -> None:
+        try:
+            model = ctx.attach(make_model())
+            for batch in ctx.batches():
+                loss = F.mse_loss(model(batch["x"]), batch["y"])
+                round_no = max(p.round_no for p in ctx._group.parts)
+                loss.backward(retain_graph=True)
+                grads[(ctx.epoch, round_no, ctx.trainer_id)] = flat_grad(model)
+                model.zero_grad(set_to_none=False)
+                ctx.step(loss)
+                steps[0] += 1
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    th = threading.Thread(target=train)
+    try:
+        th.start()
+        deadline = time.monotonic() + 30
+        while steps[0] < 4 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        asked = request_resize(job.store, keys, pservers=3, by="test")
+        if when == "migrating":
+            add_pserver(job)
+        seen = None
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            seen = read_resize(job.store, keys)[0]
+            if seen is not None and seen.state is ResizeState(when):
+                break
+            time.sleep(0.01)
+        assert seen is not None and seen.state is ResizeState(when), seen
+        job.master.stop()
+        took_over.join(timeout=30)
+        assert standby.leading.is_set()
+        job.master = standby
+        if when == "growing":
+            add_pserver(job)
+        done = wait_resized(job.store, keys, asked.id, deadline=time.monotonic() + 60)
+        assert done.state is ResizeState.DONE and read_map(job.store, keys).num_pservers == 3
+        th.join(timeout=120)
+        assert not errors, errors
+        assert not th.is_alive()
+        rounds = closed_rounds(job.store, job.config.name)
+        final = torch.cat([p.reshape(-1) for p in pdps.fetch_parameters(job.store, job.transport, job.config).values()])
+        torch.testing.assert_close(final, replay(rounds, grads), rtol=0, atol=1e-10)
+        summary = pass_audit(job.store, job.config.name, 0)["summary"]
+        assert summary["records_trained"] == 600 and summary["records_trained_more_than_once"] == 0 and summary["failed"] == 0, summary
+    finally:
+        standby.stop()
         job.close()

@@ -104,23 +104,6 @@ class SlotMapChanged(PdpsError):
         self.current = current
 
 
-class ReplicasLost(PdpsError):
-    """A pserver died holding the last copy of some slots (replicas=1, or every other
-    holder died before them): no live pserver can serve them, so the job rolls back to
-    its last checkpoint. ``pserver`` is the dead one, ``slots`` the slots lost."""
-
-    code = "replicas_lost"
-
-    def __init__(self, pserver: int, slots: list[int], replicas: int) -> None:
-        shown = ", ".join(map(str, slots[:10])) + (f" and {len(slots) - 10} more" if len(slots) > 10 else "")
-        super().__init__(
-            f"pserver {pserver} held the last copy of {len(slots)} slot{'s' if len(slots) != 1 else ''} ({shown}; replicas={replicas}): "
-            "they are lost with it, so the job must roll back to its last checkpoint"
-        )
-        self.pserver = pserver
-        self.slots = slots
-
-
 class StalePush(PdpsError):
     """A push was computed on parameters too old (or for a finished round): pull, then retry."""
 

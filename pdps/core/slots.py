@@ -27,7 +27,7 @@ from collections.abc import Collection, Mapping, Sequence
 import attrs
 
 from pdps.core import replicas as replicas_
-from pdps.core.errors import ConfigError, ReplicasLost
+from pdps.core.errors import ConfigError
 
 DEFAULT_NUM_SLOTS = 256
 DEFAULT_MIN_BLOCK = 4096
@@ -308,18 +308,27 @@ class SlotMap:
             backups=[[p for p in hs if p != o] for hs, o in zip(holders, owners)],
         )
 
+    def lost_with(self, pserver: int) -> list[int]:
+        """The slots whose only copy ``pserver`` holds (all of its slots when R is 1):
+        if it dies, they are lost and the job rolls back to its last checkpoint."""
+        return [s for s in range(self.num_slots) if self.holders(s) == (pserver,)]
+
     def without(self, pserver: int) -> SlotMap:
         """The next map once ``pserver`` is dead: each slot it was the primary of is
         served by its first surviving backup (promoted: no bytes move), and it is
         dropped from every backup list. Those slots run one copy short until
         :meth:`replenish`. ``pserver`` keeps its index (a replacement takes it) and
-        holds nothing. :class:`ReplicasLost` when it held the last copy of any slot:
-        the job must then roll back to its last checkpoint."""
+        holds nothing. ConfigError when it held the only copy of a slot
+        (:meth:`lost_with`): no map can do without it, the job must roll back."""
         if not 0 <= pserver < self.num_pservers:
             raise ConfigError(f"pserver {pserver} is not in this slot map (pservers 0..{self.num_pservers - 1})")
-        lost = [s for s in range(self.num_slots) if self.holders(s) == (pserver,)]
+        lost = self.lost_with(pserver)
         if lost:
-            raise ReplicasLost(pserver, lost, self.replicas)
+            shown = ", ".join(map(str, lost[:10])) + (f" and {len(lost) - 10} more" if len(lost) > 10 else "")
+            raise ConfigError(
+                f"pserver {pserver} holds the only copy of {len(lost)} slot{'s' if len(lost) != 1 else ''} ({shown}; replicas={self.replicas}): "
+                "without it they are lost, and the job must roll back to its last checkpoint"
+            )
         holders = [[p for p in self.holders(s) if p != pserver] for s in range(self.num_slots)]
         return attrs.evolve(self, version=self.version + 1, owners=[hs[0] for hs in holders], backups=[hs[1:] for hs in holders])
 

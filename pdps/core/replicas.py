@@ -29,7 +29,7 @@ rather than on one neighbour.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 
 def quotas(have: Sequence[int], total: int) -> list[int]:
@@ -195,14 +195,23 @@ def place(holders: list[list[int]], old: Sequence[Sequence[int]], quota: list[in
 
 
 def replenish(holders: list[list[int]], live: Sequence[int], replicas: int, num_pservers: int) -> list[list[int]]:
-    """``holders`` completed to ``replicas`` holders per slot, lowest slot first, each new
-    copy on the ``live`` pserver not holding the slot that holds the fewest copies, then
-    shares the fewest slots with its holders, then has the lowest index. Changes
-    ``holders`` in place."""
+    """``holders`` completed to ``replicas`` holders per slot, one copy at a time on the
+    ``live`` pserver holding the fewest copies (lowest index on a tie) that lacks some
+    short slot: of those it lacks, the slot the fewest live pservers could take, then the
+    one whose holders it shares the fewest slots with, then the lowest. Filling the
+    emptiest pserver first keeps the copies as balanced as the slots already held
+    allow. Changes ``holders`` in place."""
     placement = _Placement(holders, num_pservers, replicas)
-    for s, hs in enumerate(holders):
-        while len(hs) < replicas:
-            placement.add(s, min((p for p in live if p not in hs), key=lambda p: (placement.load[p], *placement.spread(s, p), p)))
+    short = {s for s, hs in enumerate(holders) if len(hs) < replicas}
+    while short:
+        for p in sorted(live, key=lambda p: (placement.load[p], p)):
+            lacking = [s for s in short if p not in holders[s]]
+            if lacking:
+                break
+        s = min(lacking, key=lambda s: (sum(q not in holders[s] for q in live), *placement.spread(s, p), s))
+        placement.add(s, p)
+        if len(holders[s]) == replicas:
+            short.discard(s)
     return holders
 
 
@@ -224,12 +233,14 @@ def balance_primaries(holders: Sequence[Sequence[int]], primaries: list[int], nu
     return primaries
 
 
-def _shift(holders, primaries, count, start, done, give: bool) -> None:
+def _shift(
+    holders: Sequence[Sequence[int]], primaries: list[int], count: list[int], start: int, done: Callable[[int], bool], give: bool
+) -> None:
     """Breadth first from ``start`` over pservers sharing a slot: with ``give``, ``start``
     hands the primary of one of its slots to another holder, who hands one on, until a
     pserver for which ``done`` holds takes one; without, ``start`` takes one and the
     chain runs the other way."""
-    seen = {start: None}
+    seen: dict[int, tuple[int, int] | None] = {start: None}
     queue = deque([start])
     while queue:
         p = queue.popleft()

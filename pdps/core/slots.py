@@ -13,6 +13,8 @@
   pserver holds a share whenever the model has at least one row per pserver.
 * :meth:`SlotMap.rebalance` to M pservers keeps the map balanced (pserver loads
   differ by at most one slot) and moves the fewest slots a balanced map allows.
+* With ``replicas`` R > 1 each slot also has R - 1 backups on other pservers, placed
+  and rebalanced by :mod:`pdps.core.replicas` (copies balanced too, the fewest moved).
 
 Everything here is a pure function of its inputs, so every process computes the
 same layout from the same model description.
@@ -333,11 +335,14 @@ class SlotMap:
         return attrs.evolve(self, version=self.version + 1, owners=[hs[0] for hs in holders], backups=[hs[1:] for hs in holders])
 
     def replenish(self, live: Collection[int] | None = None) -> SlotMap:
-        """The next map with every slot back to ``replicas`` copies: each missing copy,
-        lowest slot first, goes to the live pserver (default: all of them) that does
-        not hold the slot and holds the fewest copies (a replacement holding nothing
-        first), then the one sharing the fewest slots with the slot's holders, then
-        the lowest index. Primaries and existing copies stay. ConfigError when fewer
+        """The next map with every slot back to ``replicas`` copies, made one at a time on
+        the live pserver (default: all of them) holding the fewest copies that lacks a
+        short slot (a replacement holding nothing takes them all), the slot being the
+        one the fewest live pservers could take, then the lowest
+        (:func:`pdps.core.replicas.replenish`). Primaries and existing copies stay; a
+        rebalance onto the same count then hands primaries to the replacement without
+        moving a copy. On fewer pservers than the map (no replacement) the copies can
+        end less balanced than a rebalance would leave them. ConfigError when fewer
         than ``replicas`` pservers are live."""
         live = sorted(range(self.num_pservers) if live is None else set(live))
         if any(not 0 <= p < self.num_pservers for p in live):

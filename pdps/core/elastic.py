@@ -59,12 +59,17 @@ RESIZE_TRANSITIONS: Mapping[tuple[ResizeState, ResizeEvent], frozenset[ResizeSta
 }
 
 
-def check_counts(pservers: int | None, trainers: int | None, num_slots: int) -> None:
-    """Refuse counts no job can run with (ConfigError naming the bound)."""
+def check_counts(pservers: int | None, trainers: int | None, num_slots: int, replicas: int = 1) -> None:
+    """Refuse counts no job can run with (ConfigError naming the bound). ``replicas``:
+    the copies of each slot (the slot map's), each on its own pserver."""
     if pservers is None and trainers is None:
         raise ConfigError("a resize names --pservers, --trainers, or both")
     if pservers is not None and pservers < 1:
         raise ConfigError(f"a job needs at least 1 pserver, asked for {pservers}")
+    if pservers is not None and pservers < replicas:
+        raise ConfigError(
+            f"the job keeps {replicas} replicas of each slot on distinct pservers, so it needs at least {replicas} pservers; asked for {pservers}"
+        )
     if pservers is not None and pservers > num_slots:
         raise ConfigError(f"the job has {num_slots} slots, so at most {num_slots} pservers; asked for {pservers}")
     if trainers is not None and trainers < 1:
@@ -96,15 +101,16 @@ class Resize:
         return self._to(ResizeEvent.GROW)
 
     def plan(self, current: SlotMap) -> Resize:
-        """Decide the new map: ``current`` rebalanced onto :attr:`pservers`, moving the
-        fewest slots a balanced map allows (:meth:`SlotMap.rebalance`)."""
+        """Decide the new map: ``current`` rebalanced onto :attr:`pservers`, with its
+        replicas, moving the fewest copies a balanced map allows
+        (:meth:`SlotMap.rebalance`)."""
         return self._to(ResizeEvent.PLAN, from_map=current, to_map=current.rebalance(self.pservers))
 
     def finish(self) -> Resize:
         return self._to(ResizeEvent.FINISH)
 
     def moves(self) -> list[tuple[int, int, int]]:
-        """``(slot, from, to)`` of every slot that moves (none before the plan)."""
+        """``(slot, from, to)`` of every copy made anew (none before the plan)."""
         if self.from_map is None or self.to_map is None:
             return []
         return self.from_map.moves(self.to_map)
@@ -147,8 +153,9 @@ class Resize:
 
 def minimum_bytes(layout: Layout, to_map: SlotMap, state_copies: int = 1) -> int:
     """The fewest bytes any resize from ``layout``'s map to ``to_map`` must send: every
-    block whose slot changes owner, with its optimizer state (``state_copies`` tensors
-    of its size: 1 for plain SGD, 3 for Adam)."""
+    block of each copy ``to_map`` places on a pserver that held no copy of its slot
+    (with replicas, each such copy counts), with its optimizer state
+    (``state_copies`` tensors of its size: 1 for plain SGD, 3 for Adam)."""
     sizes = layout.slot_bytes(state_copies)
     return sum(sizes[s] for s, _, _ in layout.slot_map.moves(to_map))
 

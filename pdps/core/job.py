@@ -107,6 +107,8 @@ class JobConfig:
     max_in_flight: int = attrs.field(default=1, validator=_whole_number(1))
     lease_ttl: float = attrs.field(default=10.0, validator=_seconds())
     num_slots: int = attrs.field(default=DEFAULT_NUM_SLOTS, validator=_whole_number(1))
+    # copies of each slot, each on its own pserver: a primary and replicas - 1 backups
+    replicas: int = attrs.field(default=1, validator=_whole_number(1))
     min_block: int = attrs.field(default=DEFAULT_MIN_BLOCK, validator=_whole_number(1))
     store_outage_deadline: float = attrs.field(default=60.0, validator=_seconds())
     # storage root for checkpoints (file://, s3://, memory://); "" = none
@@ -147,6 +149,10 @@ class JobConfig:
             raise ConfigError("checkpoint_every/checkpoint_seconds need a checkpoint_url to write to")
         if self.num_slots < self.pservers:
             raise ConfigError(f"num_slots ({self.num_slots}) must be at least the number of pservers ({self.pservers})")
+        if self.replicas > self.pservers:
+            raise ConfigError(
+                f"replicas ({self.replicas}) must be at most the number of pservers ({self.pservers}): each copy of a slot is on its own pserver"
+            )
 
     @property
     def checkpoints(self) -> bool:

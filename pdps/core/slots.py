@@ -13,6 +13,8 @@
   pserver holds a share whenever the model has at least one row per pserver.
 * :meth:`SlotMap.rebalance` to M pservers keeps the map balanced (pserver loads
   differ by at most one slot) and moves the fewest slots a balanced map allows.
+* With ``replicas`` R > 1 each slot also has R - 1 backups on other pservers, placed
+  and rebalanced by :mod:`pdps.core.replicas` (copies balanced too, the fewest moved).
 
 Everything here is a pure function of its inputs, so every process computes the
 same layout from the same model description.
@@ -22,10 +24,11 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import attrs
 
+from pdps.core import replicas as replicas_
 from pdps.core.errors import ConfigError
 
 DEFAULT_NUM_SLOTS = 256
@@ -166,9 +169,20 @@ def slot_of(block_key: str, num_slots: int) -> int:
     return int.from_bytes(digest, "big") % num_slots
 
 
+def _backup_lists(value: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(b) for b in value)
+
+
 @attrs.frozen
 class SlotMap:
-    """Which pserver owns each slot. ``owners[s]`` is the pserver index of slot ``s``.
+    """Which pservers hold each slot. ``owners[s]`` is the pserver index of slot ``s``'s
+    primary, the copy that serves it.
+
+    ``replicas``: the copies each slot is meant to have (R, 1 unless the job sets
+    ``replicas``); ``backups[s]``: the pservers holding slot ``s``'s other copies, in
+    the order they are promoted (empty tuples when R is 1). A slot has fewer than
+    R - 1 backups only while it runs short after a pserver's death
+    (:meth:`without`, until :meth:`replenish`).
 
     ``base``: the pserver count the model's blocks were cut and placed for (the job's
     first map); None for a first map, whose own count it is. A resized map keeps it,
@@ -180,6 +194,10 @@ class SlotMap:
     num_pservers: int
     owners: tuple[int, ...] = attrs.field(converter=tuple)
     base: int | None = None
+    replicas: int = 1
+    backups: tuple[tuple[int, ...], ...] = attrs.field(
+        default=attrs.Factory(lambda self: ((),) * len(self.owners), takes_self=True), converter=_backup_lists
+    )
 
     def __attrs_post_init__(self) -> None:
         if self.num_pservers < 1:
@@ -190,6 +208,16 @@ class SlotMap:
             raise ConfigError("slot owner out of range")
         if self.base is not None and not 1 <= self.base <= len(self.owners):
             raise ConfigError(f"a slot map's base pserver count must be 1..{len(self.owners)}, got {self.base}")
+        _check_replicas(self.replicas, self.num_pservers)
+        if len(self.backups) != len(self.owners):
+            raise ConfigError(f"a slot map lists backups for {len(self.backups)} slots, but it has {len(self.owners)}")
+        for s, backups in enumerate(self.backups):
+            if len(backups) >= self.replicas:
+                raise ConfigError(f"slot {s} has {len(backups)} backups {list(backups)}; with replicas={self.replicas} at most {self.replicas - 1}")
+            if any(not 0 <= b < self.num_pservers for b in backups):
+                raise ConfigError(f"slot {s}: backup out of range {list(backups)} (pservers 0..{self.num_pservers - 1})")
+            if len(set(self.holders(s))) != len(backups) + 1:
+                raise ConfigError(f"slot {s}: its primary {self.owners[s]} and backups {list(backups)} must be distinct pservers")
 
     @property
     def placement(self) -> SlotMap:
@@ -201,77 +229,171 @@ class SlotMap:
         return len(self.owners)
 
     @classmethod
-    def initial(cls, num_pservers: int, num_slots: int = DEFAULT_NUM_SLOTS) -> SlotMap:
-        """Round-robin: balanced, and the same in every process."""
+    def initial(cls, num_pservers: int, num_slots: int = DEFAULT_NUM_SLOTS, replicas: int = 1) -> SlotMap:
+        """Primaries round-robin: balanced, and the same in every process. With
+        ``replicas`` R > 1, each slot's R - 1 backups go where every pserver ends with
+        ``R*S // n`` copies or one more, and the slots a pserver holds share their other
+        copies with as many different pservers as they can (so its death spreads)."""
         if num_slots < 1:
             raise ConfigError(f"num_slots must be >= 1, got {num_slots}")
         if num_pservers < 1:  # checked here too: the round-robin below would divide by zero first
             raise ConfigError(f"a slot map needs at least one pserver, got {num_pservers}")
-        return cls(version=1, num_pservers=num_pservers, owners=tuple(s % num_pservers for s in range(num_slots)))
+        _check_replicas(replicas, num_pservers)
+        owners = tuple(s % num_pservers for s in range(num_slots))
+        holders = [[o] for o in owners]
+        have = [len(range(p, num_slots, num_pservers)) for p in range(num_pservers)]
+        placed = replicas_.place(holders, [list(h) for h in holders], replicas_.quotas(have, replicas * num_slots), replicas)
+        return cls(version=1, num_pservers=num_pservers, owners=owners, replicas=replicas, backups=[h[1:] for h in placed])
+
+    def holders(self, slot: int) -> tuple[int, ...]:
+        """The pservers holding a copy of ``slot``, its primary first."""
+        return (self.owners[slot], *self.backups[slot])
+
+    def held_by(self, pserver: int) -> list[int]:
+        """The slots ``pserver`` holds a copy of (primary or backup), lowest first."""
+        return [s for s in range(self.num_slots) if pserver in self.holders(s)]
 
     def load(self) -> list[int]:
-        """Slots per pserver."""
+        """Slots per pserver (those it is the primary of)."""
         out = [0] * self.num_pservers
         for o in self.owners:
             out[o] += 1
         return out
 
-    def rebalance(self, num_pservers: int) -> SlotMap:
-        """A balanced map for ``num_pservers`` that moves the fewest slots.
+    def copy_load(self) -> list[int]:
+        """Copies per pserver: the slots it is primary of, plus those it backs up."""
+        out = self.load()
+        for backups in self.backups:
+            for b in backups:
+                out[b] += 1
+        return out
 
-        Each surviving pserver keeps its slots up to its new quota (``S // M``, and
-        one more for the ``S % M`` pservers that hold the most now); only the surplus
-        and the slots of removed pservers move, lowest slot first, to the pservers
-        below quota, lowest index first.
+    def under_replicated(self) -> list[int]:
+        """The slots with fewer than ``replicas`` copies (after :meth:`without`)."""
+        return [s for s, b in enumerate(self.backups) if len(b) < self.replicas - 1]
+
+    def rebalance(self, num_pservers: int) -> SlotMap:
+        """A balanced map for ``num_pservers`` that moves the fewest copies.
+
+        Balanced: every pserver is the primary of ``S // M`` slots or one more, and
+        holds ``R*S // M`` copies or one more. Each surviving pserver keeps its copies
+        up to its quota (``R*S // M``, and one more for the ``R*S % M`` pservers that hold
+        the most now), its primaries first, then the lowest slots; the other copies
+        are made anew, lowest slot first, on the pservers below quota (lowest index
+        first when R is 1; with replicas, the one sharing the fewest slots with the
+        slot's other holders), rerouting earlier ones where a slot finds no pserver
+        with room that does not hold it already. No balanced map keeps more copies.
+        A slot's primary stays where its copy stays; where it does not, the first
+        surviving backup is promoted (no bytes move); then primaries shift along
+        holders only as far as balance needs. A short map (:meth:`without`) comes
+        back to ``replicas`` copies per slot.
         """
         m = num_pservers
         if m < 1:
             raise ConfigError(f"cannot rebalance onto {m} pservers")
         if m > self.num_slots:
             raise ConfigError(f"{self.num_slots} slots cannot cover {m} pservers")
+        if self.replicas > m:
+            raise ConfigError(f"each slot has {self.replicas} replicas on distinct pservers, so a job needs at least {self.replicas} pservers; cannot rebalance onto {m}")
+        surviving = [[p for p in self.holders(s) if p < m] for s in range(self.num_slots)]
         have = [0] * m
-        for o in self.owners:
-            if o < m:
-                have[o] += 1
-        base, extra = divmod(self.num_slots, m)
-        by_load = sorted(range(m), key=lambda p: (-have[p], p))
-        quota = [base] * m
-        for p in by_load[:extra]:
-            quota[p] += 1
-        kept = [0] * m
-        owners = list(self.owners)
-        moving: list[int] = []
-        for s, o in enumerate(owners):
-            if o < m and kept[o] < quota[o]:
-                kept[o] += 1
-            else:
-                moving.append(s)
-        receivers = (p for p in range(m) for _ in range(quota[p] - kept[p]))
-        for s, p in zip(moving, receivers):
-            owners[s] = p
+        for hs in surviving:
+            for p in hs:
+                have[p] += 1
+        quota = replicas_.quotas(have, self.replicas * self.num_slots)
+        holders = replicas_.place(replicas_.keep(surviving, self.owners, quota), surviving, quota, self.replicas)
+        # the kept copies lead each list in their old order: the old primary, else its first surviving backup
+        owners = replicas_.balance_primaries(holders, [hs[0] for hs in holders], m)
         base = self.num_pservers if self.base is None else self.base
-        return SlotMap(version=self.version + 1, num_pservers=m, owners=tuple(owners), base=base)
+        return SlotMap(
+            version=self.version + 1, num_pservers=m, owners=tuple(owners), base=base, replicas=self.replicas,
+            backups=[[p for p in hs if p != o] for hs, o in zip(holders, owners)],
+        )
+
+    def lost_with(self, pserver: int) -> list[int]:
+        """The slots whose only copy ``pserver`` holds (all of its slots when R is 1):
+        if it dies, they are lost and the job rolls back to its last checkpoint."""
+        return [s for s in range(self.num_slots) if self.holders(s) == (pserver,)]
+
+    def without(self, pserver: int) -> SlotMap:
+        """The next map once ``pserver`` is dead: each slot it was the primary of is
+        served by its first surviving backup (promoted: no bytes move), and it is
+        dropped from every backup list. Those slots run one copy short until
+        :meth:`replenish`. ``pserver`` keeps its index (a replacement takes it) and
+        holds nothing. ConfigError when it held the only copy of a slot
+        (:meth:`lost_with`): no map can do without it, the job must roll back."""
+        if not 0 <= pserver < self.num_pservers:
+            raise ConfigError(f"pserver {pserver} is not in this slot map (pservers 0..{self.num_pservers - 1})")
+        lost = self.lost_with(pserver)
+        if lost:
+            shown = ", ".join(map(str, lost[:10])) + (f" and {len(lost) - 10} more" if len(lost) > 10 else "")
+            raise ConfigError(
+                f"pserver {pserver} holds the only copy of {len(lost)} slot{'s' if len(lost) != 1 else ''} ({shown}; replicas={self.replicas}): "
+                "without it they are lost, and the job must roll back to its last checkpoint"
+            )
+        holders = [[p for p in self.holders(s) if p != pserver] for s in range(self.num_slots)]
+        return attrs.evolve(self, version=self.version + 1, owners=[hs[0] for hs in holders], backups=[hs[1:] for hs in holders])
+
+    def replenish(self, live: Collection[int] | None = None) -> SlotMap:
+        """The next map with every slot back to ``replicas`` copies, made one at a time on
+        the live pserver (default: all of them) holding the fewest copies that lacks a
+        short slot (a replacement holding nothing takes them all), the slot being the
+        one the fewest live pservers could take, then the lowest
+        (:func:`pdps.core.replicas.replenish`). Primaries and existing copies stay; a
+        rebalance onto the same count then hands primaries to the replacement without
+        moving a copy. On fewer pservers than the map (no replacement) the copies can
+        end less balanced than a rebalance would leave them. ConfigError when fewer
+        than ``replicas`` pservers are live."""
+        live = sorted(range(self.num_pservers) if live is None else set(live))
+        if any(not 0 <= p < self.num_pservers for p in live):
+            raise ConfigError(f"live pservers {live} are not all in this slot map (pservers 0..{self.num_pservers - 1})")
+        if len(live) < self.replicas:
+            raise ConfigError(f"{len(live)} live pservers {live} cannot hold {self.replicas} replicas of each slot; at least {self.replicas} are needed")
+        holders = [list(self.holders(s)) for s in range(self.num_slots)]
+        replicas_.replenish(holders, live, self.replicas, self.num_pservers)
+        return attrs.evolve(self, version=self.version + 1, backups=[hs[1:] for hs in holders])
 
     def moved(self, other: SlotMap) -> int:
-        return sum(a != b for a, b in zip(self.owners, other.owners))
+        """How many copies ``other`` makes anew (:meth:`moves`)."""
+        return len(self.moves(other))
 
     def moves(self, other: SlotMap) -> list[tuple[int, int, int]]:
-        """``(slot, from pserver, to pserver)`` for each slot ``other`` places elsewhere."""
-        return [(s, a, b) for s, (a, b) in enumerate(zip(self.owners, other.owners)) if a != b]
+        """``(slot, from pserver, to pserver)`` for each copy ``other`` places on a pserver
+        that holds no copy of the slot here. The source is the first holder here
+        (primary first) that still holds the slot in ``other`` (it stays serving),
+        else the primary here."""
+        out = []
+        for s in range(self.num_slots):
+            old, new = self.holders(s), other.holders(s)
+            src = next((p for p in old if p in new), old[0])
+            out.extend((s, src, dst) for dst in new if dst not in old)
+        return out
 
     def to_json(self) -> dict:
-        out = {"version": self.version, "num_pservers": self.num_pservers, "owners": list(self.owners)}
+        out: dict = {"version": self.version, "num_pservers": self.num_pservers, "owners": list(self.owners)}
         if self.base is not None:
             out["base"] = self.base
+        if self.replicas > 1:  # a map without replicas reads and writes as before they existed
+            out["replicas"] = self.replicas
+            out["backups"] = [list(b) for b in self.backups]
         return out
 
     @classmethod
     def from_json(cls, d: Mapping) -> SlotMap:
         base = d.get("base")
+        owners = tuple(int(x) for x in d["owners"])
+        backups = [[int(x) for x in b] for b in d["backups"]] if "backups" in d else [[] for _ in owners]
         return cls(
-            version=int(d["version"]), num_pservers=int(d["num_pservers"]), owners=tuple(int(x) for x in d["owners"]),
-            base=None if base is None else int(base),
+            version=int(d["version"]), num_pservers=int(d["num_pservers"]), owners=owners,
+            base=None if base is None else int(base), replicas=int(d.get("replicas", 1)), backups=backups,
         )
+
+
+def _check_replicas(replicas: int, num_pservers: int) -> None:
+    if replicas < 1:
+        raise ConfigError(f"replicas must be >= 1 (1: no backups), got {replicas}")
+    if replicas > num_pservers:
+        raise ConfigError(f"replicas={replicas} puts each slot on {replicas} distinct pservers, but the map has only {num_pservers}")
 
 
 @attrs.frozen

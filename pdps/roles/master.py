@@ -125,7 +125,7 @@ def publish_job(store: CoordinationStore, config: JobConfig) -> JobConfig:
     is refused rather than silently ignored.
     """
     keys = Keys(config.name)
-    slot_map = SlotMap.initial(config.pservers, config.num_slots)
+    slot_map = SlotMap.initial(config.pservers, config.num_slots, config.replicas)
     store.commit(
         (Compare.absent(keys.config),),
         (

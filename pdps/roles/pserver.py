@@ -195,6 +195,11 @@ class Pserver:
         claim_wait: float = 0.0,
         checkpoints: CheckpointFiles | None = None,
     ) -> None:
+        if config.replicas > 1:
+            raise ConfigError(
+                f"job {config.name!r} asks for replicas = {config.replicas}, but this version's pservers keep one copy of each "
+                "slot: set replicas = 1 (a pserver's death rolls the job back to its last checkpoint)"
+            )
         self.config = config
         self._want_index = index
         self._claim_wait = claim_wait

@@ -365,3 +365,16 @@ def test_a_new_jobs_first_map_has_its_replicas():
     assert kv is not None and SlotMap.from_json(json.loads(kv.value)) == SlotMap.initial(3, 12, replicas=2)
     publish_job(store, JobConfig(name="plain", pservers=3, num_slots=12))
     assert "replicas" not in json.loads(store.get(Keys("plain").slotmap).value)
+
+
+def test_pservers_of_this_version_refuse_replicas_they_do_not_keep():
+    """The setting is recorded, but a pserver that would keep one copy of each slot
+    where more were asked for refuses to start, naming the setting."""
+    from pdps.adapters.inproc import InprocTransport
+    from pdps.adapters.memory_store import MemoryStore
+    from pdps.adapters.torch_compute import TorchCompute
+    from pdps.roles.pserver import Pserver
+
+    with pytest.raises(ConfigError, match="replicas = 2"):
+        Pserver(MemoryStore(), InprocTransport(), TorchCompute("cpu"), JobConfig(name="r2", pservers=2, replicas=2))
+    Pserver(MemoryStore(), InprocTransport(), TorchCompute("cpu"), JobConfig(name="r1", pservers=2, replicas=1))

@@ -102,7 +102,7 @@ class ResizeDriver:
         except ValueError:
             log.error("master: %s holds %r, not a pserver count; ignored", self._keys.ps_desired, kv.value[:40] if kv else b"")
             return
-        if desired == pservers or not 1 <= desired <= self._config.num_slots:
+        if desired == pservers or not max(1, self._config.replicas) <= desired <= self._config.num_slots:
             return
         resize = Resize(id=f"{time.strftime('%Y%m%d-%H%M%S')}-desired", state=ResizeState.REQUESTED, pservers=desired, trainers=None, requested=time.time(), by=f"{self._keys.ps_desired}")
         if self._write(found, resize):

@@ -77,7 +77,7 @@ def request_resize(
     the record as written (or, with ``wait``, as finished).
     """
     current = read_map(store, keys)
-    check_counts(pservers, trainers, current.num_slots)
+    check_counts(pservers, trainers, current.num_slots, current.replicas)
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         ahead, _ = read_resize(store, keys)

@@ -552,13 +552,23 @@ class StepLog:
         return sum(s[-1]["rollbacks"] for s in self.read().steps.values() if s)
 
 
+@attrs.frozen
+class Place:
+    """Where the processes' jobs run: the run's etcd, the folder for their files, and
+    where their logs are kept (``--logs``; None: nowhere)."""
+
+    store_url: str
+    tmp: Path
+    logs: Path | None = None
+
+
 class ProcessJob:
     """One job whose roles are processes, on the run's etcd."""
 
-    def __init__(self, store_url: str, config: pdps.JobConfig, mib: int, folder: Path) -> None:
-        self.store_url, self.config, self.folder = store_url, config, folder
+    def __init__(self, place: Place, config: pdps.JobConfig, mib: int, folder: Path) -> None:
+        self.store_url, self.config, self.folder = place.store_url, config, folder
         self.keys = Keys(config.name)
-        self.store = connect_store(store_url)
+        self.store = connect_store(self.store_url)
         self.roles: list[RoleProcess] = []
         self.steps = StepLog(folder / f"steps-{time.monotonic_ns()}.jsonl")
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("PDPS_")}
@@ -574,10 +584,11 @@ class ProcessJob:
 
     @classmethod
     @contextlib.contextmanager
-    def running(cls, store_url: str, config: pdps.JobConfig, mib: int, folder: Path) -> Iterator[ProcessJob]:
+    def running(cls, place: Place, config: pdps.JobConfig, mib: int, folder: Path, label: str) -> Iterator[ProcessJob]:
         """The job published (as ``pdps launch`` publishes it) and its roles started; every
-        role stopped and the store closed on the way out, whatever happened."""
-        job = cls(store_url, config, mib, folder)
+        role stopped and the store closed on the way out, whatever happened (and its logs
+        kept under ``place.logs/label``)."""
+        job = cls(place, config, mib, folder)
         try:
             # One job of this name at a time on the run's etcd: the previous one's keys go
             # first, as an operator clears them (etcdctl del --prefix /pdps/<job>/).
@@ -594,6 +605,8 @@ class ProcessJob:
                 job.stop()
             finally:
                 job.store.close()
+                if place.logs is not None:
+                    job.keep_logs(place.logs / label)
 
     @property
     def trainer_ids(self) -> list[str]:
@@ -638,6 +651,14 @@ class ProcessJob:
                 r.wait(GRACE_S + 5)
         for r in self.roles:
             r.close()
+
+    def keep_logs(self, folder: Path) -> None:
+        """Each role's stderr, every line after its arrival time (``time.monotonic``), and the steps file."""
+        folder.mkdir(parents=True, exist_ok=True)
+        for r in self.roles:
+            (folder / f"{r.name}.log").write_text("".join(f"{at:.3f} {line}\n" for at, line in r.lines))
+        with contextlib.suppress(FileNotFoundError):
+            (folder / "steps.jsonl").write_bytes(self.steps.path.read_bytes())
 
 
 def write_dataset(folder: Path, trainers: int) -> str:
@@ -687,10 +708,10 @@ def resize_processes(job: ProcessJob, to: int, steps: int) -> dict[str, Any]:
     return resize_row(job.store, job.config, Resized(before, finished, asked, done, states, times, moved, moved, job.steps.rollbacks() - rollbacks), steps)
 
 
-def live_processes(mib: int, resizes: Sequence[int], steps: int, *, mode: str, trainers: int, store_url: str, tmp: Path) -> list[dict[str, Any]]:
-    with tempfile.TemporaryDirectory(prefix="pdps-elastic-", dir=tmp) as folder:
+def live_processes(mib: int, resizes: Sequence[int], steps: int, *, mode: str, trainers: int, place: Place) -> list[dict[str, Any]]:
+    with tempfile.TemporaryDirectory(prefix="pdps-elastic-", dir=place.tmp) as folder:
         config = job_config(resizes[0], mode=mode, trainers=trainers, dataset=write_dataset(Path(folder), trainers))
-        with ProcessJob.running(store_url, config, mib, Path(folder)) as job:
+        with ProcessJob.running(place, config, mib, Path(folder), f"{mib}MiB-{mode}-live") as job:
             job.wait_steps(steps + 1, "before the first resize")  # the first step includes the first pull
             rows = []
             for to in resizes[1:]:
@@ -700,11 +721,12 @@ def live_processes(mib: int, resizes: Sequence[int], steps: int, *, mode: str, t
             return rows
 
 
-def restart_processes(mib: int, before: int, after: int, steps: int, *, mode: str, trainers: int, store_url: str, tmp: Path) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix="pdps-elastic-", dir=tmp) as folder:
+def restart_processes(mib: int, before: int, after: int, steps: int, *, mode: str, trainers: int, place: Place) -> dict[str, Any]:
+    label = f"{mib}MiB-{mode}-restart-{before}to{after}"
+    with tempfile.TemporaryDirectory(prefix="pdps-elastic-", dir=place.tmp) as folder:
         url, dataset = f"{Path(folder).as_uri()}/checkpoints", write_dataset(Path(folder), trainers)
         config = job_config(before, mode=mode, trainers=trainers, dataset=dataset, checkpoint_url=url, checkpoint_every=steps)
-        with ProcessJob.running(store_url, config, mib, Path(folder)) as job:
+        with ProcessJob.running(place, config, mib, Path(folder), f"{label}-old") as job:
             pointer = wait_for("committed checkpoint", lambda: job.store.get(job.keys.checkpoint), job.failed)
             committed = time.monotonic()
             ckpt = decode_json(pointer.value, pointer.key)
@@ -713,11 +735,11 @@ def restart_processes(mib: int, before: int, after: int, steps: int, *, mode: st
             held = [t for trainer in job.trainer_ids for t, r in job.steps.of(trainer) if r is not None and r < int(ckpt["round"])]
             last_held = max(held)
         config = job_config(after, mode=mode, trainers=trainers, dataset=dataset, checkpoint_url=url)
-        with ProcessJob.running(store_url, config, mib, Path(folder)) as job:
+        with ProcessJob.running(place, config, mib, Path(folder), f"{label}-new") as job:
             ids = job.trainer_ids
             wait_for("every trainer attached", lambda: len(job.steps.read().attached) == len(ids), job.failed)
             attached = max(job.steps.attached.values())
-            command = [sys.executable, "-m", "pdps", "checkpoint", "restore", ckpt["id"], "--force", "--store", store_url, "--job", JOB, "--json"]
+            command = [sys.executable, "-m", "pdps", "checkpoint", "restore", ckpt["id"], "--force", "--store", place.store_url, "--job", JOB, "--json"]
             # --force: the new job's keys never knew the checkpoint (the old job committed it)
             done = subprocess.run(command, cwd=ROOT, env=dict(os.environ, PYTHONPATH=job.env["PYTHONPATH"]), capture_output=True, text=True, timeout=WAIT_S)
             if done.returncode != 0:
@@ -741,15 +763,18 @@ def restart_processes(mib: int, before: int, after: int, steps: int, *, mode: st
 # --- the run --------------------------------------------------------------------------
 
 
-def run(mibs: Sequence[int], resizes: Sequence[int], steps: int, *, roles: str, modes: Sequence[str], transport: str, trainers: int, tmp: Path) -> dict[str, Any]:
+def run(
+    mibs: Sequence[int], resizes: Sequence[int], steps: int, *, roles: str, modes: Sequence[str], transport: str, trainers: int, tmp: Path, logs: Path | None = None
+) -> dict[str, Any]:
     runs = []
     with contextlib.ExitStack() as stack:
         if roles == "processes":
             from tests.servers import EtcdServer
 
             etcd = stack.enter_context(EtcdServer())  # stopped on the way out, whatever happened
-            live_run: Callable[..., list[dict[str, Any]]] = partial(live_processes, store_url=etcd.url, tmp=tmp)
-            restart_run: Callable[..., dict[str, Any]] = partial(restart_processes, store_url=etcd.url, tmp=tmp)
+            place = Place(etcd.url, tmp, logs)
+            live_run: Callable[..., list[dict[str, Any]]] = partial(live_processes, place=place)
+            restart_run: Callable[..., dict[str, Any]] = partial(restart_processes, place=place)
         else:
             live_run, restart_run = partial(live, transport=transport), partial(restart, transport=transport, tmp=tmp)
         for mib in mibs:
@@ -815,6 +840,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--transport", choices=("grpc", "inproc"), default="grpc", help="inproc: --in-process only")
     p.add_argument("--trainers", type=int, default=1)
     p.add_argument("--tmp", type=Path, default=Path(tempfile.gettempdir()), help="where the baseline's checkpoints (and the processes' dataset) go")
+    p.add_argument("--logs", type=Path, help="--processes: keep each role's log (lines after their arrival times) and the steps under this folder")
     p.add_argument("--quick", action="store_true", help=f"{QUICK['mib'][0]} MiB, {QUICK['steps']} steps, {QUICK['roles']}")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout's last line")
     args = p.parse_args(argv)
@@ -827,7 +853,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--transport inproc runs in one process: add --in-process")
     began = time.monotonic()
     try:
-        report = run(mibs, resizes, steps, roles=roles_way, modes=modes, transport=args.transport, trainers=args.trainers, tmp=args.tmp)
+        report = run(mibs, resizes, steps, roles=roles_way, modes=modes, transport=args.transport, trainers=args.trainers, tmp=args.tmp, logs=args.logs)
     except (RuntimeError, TimeoutError, pdps.PdpsError) as exc:
         say(f"bench/elastic.py: {exc}")
         return 1

@@ -148,11 +148,16 @@ STATE_COPIES = 1  # SGD without momentum: the values alone
 PAUSE_FLOOR_S = 0.001  # a live pause shorter than this counts as this in the ratio
 JOB = "elastic-bench"
 TASKS_PER_TRAINER, RECORDS_PER_TASK = 64, 10_000  # a step per record: more than any run takes
+# A task lasts RECORDS_PER_TASK steps, hours at 1 GiB: the default task_timeout (60 s)
+# would re-queue it mid-run and the trainer drop a step, so it is set past any run, as a
+# user sets it past their tasks' length.
+TASK_TIMEOUT_S = 3600.0
 WAIT_S = 600.0  # any one wait: steps, a resize, a checkpoint, a restore, a process's exit
 POLL_S = 0.005
 GRACE_S = 20.0  # the role processes' --grace: a trainer finishes its step (seconds at 1 GiB) and leaves
 RECEIVED = re.compile(r"pserver (\d+) received its slots of slot map version (\d+) \((\d+) bytes\)")
-ENTERED = re.compile(r"pserver (\d+) entered epoch (\d+) from ")
+# logged before the pserver serves the restored epoch (its "entered epoch" line comes after a store write: a small step can beat it)
+LOADED = re.compile(r"pserver (\d+) loaded checkpoint (\S+) ")
 
 
 def say(*args: Any) -> None:
@@ -187,7 +192,7 @@ def pause_of(times: Sequence[tuple[float, Any]], asked: float, done: float, step
 
 def job_config(pservers: int, *, mode: str, trainers: int, dataset: str, checkpoint_url: str = "", checkpoint_every: int = 0) -> pdps.JobConfig:
     return pdps.JobConfig(
-        name=JOB, dataset=dataset, pservers=pservers, trainers=trainers, mode=mode, batch_size=1, passes=1,
+        name=JOB, dataset=dataset, pservers=pservers, trainers=trainers, mode=mode, batch_size=1, passes=1, task_timeout=TASK_TIMEOUT_S,
         min_block=MIN_BLOCK, overlap="off", checkpoint_url=checkpoint_url, checkpoint_every=checkpoint_every, **SGD,
     )  # fmt: skip
 
@@ -471,7 +476,10 @@ class RoleProcess:
         self.lines: list[tuple[float, str]] = []
         self.said: list[dict[str, Any]] = []
         self._lock = threading.Lock()
-        self.proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
+        self.proc = subprocess.Popen(
+            argv, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
+            start_new_session=True,  # as pdps launch: a terminal's Ctrl-C reaches the bench, which stops the roles in order
+        )  # fmt: skip
         self._threads = [threading.Thread(target=self._drain, args=(s, out), daemon=True, name=f"{name}-{what}")
                          for s, out, what in ((self.proc.stderr, False, "stderr"), (self.proc.stdout, True, "stdout"))]  # fmt: skip
         for t in self._threads:
@@ -745,11 +753,11 @@ def restart_processes(mib: int, before: int, after: int, steps: int, *, mode: st
             if done.returncode != 0:
                 raise RuntimeError(f"{shlex.join(command)} exited with {done.returncode}: {done.stderr[-2000:]}")
 
-            def entered() -> float | None:
-                at = {int(m.group(1)): t for r in job.pservers() for t, m in r.matches(ENTERED) if int(m.group(2)) >= 1}
+            def loaded() -> float | None:
+                at = {int(m.group(1)): t for r in job.pservers() for t, m in r.matches(LOADED) if m.group(2) == ckpt["id"]}
                 return max(at.values()) if len(at) == after else None
 
-            restored = wait_for("every pserver in the restored epoch", entered, job.failed)
+            restored = wait_for(f"every pserver loading checkpoint {ckpt['id']}", loaded, job.failed)
 
             def first_step() -> float | None:
                 stamps = [s["t"] for steps_of in job.steps.read().steps.values() for s in steps_of if s["epoch"] >= 1]

@@ -89,6 +89,8 @@ Run
     .venv/bin/python bench/elastic.py --in-process --mib 64 --modes sync async --transport inproc
 
 ``--json``: the table and progress on stderr, one JSON object on stdout's last line.
+``--logs DIR`` (processes): each job's role logs, every line after its arrival time
+(``time.monotonic``), and its trainers' steps, to see where a resize's time went.
 """
 
 from __future__ import annotations

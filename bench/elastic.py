@@ -73,7 +73,7 @@ Figures, per resize
 * ``restart``: the baseline's pause, its whole time: from the completion of the last
   step the checkpoint holds to the first step completed after the restore, with its
   parts (checkpoint committed, job stopped, new job attached, restored: every pserver
-  loaded the checkpoint, first step).
+  loaded the checkpoint (processes: when the last one's log line says it did), first step).
 
 Ratios (the targets of ``pdps bench --suite elastic``), for the largest model:
 ``pause_vs_restart``, the baseline's pause over the live pause (the worst resize;
@@ -110,6 +110,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from datetime import datetime
 from functools import partial
 from pathlib import Path
 from typing import IO, Any
@@ -160,6 +161,7 @@ GRACE_S = 20.0  # the role processes' --grace: a trainer finishes its step (seco
 RECEIVED = re.compile(r"pserver (\d+) received its slots of slot map version (\d+) \((\d+) bytes\)")
 # logged before the pserver serves the restored epoch (its "entered epoch" line comes after a store write: a small step can beat it)
 LOADED = re.compile(r"pserver (\d+) loaded checkpoint (\S+) ")
+LOGGED_AT = "%Y-%m-%d %H:%M:%S,%f"  # how a role's log line begins (pdps's %(asctime)s: local time, milliseconds)
 
 
 def say(*args: Any) -> None:
@@ -671,6 +673,12 @@ class ProcessJob:
             (folder / "steps.jsonl").write_bytes(self.steps.path.read_bytes())
 
 
+def logged_at(line: str) -> float:
+    """The ``time.monotonic()`` at which a role wrote a log line, from the line's own time:
+    its arrival in the bench may come after a step the line's event allowed."""
+    return datetime.strptime(line[:23], LOGGED_AT).timestamp() - (time.time() - time.monotonic())
+
+
 def write_dataset(folder: Path, trainers: int) -> str:
     """Parquet of ``RECORDS_PER_TASK`` ones per task (a row group each), ``TASKS_PER_TRAINER`` tasks a trainer."""
     rows = trainers * TASKS_PER_TRAINER * RECORDS_PER_TASK
@@ -756,7 +764,7 @@ def restart_processes(mib: int, before: int, after: int, steps: int, *, mode: st
                 raise RuntimeError(f"{shlex.join(command)} exited with {done.returncode}: {done.stderr[-2000:]}")
 
             def loaded() -> float | None:
-                at = {int(m.group(1)): t for r in job.pservers() for t, m in r.matches(LOADED) if m.group(2) == ckpt["id"]}
+                at = {int(m.group(1)): logged_at(m.string) for r in job.pservers() for _, m in r.matches(LOADED) if m.group(2) == ckpt["id"]}
                 return max(at.values()) if len(at) == after else None
 
             restored = wait_for(f"every pserver loading checkpoint {ckpt['id']}", loaded, job.failed)

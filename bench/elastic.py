@@ -475,7 +475,7 @@ class RoleProcess:
     """One role process; its stderr lines kept with their arrival times, its stdout's JSON objects."""
 
     def __init__(self, name: str, kind: str, argv: list[str], env: dict[str, str], index: int | None = None) -> None:
-        self.name, self.kind, self.argv, self.index = name, kind, argv, index
+        self.name, self.kind, self.index = name, kind, index
         self.leaves = False  # a resize removes it: its exit 0 is expected
         self.lines: list[tuple[float, str]] = []
         self.said: list[dict[str, Any]] = []
@@ -578,7 +578,7 @@ class ProcessJob:
     """One job whose roles are processes, on the run's etcd."""
 
     def __init__(self, place: Place, config: pdps.JobConfig, mib: int, folder: Path) -> None:
-        self.store_url, self.config, self.folder = place.store_url, config, folder
+        self.store_url, self.config = place.store_url, config
         self.keys = Keys(config.name)
         self.store = connect_store(self.store_url)
         self.roles: list[RoleProcess] = []

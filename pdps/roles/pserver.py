@@ -71,7 +71,7 @@ from pdps.core.wire import (
 from pdps.ports.checkpoints import CheckpointFiles
 from pdps.ports.compute import Compute, ParameterShard
 from pdps.ports.coordination import Compare, CoordinationStore, EventType, KeyValue, Put, TxnOp, WatchEvent
-from pdps.ports.transport import Endpoint, Transport
+from pdps.ports.transport import Channel, Endpoint, Transport
 from pdps.roles import calls
 from pdps.runtime import recovery
 from pdps.runtime.cas import read_modify_write
@@ -180,6 +180,25 @@ CHECKPOINT_DELAY_ENV = "_PDPS_FAULT_CHECKPOINT_DELAY"  # not PDPS_*: the launche
 #: ... and seconds a source pserver holds each ``migrate`` call before it answers (so a
 #: test can kill the source or the receiver in the middle of a migration).
 MIGRATE_DELAY_ENV = "_PDPS_FAULT_MIGRATE_DELAY"
+
+
+class _Connection:
+    """A channel to one pserver, kept across calls while its address stays the same."""
+
+    def __init__(self) -> None:
+        self.address: str | None = None
+        self.channel: Channel | None = None
+
+    def to(self, transport: Transport, address: str) -> Channel:
+        if self.channel is None or address != self.address:
+            self.close()
+            self.channel, self.address = transport.connect(address), address
+        return self.channel
+
+    def close(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
 
 
 class Pserver:
@@ -1258,36 +1277,64 @@ class Pserver:
             return MigrateReply(**self._state(), names=tuple(names), applied=applied, tensors=tuple(tensors))
 
     def _fetch(self, version: int, epoch: int) -> None:
-        """Receive this pserver's new slots of map ``version`` from their old owners,
-        then start serving them (its own thread; ends early if the epoch or map moves)."""
-        began, fetched = time.monotonic(), 0
+        """Receive this pserver's new slots of map ``version`` from their old owners (one
+        thread and one connection per source, reused for every call: a fresh gRPC
+        connection starts with a small flow-control window), then start serving them
+        (its own thread; ends early if the epoch or map moves)."""
+        began = time.monotonic()
         with self._cond:
             sources = {src: list(slots) for src, slots in self._pending.items()}
             layout = self._layout
         assert layout is not None
         sizes = layout.slot_bytes()
-        for src, slots in sorted(sources.items()):
+        outcome: dict[int, object] = {}  # source -> bytes received, or why it stopped (None: the map moved on; _LOST)
+        lost: list[str] = []
+
+        def receive(src: int, slots: list[int]) -> None:
             batches: list[list[int]] = [[]]
             for slot in slots:
                 if batches[-1] and sum(sizes[x] for x in batches[-1]) + sizes[slot] > MIGRATE_CALL_BYTES:
                     batches.append([])
                 batches[-1].append(slot)
-            for batch in batches:
-                reply = self._ask_source(src, batch, version, epoch)
-                if reply is _LOST:
-                    self._request_rollback(f"pserver {self.index} cannot receive slots {batch[:8]} of slot map version {version}: pserver {src} lost them")
-                    return  # the job rolls back, and every pserver loads its slots of this map from the checkpoint
-                if not isinstance(reply, MigrateReply):
-                    return  # the epoch or the map moved on: the checkpoint restores these slots
-                with self._cond:
-                    if self.epoch != epoch or self._slot_map is None or self._slot_map.version != version:
+            fetched, channel = 0, _Connection()
+            try:
+                for batch in batches:
+                    reply = self._ask_source(src, batch, version, epoch, channel)
+                    if reply is _LOST:
+                        lost.append(f"pserver {self.index} cannot receive slots {batch[:8]} of slot map version {version}: pserver {src} lost them")
+                        outcome[src] = _LOST
                         return
-                    self._received.update(zip(reply.names, reply.tensors))
-                    for slot, n in reply.applied:
-                        self.applied_by_slot[slot] = self.applied_by_slot.get(slot, 0) + n
-                    got = sum(int(t.nbytes) for t in reply.tensors)
-                    self.received_bytes += got
-                    fetched += got
+                    if not isinstance(reply, MigrateReply):
+                        outcome[src] = None
+                        return
+                    with self._cond:
+                        if self.epoch != epoch or self._slot_map is None or self._slot_map.version != version:
+                            outcome[src] = None
+                            return
+                        self._received.update(zip(reply.names, reply.tensors))
+                        for slot, n in reply.applied:
+                            self.applied_by_slot[slot] = self.applied_by_slot.get(slot, 0) + n
+                        got = sum(int(t.nbytes) for t in reply.tensors)
+                        self.received_bytes += got
+                        fetched += got
+                outcome[src] = fetched
+            finally:
+                channel.close()
+
+        threads = [threading.Thread(target=receive, args=item, name=f"pdps-ps-fetch-{self.index}-from-{item[0]}", daemon=True) for item in sorted(sources.items())]
+        for t in threads[1:]:
+            t.start()
+        if threads:
+            threads[0].run()  # the first source on this thread
+        for t in threads[1:]:
+            t.join()
+        if lost:
+            # the job rolls back, and every pserver loads its slots of this map from the checkpoint
+            self._request_rollback(lost[0])
+            return
+        if any(not isinstance(v, int) for v in outcome.values()):
+            return  # the epoch or the map moved on: the checkpoint restores these slots
+        fetched = sum(v for v in outcome.values() if isinstance(v, int))
         with self._cond:
             if self.epoch != epoch or self._slot_map is None or self._slot_map.version != version or self._shard is None:
                 return
@@ -1298,14 +1345,13 @@ class Pserver:
         log.warning("pserver %s received its slots of slot map version %d (%d bytes) in %.2fs", self.index, version, fetched, time.monotonic() - began)
         self._report_got(version)
 
-    def _ask_source(self, src: int, slots: list[int], version: int, epoch: int) -> object:
-        """One migrate call to pserver ``src``, retried while it is unreachable or has
-        not switched yet: its reply; None once this pserver's epoch or map has moved on;
-        _LOST when the source restarted without the slots, or has been gone SOURCE_GONE
-        lease TTLs (then the job must roll back)."""
+    def _ask_source(self, src: int, slots: list[int], version: int, epoch: int, connection: _Connection) -> object:
+        """One migrate call to pserver ``src`` (over ``connection``), retried while it is
+        unreachable or has not switched yet: its reply; None once this pserver's epoch
+        or map has moved on; _LOST when the source restarted without the slots, or has
+        been gone SOURCE_GONE lease TTLs (then the job must roll back)."""
         request = MigrateRequest(f"pserver-{self.index}", epoch=epoch, version=version, slots=tuple(slots))
         waiting = Retry(MIGRATE_BACKOFF)
-        channel = None
         unregistered_since: float | None = None
         while True:
             gone = False
@@ -1318,11 +1364,11 @@ class Pserver:
                     gone = True
                     raise NotReady(f"pserver {src} is not registered")
                 address = decode_as(kv.value, kv.key, lambda d: str(d["addr"]))
-                channel = self._transport.connect(address)
                 try:
-                    return calls.call(channel, request)
-                finally:
-                    channel.close()
+                    return calls.call(connection.to(self._transport, address), request)
+                except TransportError:
+                    connection.close()  # it may be broken: the next try connects afresh
+                    raise
             except NotInitialized as exc:  # (a NotReady: caught first)
                 log.error("pserver %s cannot receive slots %s: %s", self.index, slots[:8], exc)
                 return _LOST  # the source restarted without them

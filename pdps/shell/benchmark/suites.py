@@ -110,11 +110,12 @@ SUITE_SPECS: dict[str, Suite] = {
             "elastic",
             "elastic.py",
             "Resizing a running sync job 2 -> 3 -> 4 -> 2 pservers (64 MiB and 1 GiB of float32 parameters, SGD, 1 trainer, "
-            "the library's roles in one process over gRPC on 127.0.0.1): per resize, its wall time (request to done), the "
+            "every role its own process (etcd, python -m pdps ROLE as pdps launch starts them) over gRPC on 127.0.0.1; "
+            "--quick: 8 MiB, the roles in one process): per resize, its wall time (request to done), the "
             "longest trainer pause (the longest gap between a trainer's consecutive steps from the request to its first "
             "step after done, minus its usual step), and the bytes moved against the minimum of the two slot maps; "
             "against, in the same run, stopping the job at a checkpoint, starting it with the new count and restoring "
-            "(from the checkpoint's last step to the first step after the restore; process starts not counted).",
+            "(from the checkpoint's last step to the first step after the restore, process starts included).",
             (),
             ("--quick",),
         ),

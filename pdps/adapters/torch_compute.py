@@ -839,8 +839,8 @@ class TorchShard:
         staged before :meth:`import_blocks`, which keeps them."""
         self._expecting = True
 
-    def snapshot(self, counters: Mapping[str, int]) -> dict[str, torch.Tensor]:
-        state = {k: v.clone() for k, v in self.export_blocks().items()}
+    def snapshot(self, counters: Mapping[str, int], indices: Sequence[int] | None = None) -> dict[str, torch.Tensor]:
+        state = {k: v.clone() for k, v in self.export_blocks(indices).items()}
         state.update((k, torch.tensor(n, dtype=torch.int64)) for k, n in counters.items())
         return state
 

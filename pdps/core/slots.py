@@ -474,5 +474,13 @@ class Layout:
         return f"{len(idle)} of {m} pservers hold no part of the model (pserver {', '.join(map(str, idle))}): {why}"
 
     def blocks_of(self, pserver: int) -> list[Block]:
-        """The blocks a pserver holds, in model order (the order of every push and pull)."""
+        """The blocks a pserver is the primary of, in model order (the order of every
+        push and pull: trainers address primaries only)."""
         return [b for i, b in enumerate(self.blocks) if self.pserver_of(i) == pserver]
+
+    def blocks_held(self, pserver: int) -> list[Block]:
+        """The blocks a pserver holds a copy of (primary or backup), in model order: its
+        shard. With one replica, :meth:`blocks_of`."""
+        if self.slot_map.replicas == 1:
+            return self.blocks_of(pserver)
+        return [b for b, s in zip(self.blocks, self.slots) if pserver in self.slot_map.holders(s)]

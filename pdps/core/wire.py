@@ -451,6 +451,18 @@ class MigrateReply(PserverReply):
 
 
 @attrs.frozen
+class ReplicateRequest(PushRequest):
+    """A sync push's gradient for the blocks a pserver backs up, forwarded by their
+    primary (``trainer`` is the trainer that pushed it; ``blocks`` names some of the
+    backup's blocks, ``part`` is set): staged as the trainer's own push would be, so
+    every replica applies each closed round whole. The primary answers the trainer
+    only once every backup has it."""
+
+    METHOD: ClassVar[str] = "replicate"
+    REPLY: ClassVar[type[Wire]] = PushReply
+
+
+@attrs.frozen
 class MigrateRequest(PserverRequest):
     """From a pserver that receives ``slots`` in slot map ``version`` (required): the
     state those slots had when the sender switched to that map. ``trainer`` names the
@@ -568,5 +580,5 @@ class CheckpointRequest(MasterRequest):
 
 
 #: Every request class by role, in the order a role serves them.
-PSERVER_REQUESTS: tuple[type[Request], ...] = (InitRequest, PushRequest, PullRequest, AppliedRequest, MigrateRequest)
+PSERVER_REQUESTS: tuple[type[Request], ...] = (InitRequest, PushRequest, PullRequest, AppliedRequest, MigrateRequest, ReplicateRequest)
 MASTER_REQUESTS: tuple[type[Request], ...] = (GetTaskRequest, FinishTaskRequest, FailTaskRequest, GiveBackRequest, CheckpointRequest)

@@ -164,10 +164,10 @@ class ParameterShard(Protocol):
         keeps what was staged."""
         ...
 
-    def snapshot(self, counters: Mapping[str, int]) -> dict[str, Any]:
-        """:meth:`export_blocks` of every block copied now (the shard may step on while
-        the copy is written to a checkpoint part), with each of ``counters`` as a 0-d
-        int64 tensor under its name."""
+    def snapshot(self, counters: Mapping[str, int], indices: Sequence[int] | None = None) -> dict[str, Any]:
+        """:meth:`export_blocks` of the blocks at ``indices`` (default all) copied now
+        (the shard may step on while the copy is written to a checkpoint part), with
+        each of ``counters`` as a 0-d int64 tensor under its name."""
         ...
 
 

@@ -29,6 +29,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Sequence
 
 from pdps.core.backoff import Backoff
 from pdps.core.checkpoints import Epoch
@@ -53,7 +54,7 @@ from pdps.core.errors import (
 from pdps.core.job import JobConfig, Keys, decode_as, decode_json
 from pdps.core.lifecycle import HALTED, UNSETTLED, PserverEvent, PserverState, next_state
 from pdps.core.sgd import Mode, RoundRecord, check_staleness, participants
-from pdps.core.slots import Layout, ParamSpec, SlotMap
+from pdps.core.slots import Block, Layout, ParamSpec, SlotMap
 from pdps.core.txn import Decision, Done, Write
 from pdps.core.wire import (
     AppliedReply,
@@ -62,6 +63,7 @@ from pdps.core.wire import (
     InitRequest,
     MigrateReply,
     MigrateRequest,
+    ReplicateRequest,
     PserverRequest,
     PullReply,
     PullRequest,
@@ -214,10 +216,10 @@ class Pserver:
         claim_wait: float = 0.0,
         checkpoints: CheckpointFiles | None = None,
     ) -> None:
-        if config.replicas > 1:
+        if config.replicas > 1 and config.mode is not Mode.SYNC:
             raise ConfigError(
-                f"job {config.name!r} asks for replicas = {config.replicas}, but this version's pservers keep one copy of each "
-                "slot: set replicas = 1 (a pserver's death rolls the job back to its last checkpoint)"
+                f"job {config.name!r} asks for replicas = {config.replicas} in {config.mode.value} mode, but this version's pservers "
+                "replicate sync rounds only: set mode = sync, or replicas = 1"
             )
         self.config = config
         self._want_index = index
@@ -251,11 +253,15 @@ class Pserver:
         #: (map version, layout, its shard): the shard of the map a resize switches to, built ahead
         self._prepared: tuple[int, Layout, ParameterShard] | None = None
         self._preparing: int | None = None  # the map version whose shard is being built ahead
+        self._primary: list[int] | None = None  # shard positions of the blocks this pserver is the primary of (None: all)
+        self._forwards: dict[int, list[int]] = {}  # backup pserver -> shard positions of its blocks this pserver is the primary of
+        self._peers: dict[int, _Connection] = {}  # backup pserver -> the connection forwards go over
+        self._peers_lock = threading.Lock()
         self._ready: dict[int, set[int]] = {}  # map version -> the pservers whose shard of it is built ahead
         self._migrating_since: tuple[int, float] | None = None  # (map version, when this pserver saw it migrating)
         #: sync, (map version, round, shard): the shard of the map this pserver switched
         #: from after that round, served to pulls of that round for that map (_frozen_for)
-        self._frozen: tuple[int, int, ParameterShard] | None = None
+        self._frozen: tuple[int, int, ParameterShard, list[int] | None] | None = None
         self.departed = threading.Event()  # a resize took every slot away and the job let this pserver go
         #: async: pushes applied here, per slot (a push counts once for each slot it
         #: stepped); a slot's count moves with it, so the job's counts add up across resizes
@@ -317,7 +323,7 @@ class Pserver:
         self._compute.check_optimizer(self.config.optimizer, self.config.optimizer_args)  # never serve a bad rule
         handlers = {
             InitRequest: self._init, PushRequest: self._push, PullRequest: self._pull,
-            AppliedRequest: self._applied_records, MigrateRequest: self._migrate,
+            AppliedRequest: self._applied_records, MigrateRequest: self._migrate, ReplicateRequest: self._replicate,
         }
         self._endpoint = self._transport.serve(self._address, calls.serve(handlers))
         self._keeper = LeaseKeeper(self._store, self.config.lease_ttl, name="pserver")
@@ -474,42 +480,135 @@ class Pserver:
             shard = self._receiving_shard() if self.config.mode is Mode.SYNC else self._ready_shard()
             if req.incarnation is not None and req.incarnation != self.incarnation:
                 raise StalePush(f"pserver {self.index} restarted since trainer {trainer!r} last pulled from it: pull first")
-            if self.config.mode is Mode.SYNC:
-                round_no = req.require("round_no")
-                if not req.samples:
-                    raise GradientRejected(f"trainer {trainer!r} pushed for round {round_no} with zero samples; commit it instead", field="samples", trainer=trainer)
-                indices = req.claim(shard.blocks, self.index)  # before any state changes
-                if round_no > self.round_no:
-                    self._advance(self.round_no)  # it may have closed in the store, unseen here yet
-                    self._check_slot_map(req)  # ... and switched the map (a resize)
-                if round_no < self.round_no:
-                    raise StalePush(f"round {round_no} is closed; the open round is {self.round_no}: pull and compute again")
-                if round_no > self.round_no:
-                    raise InvalidTransition(f"trainer {trainer}", f"round {self.round_no}", f"push for round {round_no}", "pull first")
-                shard.check(req.tensors, trainer, indices=indices)
-                shard.stage(trainer, req.tensors, indices)  # applied only if the closed round holds its contribution
-                return PushReply(**self._state(), update_s=time.perf_counter() - began)
-            seen = req.require("updates")
-            if not req.part:
-                indices = req.claim(shard.blocks, self.index)
-                shard.check(req.tensors, trainer, indices=indices)
-                self._check_updates(seen, trainer)
-                if self._applied_already(req.records):
-                    return PushReply(**self._state(), update_s=time.perf_counter() - began, duplicate=True)
-                shard.apply(req.tensors, indices)
-            else:
-                outcome = self._stage_piece(shard, req, seen)
-                if outcome != "applied":
-                    return PushReply(**self._state(), update_s=time.perf_counter() - began, duplicate=outcome == "duplicate")
-            self.version += 1
-            for slot in self._my_slots:
-                self.applied_by_slot[slot] = self.applied_by_slot.get(slot, 0) + 1
-            records = req.records
-            if records is not None:
-                self._last_records[records[1]] = (records[0], records[3], records[4])
-                self._note_applied(records[1], records[2], records[3], records[4])
-            self._maybe_announce_async()
+            if self.config.mode is not Mode.SYNC:
+                return self._push_async(req, shard, began)
+            indices = self._claim(req, shard.blocks, self._primary)  # before any state changes
+            self._stage_round(req, shard, indices)
+            reply = PushReply(**self._state(), update_s=time.perf_counter() - began)
+            forwards = self._forwards_of(req, indices)
+        if forwards:
+            self._forward(forwards)  # off the lock: the trainer is answered once every backup has it
+        return reply
+
+    def _replicate(self, req: ReplicateRequest) -> PushReply:
+        """A sync gradient for blocks this pserver backs up, forwarded by their primary:
+        staged as the trainer's own push is."""
+        with self._cond:
+            began = time.perf_counter()
+            self._check_request(req)
+            shard = self._receiving_shard()
+            self._stage_round(req, shard, req.claim(shard.blocks, self.index))
             return PushReply(**self._state(), update_s=time.perf_counter() - began)
+
+    def _stage_round(self, req: PushRequest, shard: ParameterShard, indices: list[int] | None) -> None:
+        """Sync (lock held): stage ``req``'s gradient for the open round it names."""
+        trainer = req.trainer
+        round_no = req.require("round_no")
+        if not req.samples:
+            raise GradientRejected(f"trainer {trainer!r} pushed for round {round_no} with zero samples; commit it instead", field="samples", trainer=trainer)
+        if round_no > self.round_no:
+            self._advance(self.round_no)  # it may have closed in the store, unseen here yet
+            self._check_slot_map(req)  # ... and switched the map (a resize)
+        if round_no < self.round_no:
+            raise StalePush(f"round {round_no} is closed; the open round is {self.round_no}: pull and compute again")
+        if round_no > self.round_no:
+            raise InvalidTransition(f"trainer {trainer}", f"round {self.round_no}", f"push for round {round_no}", "pull first")
+        shard.check(req.tensors, trainer, indices=indices)
+        shard.stage(trainer, req.tensors, indices)  # applied only if the closed round holds its contribution
+
+    def _claim(self, req: PushRequest | PullRequest, blocks: Sequence[Block], primary: list[int] | None) -> list[int] | None:
+        """The positions in ``blocks`` (a shard's) that ``req`` is for: the blocks named,
+        among those this pserver is the primary of (``primary``; None: all of them)."""
+        if primary is None:
+            return req.claim(blocks, self.index)
+        picked = req.claim([blocks[i] for i in primary], self.index)
+        return primary if picked is None else [primary[i] for i in picked]
+
+    def _forwards_of(self, req: PushRequest, indices: list[int] | None) -> list[tuple[int, ReplicateRequest]]:
+        """Sync (lock held): what of ``req`` (staged at shard positions ``indices``) each
+        backup of its blocks must stage too."""
+        if not self._forwards:
+            return []
+        assert self._shard is not None
+        at = {i: n for n, i in enumerate(indices if indices is not None else range(len(self._shard.blocks)))}
+        out = []
+        for backup, mine in sorted(self._forwards.items()):
+            pos = [i for i in mine if i in at]
+            if pos:
+                out.append((backup, ReplicateRequest(
+                    req.trainer, epoch=req.epoch, version=req.version, samples=req.samples, round_no=req.round_no,
+                    blocks=tuple(self._shard.blocks[i].key for i in pos), part=True, tensors=tuple(req.tensors[at[i]] for i in pos),
+                )))
+        return out
+
+    def _forward(self, forwards: list[tuple[int, ReplicateRequest]]) -> None:
+        """Send each backup its share of a push (concurrently), retried while it is
+        unreachable or not ready, up to SOURCE_GONE lease TTLs; then NotReady, which the
+        trainer waits out and pushes again (staging replaces what was staged)."""
+        def send(backup: int, request: ReplicateRequest) -> None:
+            waiting = Retry(MIGRATE_BACKOFF, deadline=SOURCE_GONE * self.config.lease_ttl)
+            while True:
+                try:
+                    kv = self._store.get(self._keys.pserver(backup))
+                    if kv is None:
+                        raise NotReady(f"pserver {backup} is not registered")
+                    address = decode_as(kv.value, kv.key, lambda d: str(d["addr"]))
+                    with self._peers_lock:
+                        connection = self._peers.setdefault(backup, _Connection())
+                        channel = connection.to(self._transport, address)
+                    calls.call(channel, request)
+                    return
+                except (NotReady, TransportError, StoreError) as exc:
+                    if isinstance(exc, TransportError):
+                        with self._peers_lock:
+                            self._peers.pop(backup, _Connection()).close()
+                    if not waiting.note():
+                        raise NotReady(f"pserver {self.index} could not pass trainer {request.trainer!r}'s gradient on to pserver {backup}, a backup of its slots: {exc}") from exc
+                    waiting.pause()
+
+        if len(forwards) == 1:
+            send(*forwards[0])
+            return
+        errors: list[BaseException] = []
+
+        def run(backup: int, request: ReplicateRequest) -> None:
+            try:
+                send(backup, request)
+            except BaseException as exc:  # noqa: BLE001 - raised below, on the caller's thread
+                errors.append(exc)
+
+        threads = [threading.Thread(target=run, args=f, name=f"pdps-ps-forward-{self.index}-{f[0]}", daemon=True) for f in forwards]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+
+    def _push_async(self, req: PushRequest, shard: ParameterShard, began: float) -> PushReply:
+        """Async (lock held): apply the push, or stage its piece."""
+        trainer = req.trainer
+        seen = req.require("updates")
+        if not req.part:
+            indices = req.claim(shard.blocks, self.index)
+            shard.check(req.tensors, trainer, indices=indices)
+            self._check_updates(seen, trainer)
+            if self._applied_already(req.records):
+                return PushReply(**self._state(), update_s=time.perf_counter() - began, duplicate=True)
+            shard.apply(req.tensors, indices)
+        else:
+            outcome = self._stage_piece(shard, req, seen)
+            if outcome != "applied":
+                return PushReply(**self._state(), update_s=time.perf_counter() - began, duplicate=outcome == "duplicate")
+        self.version += 1
+        for slot in self._my_slots:
+            self.applied_by_slot[slot] = self.applied_by_slot.get(slot, 0) + 1
+        records = req.records
+        if records is not None:
+            self._last_records[records[1]] = (records[0], records[3], records[4])
+            self._note_applied(records[1], records[2], records[3], records[4])
+        self._maybe_announce_async()
+        return PushReply(**self._state(), update_s=time.perf_counter() - began)
 
     def _applied_already(self, records: tuple[int, int, int, int, int] | None) -> bool:
         """These records of this (pass, task) were applied here already: the push of an
@@ -587,7 +686,7 @@ class Pserver:
                 return self._frozen_reply(req, extra)
             self._check_request(req)
             shard = self._ready_shard()
-            indices = req.claim(shard.blocks, self.index)
+            indices = self._claim(req, shard.blocks, self._primary)
             if after is not None and self.config.mode is Mode.SYNC:
                 epoch = self.epoch
                 began = time.perf_counter()
@@ -603,7 +702,7 @@ class Pserver:
                     return self._frozen_reply(req, extra)
                 self._check_slot_map(req)  # the round may have switched the map (a resize)
                 shard = self._ready_shard()
-                indices = req.claim(shard.blocks, self.index)
+                indices = self._claim(req, shard.blocks, self._primary)
             elif self.config.mode is Mode.SYNC:
                 self._advance(self.round_no)  # serve every round the store has closed
             views = shard.views()
@@ -625,8 +724,8 @@ class Pserver:
 
     def _frozen_reply(self, req: PullRequest, extra: dict[str, object]) -> PullReply:
         assert self._frozen is not None
-        shard = self._frozen[2]
-        indices = req.claim(shard.blocks, self.index)
+        shard, primary = self._frozen[2], self._frozen[3]
+        indices = self._claim(req, shard.blocks, primary)
         views = shard.views()
         if indices is not None:
             views = [views[i] for i in indices]
@@ -827,10 +926,10 @@ class Pserver:
             self._snapshot(record.checkpoint)
         self._frozen = None  # a round applied after a switch: the frozen shard is past
         if record.map_version is not None and self._slot_map is not None and record.map_version > self._slot_map.version:
-            before = (self._slot_map.version, self._shard)
+            before = (self._slot_map.version, self._shard, self._primary)
             self._switch_map(read_map(self._store, self._keys))
             if before[1] is not None and before[1].initialized and before[1] is not self._shard:
-                self._frozen = (before[0], record.round_no, before[1])
+                self._frozen = (before[0], record.round_no, before[1], before[2])
         self._cond.notify_all()
         self._closer.notify_all()  # the next round may be closable already
 
@@ -935,7 +1034,8 @@ class Pserver:
         assert self._shard is not None
         self._seen_checkpoints.add(ckpt_id)
         self._last_checkpoint = time.monotonic()
-        state = self._shard.snapshot({"pdps.version": self.version})
+        # with replicas, each block is written by its primary only (once per checkpoint)
+        state = self._shard.snapshot({"pdps.version": self.version}, self._primary)
         t = threading.Thread(target=self._write_part, args=(ckpt_id, state), name=f"pdps-ckpt-{ckpt_id}", daemon=True)
         self._writers = [w for w in self._writers if w.is_alive()] + [t]
         t.start()
@@ -1128,7 +1228,7 @@ class Pserver:
         built = False
         try:
             layout = Layout.build(self._specs, to_map, self.config.min_block)
-            shard = self._compute.shard(layout.blocks_of(self.index), self.config.optimizer, self.config.optimizer_args)
+            shard = self._compute.shard(layout.blocks_held(self.index), self.config.optimizer, self.config.optimizer_args)
             shard.reserve(trainers)
             built = True
         finally:
@@ -1217,9 +1317,12 @@ class Pserver:
                 prepared = None
             layout = Layout.build(self._specs, new, self.config.min_block) if prepared is None else prepared[1]
             slot_of = {b.key: slot for b, slot in zip(layout.blocks, layout.slots)}
-            mine = {b.key for b in layout.blocks_of(self.index)}
+            mine = {b.key for b in layout.blocks_held(self.index)}
             keep = [i for i, b in enumerate(before.blocks) if b.key in mine]
-            give = [i for i, b in enumerate(before.blocks) if b.key not in mine]
+            # what each new copy of a slot is made from (with replicas, a pserver may give a
+            # copy of a slot it keeps)
+            sending = {slot for slot, src, _ in old.moves(new) if src == self.index}
+            give = [i for i, b in enumerate(before.blocks) if slot_of[b.key] in sending]
             self._use_layout(layout)
             self._shard = self._compute.shard(self._blocks(), self.config.optimizer, self.config.optimizer_args) if prepared is None else prepared[2]
             self._pending, self._received = {}, {}
@@ -1229,7 +1332,10 @@ class Pserver:
                     outgoing.setdefault(slot_of[before.blocks[i].key], {}).update(before.export_blocks([i]))
                 if outgoing:
                     self._outgoing[new.version] = outgoing
-                    self._outgoing_applied[new.version] = {slot: self.applied_by_slot.pop(slot, 0) for slot in outgoing}
+                    kept = {slot_of[k] for k in mine}
+                    self._outgoing_applied[new.version] = {
+                        slot: self.applied_by_slot.get(slot, 0) if slot in kept else self.applied_by_slot.pop(slot, 0) for slot in outgoing
+                    }
                 self._received = dict(before.export_blocks(keep))
                 has_blocks = {slot_of[b.key] for b in self._shard.blocks}
                 for slot, src, dst in old.moves(new):
@@ -1411,12 +1517,24 @@ class Pserver:
 
     def _blocks(self) -> list:
         assert self._layout is not None and self.index is not None
-        return self._layout.blocks_of(self.index)
+        return self._layout.blocks_held(self.index)
 
     def _use_layout(self, layout: Layout) -> None:
         self._layout = layout
         assert self.index is not None
         self._my_slots = tuple(sorted({s for b, s in zip(layout.blocks, layout.slots) if layout.slot_map.owners[s] == self.index}))
+        # replicas: this pserver's shard holds copies of other primaries' blocks too; trainers
+        # push and pull only the blocks it is the primary of, whose gradients it forwards
+        # to their backups
+        slot_of = dict(zip((b.key for b in layout.blocks), layout.slots))
+        held = layout.blocks_held(self.index)
+        primary = [i for i, b in enumerate(held) if layout.slot_map.owners[slot_of[b.key]] == self.index]
+        self._primary = None if len(primary) == len(held) else primary
+        forwards: dict[int, list[int]] = {}
+        for i in primary:
+            for backup in layout.slot_map.backups[slot_of[held[i].key]] if layout.slot_map.replicas > 1 else ():
+                forwards.setdefault(backup, []).append(i)
+        self._forwards = forwards
         idle = set(layout.idle_pservers)  # they see no pull: one of them would close its rounds a second late
         self._closers = tuple(p for p in range(layout.slot_map.num_pservers) if p not in idle)
 

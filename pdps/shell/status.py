@@ -128,7 +128,10 @@ def job_status(store: CoordinationStore, job: str, *, now: float | None = None) 
         "checkpoint": decode_json(checkpoint_kv.value, keys.checkpoint) if checkpoint_kv else None,
         "epoch": decode_json(epoch_kv.value, keys.epoch) if epoch_kv else None,
         "waits": waits(store, keys, time.time() if now is None else now),
-        "slot_map": None if slot_map is None else {"version": slot_map.version, "pservers": slot_map.num_pservers, "slots": slot_map.num_slots, "base": slot_map.base},
+        "slot_map": None if slot_map is None else {
+            "version": slot_map.version, "pservers": slot_map.num_pservers, "slots": slot_map.num_slots, "base": slot_map.base,
+            "replicas": slot_map.replicas, "under_replicated": len(slot_map.under_replicated()),
+        },
         "layout": None if layout is None else layout_status(layout),
         "resize": resize_status(store, keys, layout),
     }
@@ -161,10 +164,13 @@ def layout_status(layout: Layout) -> dict[str, Any]:
     idle = layout.idle_pservers
     pservers = layout.slot_map.num_pservers
     slot_bytes = layout.slot_bytes()
-    per_pserver = [{"index": p, "slots": 0, "blocks": 0, "bytes": 0} for p in range(pservers)]
+    per_pserver = [{"index": p, "slots": 0, "blocks": 0, "bytes": 0, "backups": 0, "backup_bytes": 0} for p in range(pservers)]
     for slot, owner in enumerate(layout.slot_map.owners):
         per_pserver[owner]["slots"] += 1
         per_pserver[owner]["bytes"] += slot_bytes[slot]
+        for backup in layout.slot_map.backups[slot]:
+            per_pserver[backup]["backups"] += 1
+            per_pserver[backup]["backup_bytes"] += slot_bytes[slot]
     for i in range(len(layout.blocks)):
         per_pserver[layout.pserver_of(i)]["blocks"] += 1
     return {
@@ -285,6 +291,8 @@ def pserver_lines(s: dict[str, Any]) -> list[str]:
         line = f"{i} at {addresses[i]}" if i in addresses else f"{i} not running"
         if i in shares:
             line += f": {shares[i]['slots']} slots, {size_text(shares[i]['bytes'])} of values"
+            if shares[i].get("backups"):
+                line += f"; backs up {shares[i]['backups']} slots, {size_text(shares[i]['backup_bytes'])}"
         elif s.get("slot_map") and i not in mapped:
             line += ": no slots in the live map"
         lines.append(line)
@@ -296,7 +304,11 @@ def slot_map_text(m: dict[str, Any] | None) -> str:
     if m is None:
         return "none yet (the master writes it when the job starts)"
     base = "" if m["base"] is None or m["base"] == m["pservers"] else f" (blocks placed for {m['base']})"
-    return f"version {m['version']}: {m['slots']} slots on {m['pservers']} pservers{base}"
+    copies = ""
+    if m.get("replicas", 1) > 1:
+        short = f", {m['under_replicated']} of them with fewer" if m.get("under_replicated") else ""
+        copies = f", {m['replicas']} copies of each{short}"
+    return f"version {m['version']}: {m['slots']} slots on {m['pservers']} pservers{base}{copies}"
 
 
 def resize_text(r: dict[str, Any], live_version: int | None) -> str:

@@ -117,10 +117,10 @@ def params_of(fetched: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {f"{name}/values": t.reshape(-1) for name, t in fetched.items()}
 
 
-def restore_into_new_job(source, url: str, pservers: int, ckpt_id: str):
+def restore_into_new_job(source, url: str, pservers: int, ckpt_id: str, replicas: int = 1):
     """A fresh job of the same name with ``pservers`` pservers, a trainer attached (with
     other initial values), rolled back by ``pdps checkpoint restore`` to ``ckpt_id``."""
-    job = start_job(source, name=JOB, mode="sync", pservers=pservers, min_block=1, num_slots=SLOTS, checkpoint_url=url, **ADAM)
+    job = start_job(source, name=JOB, mode="sync", pservers=pservers, replicas=replicas, min_block=1, num_slots=SLOTS, checkpoint_url=url, **ADAM)
     ctx = job.trainer("t0")
     ctx.register()
     torch.manual_seed(123)
@@ -261,3 +261,32 @@ def test_a_checkpoint_written_per_pserver_for_another_cut_is_refused_naming_what
         recovery.load_shard(store, open_checkpoint_files(storage.url), other, ckpt_id, refused)
     assert ckpt_id in str(err.value) and "min_block" in str(err.value)
     assert not refused.initialized
+
+
+@pytest.mark.parametrize("taken_with, restored_with", [((3, 2), (2, 1)), ((2, 1), (3, 2))])
+def test_a_checkpoint_holds_each_block_once_and_restores_onto_any_replicas(source, tmp_path, taken_with, restored_with):
+    """With replicas, each block is written once (by its primary); a checkpoint restores
+    into a job of other pservers and replicas, every copy of a block loaded."""
+    url = f"{tmp_path.as_uri()}/ckpt"
+    store = MemoryStore()
+    pdps.simulate(
+        classify, dataset=source, store=store, name=JOB, trainers=2, pservers=taken_with[0], replicas=taken_with[1], mode="sync",
+        batch_size=16, passes=1, checkpoint_url=url, checkpoint_every=4, checkpoint_keep=2, min_block=1, num_slots=SLOTS, **ADAM,
+    )  # fmt: skip
+    storage = open_storage(url)
+    manifest = files.read_manifest(storage, decode_json(store.get(Keys(JOB).checkpoint).value, "checkpoint")["id"])
+    written = [k for part in pserver_parts(manifest).values() for k in files.read_part(storage, part) if k.endswith("/values")]
+    assert len(written) == len(set(written))  # no block twice
+    want, _ = in_checkpoint(storage, manifest)
+    job = restore_into_new_job(source, url, restored_with[0], manifest.id, replicas=restored_with[1])
+    try:
+        assert_restored(params_of(fetch_parameters(job.store, job.transport, job.config)), {k: v for k, v in want.items() if k.endswith("/values")})
+        copies = 0
+        for ps in job.pservers:  # every copy, primary or backup, holds the checkpoint's rows
+            for b, v in zip(ps._shard.blocks, ps._shard.views()):
+                row = b.numel // max(1, b.row_end - b.row_start)
+                torch.testing.assert_close(v.reshape(-1), want[f"{b.param}/values"][b.row_start * row : b.row_end * row], rtol=0, atol=0)
+                copies += 1
+        assert copies == len(job.pservers[0]._layout.blocks) * restored_with[1]
+    finally:
+        job.close()

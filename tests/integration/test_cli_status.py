@@ -193,7 +193,7 @@ def test_status_shows_the_slot_map_bytes_per_pserver_and_a_resize_as_it_goes(etc
         return out.stdout
 
     before = status()
-    assert before["slot_map"] == {"version": 1, "pservers": 3, "slots": 12, "base": None}
+    assert before["slot_map"] == {"version": 1, "pservers": 3, "slots": 12, "base": None, "replicas": 1, "under_replicated": 0}
     per = before["layout"]["per_pserver"]
     assert [(p["index"], p["slots"]) for p in per] == [(0, 4), (1, 4), (2, 4)]
     assert sum(p["bytes"] for p in per) == values and all(p["bytes"] > 0 for p in per)
@@ -228,7 +228,7 @@ def test_status_shows_the_slot_map_bytes_per_pserver_and_a_resize_as_it_goes(etc
     store.put(keys.slotmap, json.dumps(planned.to_map.to_json()).encode())
     store.put(keys.resize_got(2, 1), b"{}")
     switched = status()
-    assert switched["slot_map"] == {"version": 2, "pservers": 2, "slots": 12, "base": 3}
+    assert switched["slot_map"] == {"version": 2, "pservers": 2, "slots": 12, "base": 3, "replicas": 1, "under_replicated": 0}
     assert [(p["index"], p["slots"]) for p in switched["layout"]["per_pserver"]] == [(0, 6), (1, 6)]
     assert sum(p["bytes"] for p in switched["layout"]["per_pserver"]) == values
     assert (switched["resize"]["received"], switched["resize"]["progress"]) == ([1], "1 of 2 receivers")
@@ -288,7 +288,7 @@ def test_status_of_a_live_job_grown_in_process_counts_what_moved(tmp_path):
         assert {s["resize"]["state"] for s in seen} <= {"requested", "growing", "migrating"} and seen
 
         after = job_status(job.store, "grown")
-        assert after["slot_map"] == {"version": 2, "pservers": 3, "slots": 16, "base": 2}
+        assert after["slot_map"] == {"version": 2, "pservers": 3, "slots": 16, "base": 2, "replicas": 1, "under_replicated": 0}
         rec = after["resize"]
         assert (rec["id"], rec["state"], rec["from_version"], rec["to_version"]) == (asked.id, "done", 1, 2)
         assert (rec["receivers"], rec["received"], rec["progress"]) == ([2], [2], "1 of 1 receivers")

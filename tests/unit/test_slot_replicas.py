@@ -367,14 +367,14 @@ def test_a_new_jobs_first_map_has_its_replicas():
     assert "replicas" not in json.loads(store.get(Keys("plain").slotmap).value)
 
 
-def test_pservers_of_this_version_refuse_replicas_they_do_not_keep():
-    """The setting is recorded, but a pserver that would keep one copy of each slot
-    where more were asked for refuses to start, naming the setting."""
+def test_pservers_of_this_version_refuse_replicas_in_async_mode():
+    """Replicas are kept for sync rounds; an async job that asks for them is refused
+    at the pserver's start, naming the setting and the mode."""
     from pdps.adapters.inproc import InprocTransport
     from pdps.adapters.memory_store import MemoryStore
     from pdps.adapters.torch_compute import TorchCompute
     from pdps.roles.pserver import Pserver
 
-    with pytest.raises(ConfigError, match="replicas = 2"):
-        Pserver(MemoryStore(), InprocTransport(), TorchCompute("cpu"), JobConfig(name="r2", pservers=2, replicas=2))
-    Pserver(MemoryStore(), InprocTransport(), TorchCompute("cpu"), JobConfig(name="r1", pservers=2, replicas=1))
+    with pytest.raises(ConfigError, match="replicas = 2 in async mode"):
+        Pserver(MemoryStore(), InprocTransport(), TorchCompute("cpu"), JobConfig(name="r2", pservers=2, replicas=2, mode="async"))
+    Pserver(MemoryStore(), InprocTransport(), TorchCompute("cpu"), JobConfig(name="r2s", pservers=2, replicas=2))

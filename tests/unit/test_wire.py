@@ -35,6 +35,7 @@ SAMPLES: dict[type, wire.Wire] = {
     wire.PullRequest: wire.PullRequest("t0", epoch=1, version=2, after_round=3, slice_s=5.0, blocks=KEYS[:2]),
     wire.AppliedRequest: wire.AppliedRequest("t0", epoch=1, version=2),
     wire.MigrateRequest: wire.MigrateRequest("t0", epoch=1, version=3, slots=(4, 9)),
+    wire.ReplicateRequest: wire.ReplicateRequest("t0", epoch=1, version=2, samples=4, round_no=3, blocks=KEYS[:2], part=True, tensors=grads()[:2]),
     wire.GetTaskRequest: wire.GetTaskRequest("t0", epoch=1, holding=(4, 5)),
     wire.FinishTaskRequest: wire.FinishTaskRequest("t0", 4, 2),
     wire.FailTaskRequest: wire.FailTaskRequest("t0", 4, 2, error="boom"),

@@ -358,7 +358,7 @@ class TrainerContext(SyncRound, AsyncCadence):
     def _init_part(self, part: Part) -> None:
         """Give pserver ``part`` this replica's values, unless it has some already."""
         assert self._replica is not None and self._group is not None
-        self._group.ask(part, InitRequest(self.trainer_id, epoch=self._epoch, version=self._slot_version, tensors=self._replica.values(part.blocks)))
+        self._group.ask(part, InitRequest(self.trainer_id, epoch=self._epoch, version=self._slot_version, tensors=self._replica.values(part.held)))
 
     def pull(self) -> None:
         """Fetch the current parameters from every pserver into the model now."""

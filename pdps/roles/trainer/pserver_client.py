@@ -30,12 +30,15 @@ UNREACHABLE_BACKOFF = Backoff(first=0.02, longest=1.0)
 
 @attrs.define
 class Part:
-    """One pserver as a trainer sees it: its channel and the blocks it holds."""
+    """One pserver as a trainer sees it: its channel and the blocks it is the primary
+    of (pushed to it, pulled from it); ``held``: every block it holds a copy of (its
+    initial values), ``blocks`` unless the job keeps replicas."""
 
     index: int
     channel: Channel
     blocks: list[Block]
     address: str = ""
+    held: list[Block] = attrs.field(factory=list)
     keys: list[str] = attrs.field(init=False)
     round_no: int = 0
     version: int = 0
@@ -44,6 +47,7 @@ class Part:
 
     def __attrs_post_init__(self) -> None:
         self.keys = [b.key for b in self.blocks]
+        self.held = self.held or self.blocks
 
 
 class PserverGroup:
@@ -91,11 +95,11 @@ class PserverGroup:
             slots = tuple(sorted({slot_of[b.key] for b in blocks}))
             prev = old.pop(i, None)
             if prev is not None:
-                parts.append(Part(i, prev.channel, blocks, prev.address, round_no=prev.round_no, version=prev.version, incarnation=prev.incarnation, slots=slots))
+                parts.append(Part(i, prev.channel, blocks, prev.address, layout.blocks_held(i), round_no=prev.round_no, version=prev.version, incarnation=prev.incarnation, slots=slots))
                 continue
             addr = self._address_of(i, wait=True)
             assert addr is not None
-            parts.append(Part(i, self._transport.connect(addr), blocks, addr, round_no=round_no, slots=slots))
+            parts.append(Part(i, self._transport.connect(addr), blocks, addr, layout.blocks_held(i), round_no=round_no, slots=slots))
         for gone in old.values():
             gone.channel.close()
         self.layout, self.parts = layout, parts

@@ -1,0 +1,117 @@
+"""Shard replicas: every slot held by ``replicas`` pservers, a primary and its backups,
+each applying every closed sync round whole."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import pdps
+from pdps.core.job import Keys
+from pdps.runtime.resizing import read_map
+from pdps.shell.status import format_status, job_status
+from tests.integration.jobkit import start_job
+from tests.integration.test_elastic import resize, source  # noqa: F401 - source is a fixture
+from tests.integration.test_transactional_sync import LR, closed_rounds, flat_grad, make_model, replay
+
+
+def train_in_threads(job, trainers: int, steps_before: int = 0, during=None) -> dict:
+    grads: dict = {}
+    lock = threading.Lock()
+    steps = [0]
+    errors: list[BaseException] = []
+    ctxs = [job.trainer(f"t{i}") for i in range(trainers)]
+    for c in ctxs:
+        c.register()
+
+    def train(ctx) -> None:
+        try:
+            model = ctx.attach(make_model())
+            for batch in ctx.batches():
+                loss = F.mse_loss(model(batch["x"]), batch["y"])
+                round_no = max(p.round_no for p in ctx._group.parts)
+                loss.backward(retain_graph=True)
+                with lock:
+                    grads[(ctx.epoch, round_no, ctx.trainer_id)] = flat_grad(model)
+                model.zero_grad(set_to_none=False)
+                ctx.step(loss)
+                with lock:
+                    steps[0] += 1
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=train, args=(c,)) for c in ctxs]
+    for th in threads:
+        th.start()
+    if during is not None:
+        deadline = time.monotonic() + 30
+        while steps[0] < steps_before and time.monotonic() < deadline:
+            time.sleep(0.02)
+        during()
+    for th in threads:
+        th.join(timeout=120)
+    assert not errors, errors
+    assert not any(th.is_alive() for th in threads)
+    return grads
+
+
+def copies_agree(job) -> int:
+    """Every copy of every block, on every pserver holding it, is the same; the copies compared."""
+    seen: dict[str, torch.Tensor] = {}
+    compared = 0
+    for ps in job.pservers:
+        if ps.departed.is_set():
+            continue
+        shard = ps._shard
+        for b, v in zip(shard.blocks, shard.views()):
+            if b.key in seen:
+                torch.testing.assert_close(v, seen[b.key], rtol=0, atol=0)
+                compared += 1
+            else:
+                seen[b.key] = v.clone()
+    return compared
+
+
+@pytest.mark.parametrize("transport", ["inproc", "grpc"])
+def test_sync_with_two_replicas_trains_as_one_and_keeps_every_copy_equal(source, transport):
+    from pdps.adapters.grpc_transport import GrpcTransport
+
+    kw = {} if transport == "inproc" else {"transport": GrpcTransport(), "address": "grpc://127.0.0.1:0"}
+    job = start_job(source, name=f"replicas-{transport}", mode="sync", pservers=3, replicas=2, min_block=1, num_slots=12, lease_ttl=2.0,
+                    optimizer_args={"lr": LR}, batch_size=10, passes=1, keep_rounds=100000, task_timeout=60.0, **kw)
+    try:
+        grads = train_in_threads(job, 2)
+        rounds = closed_rounds(job.store, job.config.name)
+        got = torch.cat([p.reshape(-1) for p in pdps.fetch_parameters(job.store, job.transport, job.config).values()])
+        torch.testing.assert_close(got, replay(rounds, grads), rtol=0, atol=1e-10)
+        assert read_map(job.store, Keys(job.config.name)).replicas == 2
+        assert copies_agree(job) > 0
+        status = job_status(job.store, job.config.name)
+        assert status["slot_map"]["replicas"] == 2 and status["slot_map"]["under_replicated"] == 0
+        per = status["layout"]["per_pserver"]
+        assert sum(p["slots"] for p in per) == sum(p["backups"] for p in per) == 12  # each slot: one primary, one backup
+        assert sum(p["bytes"] for p in per) == sum(p["backup_bytes"] for p in per) > 0
+        assert "12 slots on 3 pservers, 2 copies of each" in format_status(status, "memory://")
+        assert all(ps.rollbacks == 0 for ps in job.pservers)
+    finally:
+        job.close()
+
+
+def test_a_replicated_job_resized_keeps_two_copies_and_trains_as_one(source):
+    job = start_job(source, name="replicas-resize", mode="sync", pservers=2, replicas=2, min_block=1, num_slots=12, lease_ttl=2.0,
+                    optimizer_args={"lr": LR}, batch_size=10, passes=1, keep_rounds=100000, task_timeout=60.0)
+    try:
+        grads = train_in_threads(job, 1, steps_before=5, during=lambda: (resize(job, 3), resize(job, 2)))
+        rounds = closed_rounds(job.store, job.config.name)
+        got = torch.cat([p.reshape(-1) for p in pdps.fetch_parameters(job.store, job.transport, job.config).values()])
+        torch.testing.assert_close(got, replay(rounds, grads), rtol=0, atol=1e-10)
+        live = read_map(job.store, Keys(job.config.name))
+        assert live.num_pservers == 2 and all(len(live.holders(s)) == 2 for s in range(live.num_slots))
+        assert copies_agree(job) > 0
+        assert all(ps.rollbacks == 0 for ps in job.pservers)
+    finally:
+        job.close()

@@ -1399,6 +1399,9 @@ class Pserver:
                 return True
             if live.lost_with(self.index):
                 return False
+            ahead = read_resize(self._store, self._keys)[0]
+            if ahead is not None and ahead.active:
+                return False  # a resize is planning on this map: a rollback restores it, as with one copy
             after = live.without(self.index)
             if self._store.commit((Compare.unchanged(self._keys.slotmap, kv),), [Put(self._keys.slotmap, json.dumps(after.to_json()).encode())]).succeeded:
                 log.warning("pserver %s restarted without its copies; every slot it held has another (slot map version %d -> %d): no rollback", self.index, live.version, after.version)

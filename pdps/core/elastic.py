@@ -106,6 +106,13 @@ class Resize:
         (:meth:`SlotMap.rebalance`)."""
         return self._to(ResizeEvent.PLAN, from_map=current, to_map=current.rebalance(self.pservers))
 
+    def replenish(self, current: SlotMap, live: set[int]) -> Resize:
+        """Decide the new map of a re-replication: ``current`` with every slot back to
+        its replicas, the missing copies made on ``live`` pservers (the emptiest first:
+        a replacement at a dead pserver's index takes them all), nothing else moved
+        (:meth:`SlotMap.replenish`)."""
+        return self._to(ResizeEvent.PLAN, from_map=current, to_map=current.replenish(live))
+
     def finish(self) -> Resize:
         return self._to(ResizeEvent.FINISH)
 

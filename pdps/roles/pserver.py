@@ -337,7 +337,9 @@ class Pserver:
             epoch, _ = recovery.read_epoch(self._store, self._keys)
             # a pserver the live map gives no slot yet (a resize is growing the job) is new, not restarted
             initialized = self._store.get(self._keys.initialized) is not None
-            restart = initialized and self.index < self._slot_map.num_pservers
+            restart = initialized and self.index < self._slot_map.num_pservers and bool(self._slot_map.held_by(self.index))
+            if restart and self._slot_map.replicas > 1 and self.config.mode is Mode.SYNC and not self._slot_map.lost_with(self.index):
+                restart = not self._drop_own_copies()  # every slot it held has another copy: no rollback
             # ... and, sync, takes its place in the rounds at the first round the watch shows it
             self._placed = not (initialized and not restart and self.config.mode is Mode.SYNC)
             if not self._placed:
@@ -496,6 +498,13 @@ class Pserver:
         with self._cond:
             began = time.perf_counter()
             self._check_request(req)
+            round_no = req.require("round_no")
+            if round_no > self.round_no:
+                # trainers pull from primaries only, so a backup may still be applying the
+                # round before (receiving copies, say): its staged gradients are still needed
+                self._wait_round_closed(round_no - 1, self.epoch, PENDING_WAIT)
+                if round_no > self.round_no:
+                    raise NotReady(f"pserver {self.index} is still at round {self.round_no}; the gradient forwarded is for round {round_no}")
             shard = self._receiving_shard()
             self._stage_round(req, shard, req.claim(shard.blocks, self.index))
             return PushReply(**self._state(), update_s=time.perf_counter() - began)
@@ -928,7 +937,9 @@ class Pserver:
         if record.map_version is not None and self._slot_map is not None and record.map_version > self._slot_map.version:
             before = (self._slot_map.version, self._shard, self._primary)
             self._switch_map(read_map(self._store, self._keys))
-            if before[1] is not None and before[1].initialized and before[1] is not self._shard:
+            if before[1] is not None and before[1].initialized:
+                # (the same shard when this pserver kept every copy it held: nothing writes it
+                # before the next round, which no trainer can push to before pulling this one)
                 self._frozen = (before[0], record.round_no, before[1], before[2])
         self._cond.notify_all()
         self._closer.notify_all()  # the next round may be closable already
@@ -1066,6 +1077,11 @@ class Pserver:
         return recovery.rollback(self._store, self._files, self._keys, reason, grace=self.config.checkpoint_orphan_grace)
 
     def _request_rollback(self, reason: str) -> None:
+        if self.lease_lost:
+            # its index may be someone else's by now (a backup promoted in its place): what
+            # it lacks is no reason for the job to roll back
+            log.error("pserver %s lost its lease; not asking for a rollback (%s)", self.index, reason)
+            return
         try:
             self._rollback(reason)
         except PdpsError as exc:
@@ -1161,13 +1177,14 @@ class Pserver:
         if r.from_map.version != self._slot_map.version:
             return None
         version = r.to_map.version
-        if set(range(r.to_map.num_pservers)) <= self._ready.get(version, set()):
+        building = {p for p in range(r.to_map.num_pservers) if r.to_map.held_by(p)}  # a pserver holding nothing builds nothing
+        if building <= self._ready.get(version, set()):
             return r.to_map
         since = self._migrating_since
         if since is None or since[0] != version:
             self._migrating_since = since = (version, time.monotonic())
         if time.monotonic() - since[1] >= READY_PATIENCE:
-            log.warning("pserver %s switches to slot map version %d although pservers %s have not said their shard is built", self.index, version, sorted(set(range(r.to_map.num_pservers)) - self._ready.get(version, set())))
+            log.warning("pserver %s switches to slot map version %d although pservers %s have not said their shard is built", self.index, version, sorted(building - self._ready.get(version, set())))
             return r.to_map
         return None
 
@@ -1264,6 +1281,10 @@ class Pserver:
         with self._cond:
             if self.config.mode is Mode.ASYNC or self._store.get(self._keys.initialized) is None:
                 self._switch_map(new)
+            elif self._slot_map is not None and new.version > self._slot_map.version and not self._slot_map.moves(new) and new.num_pservers == self._slot_map.num_pservers:
+                # a failover (replicas): a dead pserver's copies dropped, a backup now the
+                # primary of its slots; no copy moves, so mid-round is as good as any time
+                self._switch_map(new)
             elif not self._placed:
                 self._follow_since()
             elif not self._live(fresh=True):
@@ -1307,6 +1328,13 @@ class Pserver:
         got = None
         if self._shard is None or self._specs is None:
             got = new.version  # no model yet: nothing to hand over
+        elif (
+            [b.key for b in Layout.build(self._specs, new, self.config.min_block).blocks_held(self.index)] == [b.key for b in self._shard.blocks]
+            and not any(self.index in (src, dst) for _, src, dst in old.moves(new))
+        ):
+            # this pserver holds the same copies and makes none anew (a failover promoted a
+            # backup, or dropped another pserver's): the shard, staged gradients and all, stays
+            self._use_layout(Layout.build(self._specs, new, self.config.min_block))
         else:
             before = self._shard
             if not before.blocks and not before.initialized and self._store.get(self._keys.initialized) is not None:
@@ -1355,6 +1383,30 @@ class Pserver:
         self._closer.notify_all()
         if got is not None and any(dst == self.index for _, _, dst in old.moves(new)):  # only receivers report
             threading.Thread(target=self._report_got, args=(got,), daemon=True).start()
+
+    def _drop_own_copies(self) -> bool:
+        """A restarted pserver (replicas, sync) that the live map still names as a holder:
+        its copies are gone, and every slot it held has another one. Drop it from them in
+        the store (as the master does when its claim expires), so the job carries on
+        without a rollback and the master makes the missing copies again, here. True
+        once the live map gives it nothing."""
+        while True:
+            kv = self._store.get(self._keys.slotmap)
+            assert kv is not None and self.index is not None
+            live = decode_as(kv.value, kv.key, SlotMap.from_json)
+            if not live.held_by(self.index):
+                self._slot_map = live
+                return True
+            if live.lost_with(self.index):
+                return False
+            ahead = read_resize(self._store, self._keys)[0]
+            if ahead is not None and ahead.active:
+                return False  # a resize is planning on this map: a rollback restores it, as with one copy
+            after = live.without(self.index)
+            if self._store.commit((Compare.unchanged(self._keys.slotmap, kv),), [Put(self._keys.slotmap, json.dumps(after.to_json()).encode())]).succeeded:
+                log.warning("pserver %s restarted without its copies; every slot it held has another (slot map version %d -> %d): no rollback", self.index, live.version, after.version)
+                self._slot_map = after
+                return True
 
     def _migrate(self, req: MigrateRequest) -> MigrateReply:
         """Hand over the state ``slots`` had when this pserver switched to map ``version``."""

@@ -41,6 +41,9 @@ POLL = 0.5
 #: A checkpoint still being written after this long is taken for an orphan (its writer
 #: died): a resize waits for younger ones only.
 CHECKPOINT_PATIENCE = 120.0
+#: Replicas: how long (in lease TTLs) slots short of copies wait for a replacement of
+#: the pserver that held them before their copies are made on the others.
+REPLENISH_WAIT = 3
 
 
 class ResizeDriver:
@@ -49,6 +52,8 @@ class ResizeDriver:
         self._keys = Keys(config.name)
         self._wake = threading.Event()
         self._said: tuple[str, str] | None = None
+        self._short_since: float | None = None  # when the live map was first seen short of copies
+        self._seen_claimed: set[int] = set()  # pserver indexes seen held by a live process
 
     def run(self) -> None:
         keys = self._keys
@@ -74,6 +79,10 @@ class ResizeDriver:
         resize, found = read_resize(self._store, keys)
         live = read_map(self._store, keys)
         if resize is None or not resize.active:
+            if live.replicas > 1 and self._config.mode is Mode.SYNC:
+                claimed = self._claimed()
+                if self._fail_over(live, claimed) or self._replenish(live, found, claimed):
+                    return
             self._adopt_desired(live.num_pservers, found)
             return
         self._say(resize)
@@ -90,9 +99,62 @@ class ResizeDriver:
             else:
                 self._plan(resize, found, live)
         elif resize.state is ResizeState.GROWING:
-            claimed = {int(kv.key.rsplit("/", 1)[1]) for kv in self._store.range(keys.pservers) if kv.key.rsplit("/", 1)[1].isdigit()}
-            if set(range(resize.pservers)) <= claimed:
+            if set(range(resize.pservers)) <= self._claimed():
                 self._plan(resize, found, live)
+
+    def _claimed(self) -> set[int]:
+        """The pserver indexes held by a live process (``ps/<i>``)."""
+        return {int(kv.key.rsplit("/", 1)[1]) for kv in self._store.range(self._keys.pservers) if kv.key.rsplit("/", 1)[1].isdigit()}
+
+    def _fail_over(self, live: SlotMap, claimed: set[int]) -> bool:
+        """Replicas: a pserver of the live map whose claim has gone (its lease expired)
+        is dropped from every slot it held, one of each slot's surviving copies becoming
+        the primary where it was, in one fenced transaction: nothing rolls back, and no
+        bytes move. Slots whose every copy it held are left to the rollback its
+        replacement asks for. True if a map was written."""
+        keys = self._keys
+        seen, self._seen_claimed = self._seen_claimed, self._seen_claimed | claimed
+        if self._store.get(keys.initialized) is None:
+            return False  # no values anywhere yet: a pserver not claimed is starting, not gone
+        for p in range(live.num_pservers):
+            if p in claimed or p not in seen or not live.held_by(p) or live.lost_with(p):
+                continue  # (a pserver this master never saw alive: its replacement drops its own copies)
+            kv = self._store.get(keys.slotmap)
+            guards = [Compare.unchanged(keys.slotmap, kv), Compare.absent(keys.pserver(p))]
+            after = live.without(p)
+            try:
+                written = self._store.commit(guards, [Put(keys.slotmap, json.dumps(after.to_json()).encode())], fence=self._fence).succeeded
+            except PdpsError as exc:
+                log.warning("master: could not fail pserver %d over (%s); trying again", p, exc)
+                return False
+            if written:
+                log.warning("master: pserver %d is gone; its slots' backups take over (slot map version %d -> %d), nothing rolls back", p, live.version, after.version)
+            return written
+        return False
+
+    def _replenish(self, live: SlotMap, found: KeyValue | None, claimed: set[int]) -> bool:
+        """Replicas: slots with fewer copies than the job keeps get them back, made on
+        the live pservers (a replacement holding nothing first), as a resize that moves
+        only those copies. True if one was asked for."""
+        short = live.under_replicated()
+        members = {p for p in claimed if p < live.num_pservers}
+        if not short or len(members) < live.replicas:
+            self._short_since = None
+            return False
+        if self._short_since is None:
+            self._short_since = time.monotonic()
+        empty = any(not live.held_by(p) for p in members)
+        if not empty and time.monotonic() - self._short_since < REPLENISH_WAIT * self._config.lease_ttl:
+            return False  # a replacement may come back at the dead index: the copies go to it then
+        asked = Resize(id=f"{time.strftime('%Y%m%d-%H%M%S')}-replenish", state=ResizeState.REQUESTED, pservers=live.num_pservers,
+                       trainers=None, requested=time.time(), by="master: re-replication")
+        planned = asked.replenish(live, members)
+        if not planned.moves():
+            return False
+        if self._write(found, planned):
+            log.warning("master: %d slots have fewer than %d copies: %s", len(short), live.replicas, describe(planned))
+            return True
+        return False
 
     def _adopt_desired(self, pservers: int, found: KeyValue | None) -> None:
         """The operator path: a desired count written straight into ``ps_desired``."""

@@ -115,3 +115,54 @@ def test_a_replicated_job_resized_keeps_two_copies_and_trains_as_one(source):
         assert all(ps.rollbacks == 0 for ps in job.pservers)
     finally:
         job.close()
+
+
+@pytest.mark.parametrize("replaced", ["after the failover", "at once"])
+def test_a_pserver_that_dies_costs_no_rollback_and_its_copies_are_made_again(source, replaced):
+    """Sync, 2 replicas, 3 pservers: pserver 1 dies (as a killed process: its claim lives
+    until its lease runs out). The master drops it from the map once its claim has
+    gone, a backup becomes the primary of each of its slots, and training goes on in
+    the same epoch; a replacement at index 1 gets every missing copy back while
+    training continues (a replacement started at once, which claims the index as soon
+    as the lease has run out, drops the dead copies from the map itself if the master
+    has not yet). Training equals a replay of the rounds, with nothing rolled back, and
+    every copy agrees at the end."""
+    from pdps.roles.pserver import Pserver
+    from pdps.registry import open_checkpoint_files
+
+    job = start_job(source, name=f"replicas-failover-{replaced.replace(' ', '-')}", mode="sync", pservers=3, replicas=2, min_block=1, num_slots=12, lease_ttl=1.0,
+                    optimizer_args={"lr": LR}, batch_size=5, passes=2, keep_rounds=100000, task_timeout=60.0)
+    keys = Keys(job.config.name)
+    events: dict[str, float] = {}
+
+    def kill_and_replace() -> None:
+        victim = job.pservers[1]
+        events["killed"] = time.monotonic()
+        victim.crash()
+        deadline = time.monotonic() + 30
+        while replaced == "after the failover" and read_map(job.store, keys).held_by(1):
+            assert time.monotonic() < deadline, "no failover"
+            time.sleep(0.02)
+        events["failed over"] = time.monotonic()
+        replacement = Pserver(job.store, job.transport, job.compute, job.config, address="inproc://", index=1, claim_wait=30.0,
+                              checkpoints=open_checkpoint_files(job.config.checkpoint_url))
+        replacement.start()
+        job.pservers[1] = replacement
+        while read_map(job.store, keys).under_replicated():
+            assert time.monotonic() < deadline + 30, "no re-replication"
+            time.sleep(0.02)
+        events["replenished"] = time.monotonic()
+
+    try:
+        grads = train_in_threads(job, 2, steps_before=8, during=kill_and_replace)
+        assert set(events) == {"killed", "failed over", "replenished"}
+        assert all(ps.epoch == 0 and ps.rollbacks == 0 for ps in job.pservers)
+        assert all(ctx.rollbacks == 0 for ctx in job.trainers)
+        rounds = closed_rounds(job.store, job.config.name)
+        got = torch.cat([p.reshape(-1) for p in pdps.fetch_parameters(job.store, job.transport, job.config).values()])
+        torch.testing.assert_close(got, replay(rounds, grads), rtol=0, atol=1e-10)
+        live = read_map(job.store, keys)
+        assert not live.under_replicated() and live.held_by(1)  # the replacement holds copies again
+        assert copies_agree(job) > 0
+    finally:
+        job.close()

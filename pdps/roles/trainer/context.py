@@ -318,7 +318,7 @@ class TrainerContext(SyncRound, AsyncCadence):
             spread = group.layout.spread_warning()
             if spread is not None:  # said once, by the trainer that published the model; pdps status says it too
                 log.warning("trainer %s: %s", self.trainer_id, spread)
-            for part in group.parts:
+            for part in group.parts + group.backups_only:
                 self._init_part(part)
             self._store.put(self._keys.initialized, json.dumps({"by": self.trainer_id, "time": time.time()}).encode())
         self._pull_fresh()
@@ -647,6 +647,9 @@ class TrainerContext(SyncRound, AsyncCadence):
             self._epoch = max(self._epoch, epoch.epoch)
             try:
                 self._pull_fresh()
+                if epoch.checkpoint is None and self._group is not None:
+                    for part in self._group.backups_only:  # nobody pulls from these: initialize them here
+                        self._init_part(part)
                 return
             except EpochChanged as exc:
                 log.warning("trainer %s: %s", self.trainer_id, exc)

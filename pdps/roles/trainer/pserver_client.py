@@ -47,7 +47,7 @@ class Part:
 
     def __attrs_post_init__(self) -> None:
         self.keys = [b.key for b in self.blocks]
-        self.held = self.held or self.blocks
+        self.held = self.held if self.held or not self.blocks else self.blocks
 
 
 class PserverGroup:
@@ -76,6 +76,7 @@ class PserverGroup:
         self._specs, self._min_block = list(specs), config.min_block
         slot_map = decode_as(wait_for_key(store, keys.slotmap, "the job's slot map"), keys.slotmap, SlotMap.from_json)
         self.parts: list[Part] = []
+        self.backups_only: list[Part] = []  # replicas: pservers that hold backup copies only
         self._pool: ThreadPoolExecutor | None = None
         self._pool_size = 0
         self._use(slot_map)
@@ -84,13 +85,20 @@ class PserverGroup:
         """Address the pservers ``slot_map`` names, keeping the channels (and what each
         pserver last said) of those addressed already."""
         layout = Layout.build(self._specs, slot_map, self._min_block)
-        old = {p.index: p for p in self.parts}
+        old = {p.index: p for p in self.parts + self.backups_only}
         round_no = max((p.round_no for p in self.parts), default=0)
         parts: list[Part] = []
+        backups_only: list[Part] = []
         slot_of = {b.key: s for b, s in zip(layout.blocks, layout.slots)}
         for i in range(slot_map.num_pservers):
             blocks = layout.blocks_of(i)
             if not blocks:
+                held = layout.blocks_held(i)
+                if held:  # replicas: it holds backup copies only, and is called only to give them their initial values
+                    prev = old.pop(i, None)
+                    addr = prev.address if prev is not None else self._address_of(i, wait=True)
+                    assert addr is not None
+                    backups_only.append(Part(i, prev.channel if prev is not None else self._transport.connect(addr), [], addr, held))
                 continue  # a pserver whose slots hold no block of this model is never called
             slots = tuple(sorted({slot_of[b.key] for b in blocks}))
             prev = old.pop(i, None)
@@ -102,7 +110,7 @@ class PserverGroup:
             parts.append(Part(i, self._transport.connect(addr), blocks, addr, layout.blocks_held(i), round_no=round_no, slots=slots))
         for gone in old.values():
             gone.channel.close()
-        self.layout, self.parts = layout, parts
+        self.layout, self.parts, self.backups_only = layout, parts, backups_only
         # Calls to different pservers overlap when the transport's calls release the GIL
         # (gRPC); in-process calls are plain function calls and stay on this thread.
         transport = self._transport
@@ -231,7 +239,7 @@ class PserverGroup:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
-        for p in self.parts:
+        for p in self.parts + self.backups_only:
             p.channel.close()
 
 

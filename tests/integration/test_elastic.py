@@ -54,6 +54,49 @@ def resize(job, pservers: int, timeout: float = 60.0) -> None:
         job.pservers.remove(ps)
 
 
+def train_recording(job, trainers: int, *, steps_before: int = 0, during=None) -> dict[tuple[int, int, str], torch.Tensor]:
+    """Train ``trainers`` trainers of ``job`` on threads through the whole job, each
+    step's gradient recorded by (epoch, round, trainer) for a replay; ``during()`` runs
+    once ``steps_before`` steps are done. Raises what a trainer raised."""
+    grads: dict[tuple[int, int, str], torch.Tensor] = {}
+    lock = threading.Lock()
+    steps = [0]
+    errors: list[BaseException] = []
+    ctxs = [job.trainer(f"t{i}") for i in range(trainers)]
+    for c in ctxs:
+        c.register()
+
+    def train(ctx) -> None:
+        try:
+            model = ctx.attach(make_model())
+            for batch in ctx.batches():
+                loss = F.mse_loss(model(batch["x"]), batch["y"])
+                round_no = max(p.round_no for p in ctx._group.parts)
+                loss.backward(retain_graph=True)
+                with lock:
+                    grads[(ctx.epoch, round_no, ctx.trainer_id)] = flat_grad(model)
+                model.zero_grad(set_to_none=False)
+                ctx.step(loss)
+                with lock:
+                    steps[0] += 1
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=train, args=(c,)) for c in ctxs]
+    for th in threads:
+        th.start()
+    if during is not None:
+        deadline = time.monotonic() + 30
+        while steps[0] < steps_before and time.monotonic() < deadline and not errors:
+            time.sleep(0.02)
+        during()
+    for th in threads:
+        th.join(timeout=120)
+    assert not errors, errors
+    assert not any(th.is_alive() for th in threads)
+    return grads
+
+
 def test_sync_training_resized_2_3_1_2_equals_a_replay_of_its_rounds(source):
     job = start_job(source, name="elastic-sync", mode="sync", pservers=2, min_block=1, num_slots=16, lease_ttl=2.0,
                     optimizer_args={"lr": LR}, batch_size=10, passes=2, keep_rounds=100000, task_timeout=60.0)
@@ -243,36 +286,8 @@ def test_a_sync_switch_holds_up_nothing_it_need_not(source, monkeypatch):
     keys = Keys(job.config.name)
     events: list = []
     watch = job.store.watch(keys.root, lambda e: events.append(e) if e.type.name == "PUT" else None)
-    grads: dict[tuple[int, int, str], torch.Tensor] = {}
-    steps = [0]
-    errors: list[BaseException] = []
-    ctx = job.trainer("t0")
-    ctx.register()
-
-    def train() -> None:
-        try:
-            model = ctx.attach(make_model())
-            for batch in ctx.batches():
-                loss = F.mse_loss(model(batch["x"]), batch["y"])
-                round_no = max(p.round_no for p in ctx._group.parts)
-                loss.backward(retain_graph=True)
-                grads[(ctx.epoch, round_no, ctx.trainer_id)] = flat_grad(model)
-                model.zero_grad(set_to_none=False)
-                ctx.step(loss)
-                steps[0] += 1
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-
-    th = threading.Thread(target=train)
     try:
-        th.start()
-        deadline = time.monotonic() + 30
-        while steps[0] < 4 and time.monotonic() < deadline:
-            time.sleep(0.02)
-        resize(job, 3)
-        th.join(timeout=120)
-        assert not errors, errors
-        assert not th.is_alive()
+        grads = train_recording(job, 1, steps_before=4, during=lambda: resize(job, 3))
         watch.cancel()
         order = sorted(events, key=lambda e: e.revision)
         flip = next(i for i, e in enumerate(order) if e.key == keys.slotmap and json.loads(e.value)["version"] == 2)
@@ -309,32 +324,8 @@ def test_a_master_replaced_in_the_middle_of_a_resize_finishes_it(source, monkeyp
     standby = Master(job.store, job.transport, source, job.config, address="inproc://", checkpoints=open_checkpoint_files(job.config.checkpoint_url))
     took_over = threading.Thread(target=standby.start, kwargs={"standby": True})
     took_over.start()
-    grads: dict[tuple[int, int, str], torch.Tensor] = {}
-    steps = [0]
-    errors: list[BaseException] = []
-    ctx = job.trainer("t0")
-    ctx.register()
 
-    def train() -> None:
-        try:
-            model = ctx.attach(make_model())
-            for batch in ctx.batches():
-                loss = F.mse_loss(model(batch["x"]), batch["y"])
-                round_no = max(p.round_no for p in ctx._group.parts)
-                loss.backward(retain_graph=True)
-                grads[(ctx.epoch, round_no, ctx.trainer_id)] = flat_grad(model)
-                model.zero_grad(set_to_none=False)
-                ctx.step(loss)
-                steps[0] += 1
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-
-    th = threading.Thread(target=train)
-    try:
-        th.start()
-        deadline = time.monotonic() + 30
-        while steps[0] < 4 and time.monotonic() < deadline:
-            time.sleep(0.02)
+    def replace_master_mid_resize() -> None:
         asked = request_resize(job.store, keys, pservers=3, by="test")
         if when == "migrating":
             add_pserver(job)
@@ -354,9 +345,9 @@ def test_a_master_replaced_in_the_middle_of_a_resize_finishes_it(source, monkeyp
             add_pserver(job)
         done = wait_resized(job.store, keys, asked.id, deadline=time.monotonic() + 60)
         assert done.state is ResizeState.DONE and read_map(job.store, keys).num_pservers == 3
-        th.join(timeout=120)
-        assert not errors, errors
-        assert not th.is_alive()
+
+    try:
+        grads = train_recording(job, 1, steps_before=4, during=replace_master_mid_resize)
         rounds = closed_rounds(job.store, job.config.name)
         final = torch.cat([p.reshape(-1) for p in pdps.fetch_parameters(job.store, job.transport, job.config).values()])
         torch.testing.assert_close(final, replay(rounds, grads), rtol=0, atol=1e-10)

@@ -3,60 +3,18 @@ each applying every closed sync round whole."""
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import pdps
 from pdps.core.job import Keys
 from pdps.runtime.resizing import read_map
 from pdps.shell.status import format_status, job_status
 from tests.integration.jobkit import start_job
-from tests.integration.test_elastic import resize, source  # noqa: F401 - source is a fixture
-from tests.integration.test_transactional_sync import LR, closed_rounds, flat_grad, make_model, replay
-
-
-def train_in_threads(job, trainers: int, steps_before: int = 0, during=None) -> dict:
-    grads: dict = {}
-    lock = threading.Lock()
-    steps = [0]
-    errors: list[BaseException] = []
-    ctxs = [job.trainer(f"t{i}") for i in range(trainers)]
-    for c in ctxs:
-        c.register()
-
-    def train(ctx) -> None:
-        try:
-            model = ctx.attach(make_model())
-            for batch in ctx.batches():
-                loss = F.mse_loss(model(batch["x"]), batch["y"])
-                round_no = max(p.round_no for p in ctx._group.parts)
-                loss.backward(retain_graph=True)
-                with lock:
-                    grads[(ctx.epoch, round_no, ctx.trainer_id)] = flat_grad(model)
-                model.zero_grad(set_to_none=False)
-                ctx.step(loss)
-                with lock:
-                    steps[0] += 1
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=train, args=(c,)) for c in ctxs]
-    for th in threads:
-        th.start()
-    if during is not None:
-        deadline = time.monotonic() + 30
-        while steps[0] < steps_before and time.monotonic() < deadline:
-            time.sleep(0.02)
-        during()
-    for th in threads:
-        th.join(timeout=120)
-    assert not errors, errors
-    assert not any(th.is_alive() for th in threads)
-    return grads
+from tests.integration.test_elastic import resize, source, train_recording  # noqa: F401 - source is a fixture
+from tests.integration.test_transactional_sync import LR, closed_rounds, replay
 
 
 def copies_agree(job) -> int:
@@ -84,7 +42,7 @@ def test_sync_with_two_replicas_trains_as_one_and_keeps_every_copy_equal(source,
     job = start_job(source, name=f"replicas-{transport}", mode="sync", pservers=3, replicas=2, min_block=1, num_slots=12, lease_ttl=2.0,
                     optimizer_args={"lr": LR}, batch_size=10, passes=1, keep_rounds=100000, task_timeout=60.0, **kw)
     try:
-        grads = train_in_threads(job, 2)
+        grads = train_recording(job, 2)
         rounds = closed_rounds(job.store, job.config.name)
         got = torch.cat([p.reshape(-1) for p in pdps.fetch_parameters(job.store, job.transport, job.config).values()])
         torch.testing.assert_close(got, replay(rounds, grads), rtol=0, atol=1e-10)
@@ -105,7 +63,7 @@ def test_a_replicated_job_resized_keeps_two_copies_and_trains_as_one(source):
     job = start_job(source, name="replicas-resize", mode="sync", pservers=2, replicas=2, min_block=1, num_slots=12, lease_ttl=2.0,
                     optimizer_args={"lr": LR}, batch_size=10, passes=1, keep_rounds=100000, task_timeout=60.0)
     try:
-        grads = train_in_threads(job, 1, steps_before=5, during=lambda: (resize(job, 3), resize(job, 2)))
+        grads = train_recording(job, 1, steps_before=5, during=lambda: (resize(job, 3), resize(job, 2)))
         rounds = closed_rounds(job.store, job.config.name)
         got = torch.cat([p.reshape(-1) for p in pdps.fetch_parameters(job.store, job.transport, job.config).values()])
         torch.testing.assert_close(got, replay(rounds, grads), rtol=0, atol=1e-10)
@@ -154,7 +112,7 @@ def test_a_pserver_that_dies_costs_no_rollback_and_its_copies_are_made_again(sou
         events["replenished"] = time.monotonic()
 
     try:
-        grads = train_in_threads(job, 2, steps_before=8, during=kill_and_replace)
+        grads = train_recording(job, 2, steps_before=8, during=kill_and_replace)
         assert set(events) == {"killed", "failed over", "replenished"}
         assert all(ps.epoch == 0 and ps.rollbacks == 0 for ps in job.pservers)
         assert all(ctx.rollbacks == 0 for ctx in job.trainers)

@@ -56,8 +56,9 @@ def resize(job, pservers: int, timeout: float = 60.0) -> None:
 
 def train_recording(job, trainers: int, *, steps_before: int = 0, during=None) -> dict[tuple[int, int, str], torch.Tensor]:
     """Train ``trainers`` trainers of ``job`` on threads through the whole job, each
-    step's gradient recorded by (epoch, round, trainer) for a replay; ``during()`` runs
-    once ``steps_before`` steps are done. Raises what a trainer raised."""
+    step's gradient recorded by (epoch, round, trainer) for a replay; ``during(steps)``
+    runs once ``steps_before`` steps are done, ``steps()`` being the steps done so far.
+    Raises what a trainer raised."""
     grads: dict[tuple[int, int, str], torch.Tensor] = {}
     lock = threading.Lock()
     steps = [0]
@@ -89,7 +90,7 @@ def train_recording(job, trainers: int, *, steps_before: int = 0, during=None) -
         deadline = time.monotonic() + 30
         while steps[0] < steps_before and time.monotonic() < deadline and not errors:
             time.sleep(0.02)
-        during()
+        during(lambda: steps[0])
     for th in threads:
         th.join(timeout=120)
     assert not errors, errors
@@ -100,53 +101,25 @@ def train_recording(job, trainers: int, *, steps_before: int = 0, during=None) -
 def test_sync_training_resized_2_3_1_2_equals_a_replay_of_its_rounds(source):
     job = start_job(source, name="elastic-sync", mode="sync", pservers=2, min_block=1, num_slots=16, lease_ttl=2.0,
                     optimizer_args={"lr": LR}, batch_size=10, passes=2, keep_rounds=100000, task_timeout=60.0)
-    grads: dict[tuple[int, int, str], torch.Tensor] = {}
-    lock = threading.Lock()
-    steps = collections.Counter()
-    errors: list[BaseException] = []
 
-    def train(ctx: pdps.TrainerContext) -> None:
-        try:
-            model = ctx.attach(make_model())
-            for batch in ctx.batches():
-                loss = F.mse_loss(model(batch["x"]), batch["y"])
-                round_no = max(p.round_no for p in ctx._group.parts)
-                loss.backward(retain_graph=True)
-                with lock:
-                    grads[(ctx.epoch, round_no, ctx.trainer_id)] = flat_grad(model)
-                model.zero_grad(set_to_none=False)
-                ctx.step(loss)
-                with lock:
-                    steps[ctx.trainer_id] += 1
-                time.sleep(0.01)
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-
-    trainers = [job.trainer(f"t{i}") for i in range(2)]
-    for t in trainers:
-        t.register()
-    threads = [threading.Thread(target=train, args=(t,)) for t in trainers]
-    try:
-        for th in threads:
-            th.start()
+    def resizes(steps) -> None:
         keys = Keys(job.config.name)
         for target in (3, 1, 2):
             deadline = time.monotonic() + 30
-            before = sum(steps.values())
-            while sum(steps.values()) < before + 6 and time.monotonic() < deadline:
+            before = steps()
+            while steps() < before + 6 and time.monotonic() < deadline:
                 time.sleep(0.02)
             resize(job, target)
             assert read_map(job.store, keys).num_pservers == target
-        for th in threads:
-            th.join(timeout=120)
-        assert not errors, errors
-        assert not any(th.is_alive() for th in threads)
+
+    try:
+        grads = train_recording(job, 2, during=resizes)
         rounds = closed_rounds(job.store, job.config.name)
         maps = [r.map_version for _, r in rounds if r.map_version is not None]
         assert len(maps) == 3, maps
         got = torch.cat([p.reshape(-1) for p in pdps.fetch_parameters(job.store, job.transport, job.config).values()])
         torch.testing.assert_close(got, replay(rounds, grads), rtol=0, atol=1e-10)
-        assert sum(t.map_changes for t in trainers) >= 3
+        assert sum(t.map_changes for t in job.trainers) >= 3
     finally:
         job.close()
 
@@ -287,7 +260,7 @@ def test_a_sync_switch_holds_up_nothing_it_need_not(source, monkeypatch):
     events: list = []
     watch = job.store.watch(keys.root, lambda e: events.append(e) if e.type.name == "PUT" else None)
     try:
-        grads = train_recording(job, 1, steps_before=4, during=lambda: resize(job, 3))
+        grads = train_recording(job, 1, steps_before=4, during=lambda _: resize(job, 3))
         watch.cancel()
         order = sorted(events, key=lambda e: e.revision)
         flip = next(i for i, e in enumerate(order) if e.key == keys.slotmap and json.loads(e.value)["version"] == 2)
@@ -325,7 +298,7 @@ def test_a_master_replaced_in_the_middle_of_a_resize_finishes_it(source, monkeyp
     took_over = threading.Thread(target=standby.start, kwargs={"standby": True})
     took_over.start()
 
-    def replace_master_mid_resize() -> None:
+    def replace_master_mid_resize(_) -> None:
         asked = request_resize(job.store, keys, pservers=3, by="test")
         if when == "migrating":
             add_pserver(job)

@@ -63,7 +63,7 @@ def test_a_replicated_job_resized_keeps_two_copies_and_trains_as_one(source):
     job = start_job(source, name="replicas-resize", mode="sync", pservers=2, replicas=2, min_block=1, num_slots=12, lease_ttl=2.0,
                     optimizer_args={"lr": LR}, batch_size=10, passes=1, keep_rounds=100000, task_timeout=60.0)
     try:
-        grads = train_recording(job, 1, steps_before=5, during=lambda: (resize(job, 3), resize(job, 2)))
+        grads = train_recording(job, 1, steps_before=5, during=lambda _: (resize(job, 3), resize(job, 2)))
         rounds = closed_rounds(job.store, job.config.name)
         got = torch.cat([p.reshape(-1) for p in pdps.fetch_parameters(job.store, job.transport, job.config).values()])
         torch.testing.assert_close(got, replay(rounds, grads), rtol=0, atol=1e-10)
@@ -93,7 +93,7 @@ def test_a_pserver_that_dies_costs_no_rollback_and_its_copies_are_made_again(sou
     keys = Keys(job.config.name)
     events: dict[str, float] = {}
 
-    def kill_and_replace() -> None:
+    def kill_and_replace(_) -> None:
         victim = job.pservers[1]
         events["killed"] = time.monotonic()
         victim.crash()

@@ -135,9 +135,9 @@ def messages(metrics: RoleMetrics) -> dict[str, int]:
 
 
 class MarkedStore(CountingStore):
-    """A counting store that notes the counts (and the messages so far) the moment the
-    commit closing round ``first`` or round ``last`` returns, in the closing pserver's
-    thread; and that waits ``latency`` seconds before each ``get`` and ``commit``, a
+    """A counting store that notes the counts (and the messages so far) just before the
+    commit that closes round ``first`` or round ``last`` (kept if that commit wins), in
+    the closing pserver's thread; and that waits ``latency`` seconds before each ``get`` and ``commit``, a
     networked store's round trip (on ``memory://`` a read and the commit after it are
     microseconds apart, so trainers committing together rarely race)."""
 
@@ -156,15 +156,19 @@ class MarkedStore(CountingStore):
     def commit(self, compares: Any, success: Any, failure: Any = (), *, fence: Any = None) -> Any:
         if self.latency:
             time.sleep(self.latency)
+        # Noted *before* the commit that writes the marker: once it is written, the other
+        # pservers' watches may apply the round and answer its pulls before this commit
+        # returns. Before it, every push of the round is in and none of its pulls is out.
+        marks = []
+        for op in success:
+            entry = self._keys.round_entry(op.key) if isinstance(op, Put) else None
+            if entry is not None and entry[2] is None and entry[1] in (self.first, self.last):  # a close marker
+                marks.append((entry[1], len(op.value), (self.counts(), messages(self._metrics), time.perf_counter())))
         result = super().commit(compares, success, failure, fence=fence)
         if result.succeeded:
-            for op in success:
-                entry = self._keys.round_entry(op.key) if isinstance(op, Put) else None
-                if entry is not None and entry[2] is None:  # a round's close marker
-                    round_no = entry[1]
-                    if round_no in (self.first, self.last):
-                        self.at[round_no] = (self.counts(), messages(self._metrics), time.perf_counter())
-                        self.record_bytes = len(op.value)
+            for round_no, size, at in marks:
+                self.at[round_no] = at
+                self.record_bytes = size
         return result
 
 

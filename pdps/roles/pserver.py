@@ -299,6 +299,7 @@ class Pserver:
         self._state_read = -MEMBERS_FRESH
         self.state = PserverState.NEW  # moved only by _move, through pdps.core.lifecycle
         self.incarnation = uuid.uuid4().hex[:12]
+        self._fenced = False  # logged once per spell
         self.rollbacks = 0  # epochs entered after the first
         self.index: int | None = None
         self._endpoint: Endpoint | None = None
@@ -432,8 +433,21 @@ class Pserver:
             "map_version": None if self._slot_map is None else self._slot_map.version,
         }
 
+    def _check_lease(self) -> None:
+        """Serve nothing once this pserver's lease may have run out (a process stopped
+        past its TTL, a store out of reach): its claim may be gone and a backup promoted
+        in its place, so what it holds may no longer be the job's. NotReady: the caller
+        waits, and follows the map once the job has moved on."""
+        if self._keeper is not None and not self._keeper.held:
+            if not self._fenced:
+                self._fenced = True
+                log.warning("pserver %s is fenced: its lease may have run out; it serves nothing until it is renewed", self.index)
+            raise NotReady(f"pserver {self.index} is fenced: its lease may have run out (a backup may serve its slots now)")
+        self._fenced = False
+
     def _check_request(self, req: PserverRequest) -> None:
         """Refuse a request of another epoch or slot map; the caller holds the lock."""
+        self._check_lease()
         if self.state in UNSETTLED:
             raise NotReady(f"pserver {self.index} is {self.state} (epoch {self.epoch})")
         self._check_slot_map(req)
@@ -683,6 +697,7 @@ class Pserver:
     def _applied_records(self, req: AppliedRequest) -> AppliedReply:
         """The ``applied`` call: :meth:`applied`, as the reply's ``ledger``."""
         with self._cond:
+            self._check_lease()
             self._check_slot_map(req)
             return AppliedReply(**self._state(), ledger=tuple(tuple(row) for row in self.applied()))
 
@@ -859,6 +874,8 @@ class Pserver:
             return Done(None)  # nobody committed yet
         if record.closed:
             return Done(record)
+        if self._keeper is not None and not self._keeper.held:
+            return Done(None)  # fenced: what it would write with the marker (a flip, a checkpoint) may be stale
         waiting = record.waiting_for(participants(self._members, self._prev))
         if waiting and not (record.contributions and self._job_done()):
             return Done(None)
@@ -1066,6 +1083,9 @@ class Pserver:
                 time.sleep(delay)
             if self.state is PserverState.CRASHED:
                 return  # a dead process records nothing
+            if self._keeper is not None and not self._keeper.held:
+                log.error("pserver %s does not record its part of checkpoint %s: its lease may have run out (a backup may hold its slots now)", self.index, ckpt_id)
+                return
             if recovery.record_part(self._store, self._keys, ckpt_id, part):
                 recovery.try_commit(self._store, self._files, self.config, ckpt_id)
         except PdpsError as exc:
@@ -1077,10 +1097,10 @@ class Pserver:
         return recovery.rollback(self._store, self._files, self._keys, reason, grace=self.config.checkpoint_orphan_grace)
 
     def _request_rollback(self, reason: str) -> None:
-        if self.lease_lost:
+        if self._keeper is not None and not self._keeper.held:
             # its index may be someone else's by now (a backup promoted in its place): what
             # it lacks is no reason for the job to roll back
-            log.error("pserver %s lost its lease; not asking for a rollback (%s)", self.index, reason)
+            log.error("pserver %s may have lost its lease; not asking for a rollback (%s)", self.index, reason)
             return
         try:
             self._rollback(reason)
@@ -1415,6 +1435,7 @@ class Pserver:
             log.warning("pserver %s holds %s's migrate call for slots %s of slot map version %s %.1fs (fault injection)", self.index, req.trainer, list(req.slots[:8]), req.version, delay)
             time.sleep(delay)
         with self._cond:
+            self._check_lease()
             if self._slot_map is None:
                 raise NotReady(f"pserver {self.index} is starting")
             if self._slot_map.version < (req.version or 0):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 from pdps.core.errors import LeaseExpired, StoreError
@@ -17,6 +18,11 @@ class LeaseKeeper:
 
     ``on_lost`` runs once, on the keeper's thread, when the store says the lease is
     gone (the role must then stop writing: its keys, lock included, are deleted).
+
+    :attr:`held` is what the role can know without asking the store: a lease whose
+    last refresh was *sent* ``ttl`` seconds ago or more may have run out there (a
+    process stopped, a store out of reach), so a role that must not act on a lost
+    lease (a pserver whose place a backup may have taken) checks it before each act.
     """
 
     def __init__(self, store: CoordinationStore, ttl: float, *, name: str, on_lost: Callable[[], None] | None = None) -> None:
@@ -24,15 +30,19 @@ class LeaseKeeper:
         self._ttl = ttl
         self._on_lost = on_lost
         self._stop = threading.Event()
+        asked = time.monotonic()
         self.lease = store.grant_lease(ttl)
         self.lost = False
+        self._renewed = asked  # when the last refresh that succeeded was sent
         self._thread = threading.Thread(target=self._run, name=f"pdps-lease-{name}", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.wait(self._ttl / 3):
             try:
+                sent = time.monotonic()
                 self._store.keep_alive(self.lease)
+                self._renewed = sent
             except LeaseExpired:
                 self.lost = True
                 log.warning("lease %d expired", self.lease)
@@ -41,6 +51,13 @@ class LeaseKeeper:
                 return
             except StoreError as exc:  # transient: the next tick retries until the TTL runs out
                 log.warning("keep-alive of lease %d failed: %s", self.lease, exc)
+
+    @property
+    def held(self) -> bool:
+        """Whether the lease is surely still held: not lost, and refreshed less than a
+        TTL ago (counted from when that refresh was sent, so never later than the
+        store's own count)."""
+        return not self.lost and time.monotonic() - self._renewed < self._ttl
 
     def stop(self, *, revoke: bool = True) -> None:
         """Stop refreshing; with ``revoke`` delete the lease and its keys now (graceful exit).

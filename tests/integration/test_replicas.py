@@ -124,3 +124,39 @@ def test_a_pserver_that_dies_costs_no_rollback_and_its_copies_are_made_again(sou
         assert copies_agree(job) > 0
     finally:
         job.close()
+
+
+def test_a_pserver_whose_lease_lapses_serves_nothing_and_its_backup_takes_over(source):
+    """A primary that stops refreshing its lease (as a process stopped past its TTL, or
+    cut off from the store) but keeps running: once a TTL has passed since its last
+    refresh it refuses every call, closes no round and records no checkpoint part,
+    while the master promotes its backups and training goes on, with no rollback."""
+    from pdps.core.errors import NotReady
+    from pdps.core.wire import PullRequest
+    from pdps.roles import calls
+
+    job = start_job(source, name="replicas-lapsed", mode="sync", pservers=3, replicas=2, min_block=1, num_slots=12, lease_ttl=1.0,
+                    optimizer_args={"lr": LR}, batch_size=5, passes=1, keep_rounds=100000, task_timeout=60.0)
+    keys = Keys(job.config.name)
+    refused: list[str] = []
+
+    def lapse(_) -> None:
+        stopped = job.pservers[1]
+        stopped._keeper.stop(revoke=False)  # its refreshes stop; everything else runs on
+        deadline = time.monotonic() + 30
+        while read_map(job.store, keys).held_by(1):
+            assert time.monotonic() < deadline, "no failover"
+            time.sleep(0.02)
+        with pytest.raises(NotReady, match="fenced"):
+            calls.call(job.transport.connect(stopped.address), PullRequest("a-trainer"))
+        refused.append(stopped.address)
+
+    try:
+        grads = train_recording(job, 2, steps_before=5, during=lapse)
+        assert refused
+        assert all(ps.epoch == 0 and ps.rollbacks == 0 for ps in job.pservers)
+        rounds = closed_rounds(job.store, job.config.name)
+        got = torch.cat([p.reshape(-1) for p in pdps.fetch_parameters(job.store, job.transport, job.config).values()])
+        torch.testing.assert_close(got, replay(rounds, grads), rtol=0, atol=1e-10)
+    finally:
+        job.close()

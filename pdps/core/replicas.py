@@ -196,15 +196,17 @@ def place(holders: list[list[int]], old: Sequence[Sequence[int]], quota: list[in
 
 def replenish(holders: list[list[int]], live: Sequence[int], replicas: int, num_pservers: int) -> list[list[int]]:
     """``holders`` completed to ``replicas`` holders per slot, one copy at a time on the
-    ``live`` pserver holding the fewest copies (lowest index on a tie) that lacks some
-    short slot: of those it lacks, the slot the fewest live pservers could take, then the
-    one whose holders it shares the fewest slots with, then the lowest. Filling the
-    emptiest pserver first keeps the copies as balanced as the slots already held
-    allow. Changes ``holders`` in place."""
+    ``live`` pserver holding the fewest copies that lacks some short slot (on a tie, the
+    one that held the fewest before, then the lowest index: a replacement that came
+    with nothing takes them all where balance allows): of those it lacks, the slot the
+    fewest live pservers could take, then the one whose holders it shares the fewest
+    slots with, then the lowest. Filling the emptiest pserver first keeps the copies as
+    balanced as the slots already held allow. Changes ``holders`` in place."""
     placement = _Placement(holders, num_pservers, replicas)
+    before = list(placement.load)
     short = {s for s, hs in enumerate(holders) if len(hs) < replicas}
     while short:
-        for p in sorted(live, key=lambda p: (placement.load[p], p)):
+        for p in sorted(live, key=lambda p: (placement.load[p], before[p], p)):
             lacking = [s for s in short if p not in holders[s]]
             if lacking:
                 break

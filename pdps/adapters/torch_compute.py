@@ -674,6 +674,10 @@ class TorchShard:
             self._acc = torch.zeros(self.numel, dtype=acc_dtype, device=self.device)
         return self._acc
 
+    def staged_step(self, key: str) -> tuple[list[int], list[torch.Tensor]]:
+        indices = sorted(self._staged_blocks.get(key, ()))
+        return indices, [self._staged[key][1][i] for i in indices]
+
     def apply_staged_step(self, key: str) -> bool:
         """One optimizer step of the blocks ``key`` has staged, with its staged gradient
         as is; then ``key`` has nothing staged (other keys keep theirs). False if it has

@@ -440,26 +440,41 @@ class MigrateReply(PserverReply):
     names: tuple[str, ...] = _field(list, default=(), item=str)
     #: async: ``(slot, pushes applied to it)`` for each slot, which the receiver counts on from
     applied: tuple[tuple[int, int], ...] = _field(list, default=())
+    #: async replicas: ``(backup, seq)``: the forwards the sender (a primary) had queued
+    #: for each backup when it switched, which the state sent holds already (a receiver
+    #: acknowledges those, if they reach it, without applying them again)
+    forwarded: tuple[tuple[int, int], ...] = _field(list, default=())
     tensors: tuple[Any, ...] = _tensors()
 
     def _validate(self) -> None:
-        if any(not isinstance(r, (list, tuple)) or len(r) != 2 or not all(_is(int, v) for v in r) for r in self.applied):
-            raise self._refuse("applied", f"migrate reply: field 'applied' must be [slot, count] pairs, got {self.applied!r:.200}")
-        object.__setattr__(self, "applied", tuple(tuple(r) for r in self.applied))
+        for name in ("applied", "forwarded"):
+            pairs = getattr(self, name)
+            if any(not isinstance(r, (list, tuple)) or len(r) != 2 or not all(_is(int, v) for v in r) for r in pairs):
+                raise self._refuse(name, f"migrate reply: field {name!r} must be pairs of whole numbers, got {pairs!r:.200}")
+            object.__setattr__(self, name, tuple(tuple(r) for r in pairs))
         if len(self.names) != len(self.tensors):
             raise self._refuse("names", f"migrate reply: {len(self.names)} names for {len(self.tensors)} tensors")
 
 
 @attrs.frozen
 class ReplicateRequest(PushRequest):
-    """A sync push's gradient for the blocks a pserver backs up, forwarded by their
-    primary (``trainer`` is the trainer that pushed it; ``blocks`` names some of the
-    backup's blocks, ``part`` is set): staged as the trainer's own push would be, so
-    every replica applies each closed round whole. The primary answers the trainer
-    only once every backup has it."""
+    """A push's gradient for the blocks a pserver backs up, forwarded by their primary
+    (``trainer`` is the trainer that pushed it; ``blocks`` names some of the backup's
+    blocks, ``part`` is set). The primary answers the trainer only once every backup
+    has it.
+
+    Sync: staged as the trainer's own push would be, so every replica applies each
+    closed round whole. Async: applied at once, in the order the primary applied it:
+    ``primary`` is the forwarding pserver, ``incarnation`` its incarnation and ``seq``
+    the forward's place in what it sends this backup (a forward sent again after a
+    lost reply is applied once); ``records`` travel with it, so a promoted backup knows
+    what it applied."""
 
     METHOD: ClassVar[str] = "replicate"
     REPLY: ClassVar[type[Wire]] = PushReply
+
+    primary: int | None = _field(int, default=None, check=_count)
+    seq: int | None = _field(int, default=None, check=_count)
 
 
 @attrs.frozen

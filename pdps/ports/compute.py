@@ -131,6 +131,12 @@ class ParameterShard(Protocol):
         has staged nothing."""
         ...
 
+    def staged_step(self, key: str) -> tuple[list[int], list[Any]]:
+        """The positions of the blocks ``key`` has staged (an async step in pieces), and
+        their staged gradients (views, valid until ``key`` stages again): what
+        :meth:`apply_staged_step` would apply."""
+        ...
+
     def apply(self, tensors: Sequence[Any], indices: Sequence[int] | None = None) -> None:
         """Async: one optimizer step with these gradients, of the blocks at ``indices``
         (default all; the others do not move). The tensors may be used in place."""

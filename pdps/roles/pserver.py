@@ -28,8 +28,10 @@ import os
 import threading
 import time
 import uuid
-from collections import OrderedDict
-from collections.abc import Sequence
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+
+import attrs
 
 from pdps.core.backoff import Backoff
 from pdps.core.checkpoints import Epoch
@@ -203,6 +205,62 @@ class _Connection:
             self.channel = None
 
 
+@attrs.define(eq=False)
+class _Forward:
+    """One gradient on its way to a backup, and how its delivery ended."""
+
+    request: ReplicateRequest
+    done: threading.Event = attrs.field(factory=threading.Event)
+    error: BaseException | None = None
+
+
+class _InOrder:
+    """Async, at a primary: the gradients one backup must apply, sent one call at a time
+    in the order they were queued (the order the primary applied them), on a thread of
+    its own. A backup thus applies them in that order, and a call sent again after a
+    lost reply is the only one it can see twice (``seq`` tells it)."""
+
+    def __init__(self, send: Callable[[ReplicateRequest], None], name: str) -> None:
+        self._send = send
+        self._queue: deque[_Forward] = deque()
+        self._cond = threading.Condition()
+        self._closed = False
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def put(self, request: ReplicateRequest) -> _Forward:
+        item = _Forward(request)
+        with self._cond:
+            if self._closed:
+                item.error = NotReady("the pserver is stopping")
+                item.done.set()
+            else:
+                self._queue.append(item)
+                self._cond.notify()
+        return item
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                item = self._queue[0]
+            try:
+                self._send(item.request)
+            except BaseException as exc:  # noqa: BLE001 - the pushing call raises it to its trainer
+                item.error = exc
+            finally:
+                with self._cond:
+                    self._queue.popleft()
+                item.done.set()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+
+
 class Pserver:
     def __init__(
         self,
@@ -216,10 +274,11 @@ class Pserver:
         claim_wait: float = 0.0,
         checkpoints: CheckpointFiles | None = None,
     ) -> None:
-        if config.replicas > 1 and config.mode is not Mode.SYNC:
+        if config.replicas > 2 and config.mode is not Mode.SYNC:
             raise ConfigError(
                 f"job {config.name!r} asks for replicas = {config.replicas} in {config.mode.value} mode, but this version's pservers "
-                "replicate sync rounds only: set mode = sync, or replicas = 1"
+                "keep at most 2 copies of an async job's slots (with more, the backups of a dead primary could disagree on the "
+                "pushes it had not acknowledged): set replicas = 2, or mode = sync"
             )
         self.config = config
         self._want_index = index
@@ -245,6 +304,7 @@ class Pserver:
         #: gave up when it switched to that map, kept until their receivers have them
         self._outgoing: dict[int, dict[int, dict[str, object]]] = {}
         self._outgoing_applied: dict[int, dict[int, int]] = {}  # ... and their applied_by_slot
+        self._outgoing_forwarded: dict[int, dict[int, int]] = {}  # ... and the forwards queued by then (async replicas)
         #: slots this pserver receives in the map it serves, by source pserver: until they
         #: are all here, it serves no parameters (NotReady)
         self._pending: dict[int, list[int]] = {}
@@ -257,6 +317,15 @@ class Pserver:
         self._forwards: dict[int, list[int]] = {}  # backup pserver -> shard positions of its blocks this pserver is the primary of
         self._peers: dict[int, _Connection] = {}  # backup pserver -> the connection forwards go over
         self._peers_lock = threading.Lock()
+        self._slot_of: dict[str, int] = {}  # block key -> its slot, in the map served
+        #: async, at a primary: backup pserver -> its forwards, in order, and how many were queued
+        self._in_order: dict[int, _InOrder] = {}
+        self._sent_seq: dict[int, int] = {}
+        #: async, at a backup: primary pserver -> (its incarnation, the last forward applied from it)
+        self._streams: dict[int, tuple[str | None, int]] = {}
+        #: ... block key -> (its primary, its incarnation, seq): a copy received holds that
+        #: primary's forwards up to seq (queued before it switched, they may still come)
+        self._copied: dict[str, tuple[int, str | None, int]] = {}
         self._ready: dict[int, set[int]] = {}  # map version -> the pservers whose shard of it is built ahead
         self._migrating_since: tuple[int, float] | None = None  # (map version, when this pserver saw it migrating)
         #: sync, (map version, round, shard): the shard of the map this pserver switched
@@ -339,7 +408,7 @@ class Pserver:
             # a pserver the live map gives no slot yet (a resize is growing the job) is new, not restarted
             initialized = self._store.get(self._keys.initialized) is not None
             restart = initialized and self.index < self._slot_map.num_pservers and bool(self._slot_map.held_by(self.index))
-            if restart and self._slot_map.replicas > 1 and self.config.mode is Mode.SYNC and not self._slot_map.lost_with(self.index):
+            if restart and self._slot_map.replicas > 1 and not self._slot_map.lost_with(self.index):
                 restart = not self._drop_own_copies()  # every slot it held has another copy: no rollback
             # ... and, sync, takes its place in the rounds at the first round the watch shows it
             self._placed = not (initialized and not restart and self.config.mode is Mode.SYNC)
@@ -400,6 +469,8 @@ class Pserver:
             self._closer.notify_all()
         if halted:
             return
+        for sender in self._in_order.values():
+            sender.close()
         for w in self._watches:
             w.cancel()
         if self._endpoint is not None:
@@ -497,20 +568,29 @@ class Pserver:
             if req.incarnation is not None and req.incarnation != self.incarnation:
                 raise StalePush(f"pserver {self.index} restarted since trainer {trainer!r} last pulled from it: pull first")
             if self.config.mode is not Mode.SYNC:
-                return self._push_async(req, shard, began)
-            indices = self._claim(req, shard.blocks, self._primary)  # before any state changes
-            self._stage_round(req, shard, indices)
-            reply = PushReply(**self._state(), update_s=time.perf_counter() - began)
-            forwards = self._forwards_of(req, indices)
-        if forwards:
-            self._forward(forwards)  # off the lock: the trainer is answered once every backup has it
+                reply, queued = self._push_async(req, shard, began)
+            else:
+                indices = self._claim(req, shard.blocks, self._primary)  # before any state changes
+                self._stage_round(req, shard, indices)
+                reply = PushReply(**self._state(), update_s=time.perf_counter() - began)
+                forwards = self._forwards_of(req, indices, req.tensors, samples=req.samples, round_no=req.round_no)
+        # off the lock: the trainer is answered once every backup has it
+        if self.config.mode is not Mode.SYNC:
+            for item in queued:
+                item.done.wait()
+                if item.error is not None:
+                    raise item.error
+        elif forwards:
+            self._forward(forwards)
         return reply
 
     def _replicate(self, req: ReplicateRequest) -> PushReply:
-        """A sync gradient for blocks this pserver backs up, forwarded by their primary:
-        staged as the trainer's own push is."""
+        """A gradient for blocks this pserver backs up, forwarded by their primary. Sync:
+        staged as the trainer's own push is. Async: applied, in the primary's order."""
         with self._cond:
             began = time.perf_counter()
+            if self.config.mode is not Mode.SYNC:
+                return self._replicate_async(req, began)
             self._check_request(req)
             round_no = req.require("round_no")
             if round_no > self.round_no:
@@ -522,6 +602,47 @@ class Pserver:
             shard = self._receiving_shard()
             self._stage_round(req, shard, req.claim(shard.blocks, self.index))
             return PushReply(**self._state(), update_s=time.perf_counter() - began)
+
+    def _replicate_async(self, req: ReplicateRequest, began: float) -> PushReply:
+        """Async (lock held): apply a forwarded gradient, if its sender is still the
+        primary of its blocks here and this pserver holds them (a late forward from a
+        pserver that lost them in a failover is refused, SlotMapChanged), once (a
+        forward sent again is acknowledged, not applied)."""
+        self._check_lease()
+        if self.state in UNSETTLED or self._slot_map is None:
+            raise NotReady(f"pserver {self.index} is {self.state} (epoch {self.epoch})")
+        if req.epoch is not None and req.epoch != self.epoch:
+            raise (EpochChanged if req.epoch < self.epoch else NotReady)(f"pserver {self.index} is at epoch {self.epoch}; the forward was for epoch {req.epoch}")
+        if req.version is not None and req.version > self._slot_map.version:
+            self._check_slot_map(req)  # switches to the stored map (the watch may be late); refused if it is still older
+        for name in ("primary", "seq"):
+            if getattr(req, name) is None:
+                raise GradientRejected(f"a forward of trainer {req.trainer!r}'s gradient to async pserver {self.index} lacks field {name!r}", field=name, trainer=req.trainer)
+        shard = self._ready_shard()
+        req.claim(shard.blocks, self.index)  # a malformed forward is refused by name first
+        primary = req.primary
+        owners = self._slot_map.owners
+        wrong = [k for k in req.blocks or () if owners[self._slot_of[k]] != primary]
+        if wrong:
+            raise SlotMapChanged(
+                f"pserver {self.index} backs up none of blocks {wrong[:4]} for pserver {primary} in slot map version {self._slot_map.version} "
+                f"(the forward was sent by version {req.version})",
+                sent=req.version or 0, current=self._slot_map.version,
+            )
+        last = self._streams.get(primary)
+        held_already = [k for k in req.blocks or () if (c := self._copied.get(k)) is not None and c[:2] == (primary, req.incarnation) and req.seq <= c[2]]
+        if (last is not None and last[0] == req.incarnation and req.seq <= last[1]) or len(held_already) == len(req.blocks or ()):
+            return PushReply(**self._state(), update_s=time.perf_counter() - began, duplicate=True)
+        if held_already:
+            keep = [i for i, k in enumerate(req.blocks or ()) if k not in held_already]
+            req = attrs.evolve(req, blocks=tuple(req.blocks[i] for i in keep), tensors=tuple(req.tensors[i] for i in keep))  # type: ignore[index]
+        indices = req.claim(shard.blocks, self.index)
+        shard.check(req.tensors, req.trainer, indices=indices)
+        shard.apply(req.tensors, indices)
+        self._streams[primary] = (req.incarnation, req.seq)
+        for slot in {self._slot_of[k] for k in req.blocks or ()}:
+            self.applied_by_slot[slot] = self.applied_by_slot.get(slot, 0) + 1
+        return PushReply(**self._state(), update_s=time.perf_counter() - began)
 
     def _stage_round(self, req: PushRequest, shard: ParameterShard, indices: list[int] | None) -> None:
         """Sync (lock held): stage ``req``'s gradient for the open round it names."""
@@ -547,9 +668,9 @@ class Pserver:
         picked = req.claim([blocks[i] for i in primary], self.index)
         return primary if picked is None else [primary[i] for i in picked]
 
-    def _forwards_of(self, req: PushRequest, indices: list[int] | None) -> list[tuple[int, ReplicateRequest]]:
-        """Sync (lock held): what of ``req`` (staged at shard positions ``indices``) each
-        backup of its blocks must stage too."""
+    def _forwards_of(self, req: PushRequest, indices: Sequence[int] | None, tensors: Sequence[object], **fields: object) -> list[tuple[int, ReplicateRequest]]:
+        """(Lock held) what of ``req``'s gradient (``tensors``, at shard positions
+        ``indices``, None: all) each backup of its blocks must have too."""
         if not self._forwards:
             return []
         assert self._shard is not None
@@ -559,10 +680,85 @@ class Pserver:
             pos = [i for i in mine if i in at]
             if pos:
                 out.append((backup, ReplicateRequest(
-                    req.trainer, epoch=req.epoch, version=req.version, samples=req.samples, round_no=req.round_no,
-                    blocks=tuple(self._shard.blocks[i].key for i in pos), part=True, tensors=tuple(req.tensors[at[i]] for i in pos),
+                    req.trainer, epoch=req.epoch, version=req.version, blocks=tuple(self._shard.blocks[i].key for i in pos), part=True,
+                    tensors=tuple(tensors[at[i]] for i in pos), **fields,  # type: ignore[arg-type]
                 )))
         return out
+
+    def _call_peer(self, backup: int, request: ReplicateRequest) -> None:
+        """One call to pserver ``backup``, over the connection kept for it."""
+        kv = self._store.get(self._keys.pserver(backup))
+        if kv is None:
+            raise NotReady(f"pserver {backup} is not registered")
+        address = decode_as(kv.value, kv.key, lambda d: str(d["addr"]))
+        with self._peers_lock:
+            connection = self._peers.setdefault(backup, _Connection())
+            channel = connection.to(self._transport, address)
+        try:
+            calls.call(channel, request)
+        except TransportError:
+            with self._peers_lock:  # it may be broken: the next try connects afresh
+                self._peers.pop(backup, _Connection()).close()
+            raise
+
+    def _queue_forwards(self, req: PushRequest, indices: Sequence[int] | None, tensors: Sequence[object]) -> list[_Forward]:
+        """Async (lock held, the step just applied): queue its gradient for each backup,
+        behind what was queued for it before."""
+        assert self._slot_map is not None
+        queued = []
+        for backup, request in self._forwards_of(req, indices, tensors, primary=self.index, incarnation=self.incarnation):
+            seq = self._sent_seq[backup] = self._sent_seq.get(backup, 0) + 1
+            request = attrs.evolve(request, epoch=self.epoch, version=self._slot_map.version, seq=seq)
+            sender = self._in_order.get(backup)
+            if sender is None:
+                sender = self._in_order[backup] = _InOrder(lambda r, b=backup: self._deliver(b, r), f"pdps-ps-forward-{self.index}-{backup}")
+            queued.append(sender.put(request))
+        return queued
+
+    def _deliver(self, backup: int, request: ReplicateRequest) -> None:
+        """Async: send ``request`` to pserver ``backup``, retried while it is unreachable
+        or not ready, for as long as it backs up these blocks here (the forwards after it
+        wait behind it: one given up would leave a gap). Ends with SlotMapChanged if this
+        pserver is no longer their primary (the push then counts for nothing), and with
+        nothing to do once ``backup`` no longer backs them up (a failover dropped it)."""
+        waiting = Retry(MIGRATE_BACKOFF)
+        last_log = 0.0
+        while True:
+            try:
+                self._call_peer(backup, request)
+                return
+            except (NotReady, TransportError, StoreError, SlotMapChanged) as exc:
+                error: PdpsError = exc
+            try:
+                newer = isinstance(error, SlotMapChanged) and error.current > request.version  # type: ignore[operator]
+                with self._cond:
+                    if newer:
+                        self._switch_map(read_map(self._store, self._keys))
+                    if self.state in HALTED:
+                        raise NotReady(f"pserver {self.index} stopped before pserver {backup} had trainer {request.trainer!r}'s gradient")
+                    if self.epoch != request.epoch:
+                        raise EpochChanged(f"pserver {self.index} entered epoch {self.epoch}; trainer {request.trainer!r}'s gradient was for epoch {request.epoch}")
+                    if not self._still_backs(backup, request):
+                        return
+            except StoreError as exc:
+                log.warning("pserver %s could not read the slot map: %s", self.index, exc)
+            if waiting.elapsed - last_log >= WAIT_LOG_EVERY:
+                last_log = waiting.elapsed
+                log.warning("pserver %s waits %.0fs to pass trainer %r's gradient on to pserver %d: %s", self.index, waiting.elapsed, request.trainer, backup, error)
+            waiting.note()
+            waiting.pause()
+
+    def _still_backs(self, backup: int, request: ReplicateRequest) -> bool:
+        """(Lock held) whether ``backup`` still backs up ``request``'s blocks, which this
+        pserver must still be the primary of (SlotMapChanged otherwise)."""
+        assert self._slot_map is not None
+        slots = {self._slot_of.get(k) for k in request.blocks or ()}
+        if None in slots or any(self._slot_map.owners[s] != self.index for s in slots):  # type: ignore[index]
+            raise SlotMapChanged(
+                f"pserver {self.index} is no longer the primary of the blocks trainer {request.trainer!r} pushed (slot map version "
+                f"{self._slot_map.version}): the push counts for nothing", sent=request.version or 0, current=self._slot_map.version,
+            )
+        return any(backup in self._slot_map.backups[s] for s in slots)  # type: ignore[index]
 
     def _forward(self, forwards: list[tuple[int, ReplicateRequest]]) -> None:
         """Send each backup its share of a push (concurrently), retried while it is
@@ -572,19 +768,9 @@ class Pserver:
             waiting = Retry(MIGRATE_BACKOFF, deadline=SOURCE_GONE * self.config.lease_ttl)
             while True:
                 try:
-                    kv = self._store.get(self._keys.pserver(backup))
-                    if kv is None:
-                        raise NotReady(f"pserver {backup} is not registered")
-                    address = decode_as(kv.value, kv.key, lambda d: str(d["addr"]))
-                    with self._peers_lock:
-                        connection = self._peers.setdefault(backup, _Connection())
-                        channel = connection.to(self._transport, address)
-                    calls.call(channel, request)
+                    self._call_peer(backup, request)
                     return
                 except (NotReady, TransportError, StoreError) as exc:
-                    if isinstance(exc, TransportError):
-                        with self._peers_lock:
-                            self._peers.pop(backup, _Connection()).close()
                     if not waiting.note():
                         raise NotReady(f"pserver {self.index} could not pass trainer {request.trainer!r}'s gradient on to pserver {backup}, a backup of its slots: {exc}") from exc
                     waiting.pause()
@@ -608,21 +794,25 @@ class Pserver:
         if errors:
             raise errors[0]
 
-    def _push_async(self, req: PushRequest, shard: ParameterShard, began: float) -> PushReply:
-        """Async (lock held): apply the push, or stage its piece."""
+    def _push_async(self, req: PushRequest, shard: ParameterShard, began: float) -> tuple[PushReply, list[_Forward]]:
+        """Async (lock held): apply the push, or stage its piece; and queue what it
+        applied for the backups of its blocks (the caller waits for them off the lock)."""
         trainer = req.trainer
         seen = req.require("updates")
         if not req.part:
-            indices = req.claim(shard.blocks, self.index)
+            indices = self._claim(req, shard.blocks, self._primary)
             shard.check(req.tensors, trainer, indices=indices)
             self._check_updates(seen, trainer)
             if self._applied_already(req.records):
-                return PushReply(**self._state(), update_s=time.perf_counter() - began, duplicate=True)
+                return PushReply(**self._state(), update_s=time.perf_counter() - began, duplicate=True), []
             shard.apply(req.tensors, indices)
+            applied: tuple[Sequence[int] | None, Sequence[object]] = (indices, req.tensors)
         else:
-            outcome = self._stage_piece(shard, req, seen)
-            if outcome != "applied":
-                return PushReply(**self._state(), update_s=time.perf_counter() - began, duplicate=outcome == "duplicate")
+            outcome, staged = self._stage_piece(shard, req, seen)
+            if staged is None:
+                return PushReply(**self._state(), update_s=time.perf_counter() - began, duplicate=outcome == "duplicate"), []
+            applied = staged
+        queued = self._queue_forwards(req, *applied)
         self.version += 1
         for slot in self._my_slots:
             self.applied_by_slot[slot] = self.applied_by_slot.get(slot, 0) + 1
@@ -631,7 +821,7 @@ class Pserver:
             self._last_records[records[1]] = (records[0], records[3], records[4])
             self._note_applied(records[1], records[2], records[3], records[4])
         self._maybe_announce_async()
-        return PushReply(**self._state(), update_s=time.perf_counter() - began)
+        return PushReply(**self._state(), update_s=time.perf_counter() - began), queued
 
     def _applied_already(self, records: tuple[int, int, int, int, int] | None) -> bool:
         """These records of this (pass, task) were applied here already: the push of an
@@ -639,32 +829,34 @@ class Pserver:
         a call retried). Once is enough."""
         return records is not None and self._last_records.get(records[1]) == (records[0], records[3], records[4])
 
-    def _stage_piece(self, shard: ParameterShard, req: PushRequest, seen: int) -> str:
+    def _stage_piece(self, shard: ParameterShard, req: PushRequest, seen: int) -> tuple[str, tuple[list[int], list[object]] | None]:
         """Async, a step pushed slot by slot while the trainer's backward runs: stage each
         piece, and apply the step only at its ``final`` message, which the trainer sends
         once every pserver has accepted every piece. A step with a non-finite slot on any
         pserver thus changes nothing anywhere. ``first`` opens a step, dropping what an
         unfinished one staged; a refused piece voids the step here. Returns "staged",
-        "applied", or "duplicate" (a final whose records were applied here already)."""
+        "applied" with the step applied (its shard positions and gradients), or
+        "duplicate" (a final whose records were applied here already)."""
         trainer = req.trainer
         if req.first:
             shard.unstage(trainer)
         try:
-            indices = req.claim(shard.blocks, self.index)
+            indices = self._claim(req, shard.blocks, self._primary)
             shard.check(req.tensors, trainer, indices=indices)
             shard.stage(trainer, req.tensors, indices)
             if not req.final:
-                return "staged"
+                return "staged", None
             self._check_updates(seen, trainer)
         except (GradientRejected, StalePush):
             shard.unstage(trainer)
             raise
         if self._applied_already(req.records):
             shard.unstage(trainer)
-            return "duplicate"
+            return "duplicate", None
+        step = shard.staged_step(trainer)  # views of its staging buffer: the trainer stages nothing until it is answered
         if not shard.apply_staged_step(trainer):
             raise StalePush(f"pserver {self.index} holds no piece of the step trainer {trainer!r} ends (dropped meanwhile): pull and compute again")
-        return "applied"
+        return "applied", step
 
     def _check_updates(self, seen: int, trainer: str) -> None:
         """Async: ``seen`` (the update count a gradient was computed on) was served here and
@@ -1130,6 +1322,8 @@ class Pserver:
             self._outgoing.clear()  # every pserver loads its slots of the map it serves from the checkpoint
             self._frozen = None
             self._outgoing_applied.clear()
+            self._outgoing_forwarded.clear()
+            self._copied.clear()
             self._pending, self._received = {}, {}
             self._last_records.clear()  # the parameters go back: so does what they hold
             self._ledger.clear()
@@ -1233,6 +1427,7 @@ class Pserver:
             for v in [v for v in self._outgoing if v <= resize.to_map.version]:
                 del self._outgoing[v]  # every receiver has its slots
                 self._outgoing_applied.pop(v, None)
+                self._outgoing_forwarded.pop(v, None)
             leaving = self.index is not None and self.index >= resize.to_map.num_pservers and self._slot_map is not None and self._slot_map.version >= resize.to_map.version
         if leaving:
             log.warning("pserver %s handed its slots off (%s); leaving the job", self.index, resize.id)
@@ -1384,6 +1579,7 @@ class Pserver:
                     self._outgoing_applied[new.version] = {
                         slot: self.applied_by_slot.get(slot, 0) if slot in kept else self.applied_by_slot.pop(slot, 0) for slot in outgoing
                     }
+                    self._outgoing_forwarded[new.version] = dict(self._sent_seq)
                 self._received = dict(before.export_blocks(keep))
                 has_blocks = {slot_of[b.key] for b in self._shard.blocks}
                 for slot, src, dst in old.moves(new):
@@ -1453,7 +1649,8 @@ class Pserver:
             self.sent_bytes += sum(int(t.nbytes) for t in tensors)  # type: ignore[attr-defined]
             counts = self._outgoing_applied.get(req.version or 0, {})
             applied = tuple((slot, counts.get(slot, 0)) for slot in req.slots)
-            return MigrateReply(**self._state(), names=tuple(names), applied=applied, tensors=tuple(tensors))
+            forwarded = tuple(sorted(self._outgoing_forwarded.get(req.version or 0, {}).items()))
+            return MigrateReply(**self._state(), names=tuple(names), applied=applied, forwarded=forwarded, tensors=tuple(tensors))
 
     def _fetch(self, version: int, epoch: int) -> None:
         """Receive this pserver's new slots of map ``version`` from their old owners (one
@@ -1493,6 +1690,10 @@ class Pserver:
                         self._received.update(zip(reply.names, reply.tensors))
                         for slot, n in reply.applied:
                             self.applied_by_slot[slot] = self.applied_by_slot.get(slot, 0) + n
+                        for backup, seq in reply.forwarded:
+                            if backup == self.index:  # the state received holds these forwards already
+                                for key in (b.key for b, slot in zip(layout.blocks, layout.slots) if slot in batch):
+                                    self._copied[key] = (src, reply.incarnation, seq)
                         got = sum(int(t.nbytes) for t in reply.tensors)
                         self.received_bytes += got
                         fetched += got
@@ -1599,7 +1800,7 @@ class Pserver:
         # replicas: this pserver's shard holds copies of other primaries' blocks too; trainers
         # push and pull only the blocks it is the primary of, whose gradients it forwards
         # to their backups
-        slot_of = dict(zip((b.key for b in layout.blocks), layout.slots))
+        slot_of = self._slot_of = dict(zip((b.key for b in layout.blocks), layout.slots))
         held = layout.blocks_held(self.index)
         primary = [i for i, b in enumerate(held) if layout.slot_map.owners[slot_of[b.key]] == self.index]
         self._primary = None if len(primary) == len(held) else primary

@@ -79,7 +79,7 @@ class ResizeDriver:
         resize, found = read_resize(self._store, keys)
         live = read_map(self._store, keys)
         if resize is None or not resize.active:
-            if live.replicas > 1 and self._config.mode is Mode.SYNC:
+            if live.replicas > 1:
                 claimed = self._claimed()
                 if self._fail_over(live, claimed) or self._replenish(live, found, claimed):
                     return
@@ -151,7 +151,7 @@ class ResizeDriver:
         planned = asked.replenish(live, members)
         if not planned.moves():
             return False
-        if self._write(found, planned):
+        if self._write(found, planned, self._switch_now(planned)):
             log.warning("master: %d slots have fewer than %d copies: %s", len(short), live.replicas, describe(planned))
             return True
         return False
@@ -166,19 +166,25 @@ class ResizeDriver:
             return
         if desired == pservers or not max(1, self._config.replicas) <= desired <= self._config.num_slots:
             return
+        if self._config.replicas > 1 and self._config.mode is Mode.ASYNC:
+            log.error("master: %s says %d pservers, but an async job with replicas cannot change its pserver count yet; ignored", self._keys.ps_desired, desired)
+            return
         resize = Resize(id=f"{time.strftime('%Y%m%d-%H%M%S')}-desired", state=ResizeState.REQUESTED, pservers=desired, trainers=None, requested=time.time(), by=f"{self._keys.ps_desired}")
         if self._write(found, resize):
             log.warning("master: %s says %d pservers, the job runs %d: %s", self._keys.ps_desired, desired, pservers, describe(resize))
 
     def _plan(self, resize: Resize, found: KeyValue | None, live: SlotMap) -> None:
         planned = resize.plan(live)
-        assert planned.to_map is not None
-        ops: list[TxnOp] = []
-        # No values anywhere yet (no trainer attached), or async: switch now. Sync switches at a round boundary.
-        if self._config.mode is Mode.ASYNC or self._store.get(self._keys.model) is None:
-            ops.append(Put(self._keys.slotmap, json.dumps(planned.to_map.to_json()).encode()))
-        if self._write(found, planned, ops):
+        if self._write(found, planned, self._switch_now(planned)):
             log.warning("master: %s: %d slots move", describe(planned), len(planned.moves()))
+
+    def _switch_now(self, planned: Resize) -> list[TxnOp]:
+        """The map's flip, written with the plan when nothing has values yet (no trainer
+        attached) or the job is async; a sync job switches at a round boundary."""
+        assert planned.to_map is not None
+        if self._config.mode is Mode.ASYNC or self._store.get(self._keys.model) is None:
+            return [Put(self._keys.slotmap, json.dumps(planned.to_map.to_json()).encode())]
+        return []
 
     def _migrate(self, resize: Resize, found: KeyValue | None, live_version: int) -> None:
         assert resize.to_map is not None

@@ -19,7 +19,8 @@ from collections.abc import Callable
 from pdps.core.elastic import Resize, ResizeState, check_counts, describe
 from pdps.core.errors import ConfigError, CorruptRecord, ResizeInProgress, Timeout
 from pdps.core.headcount import Desired, parse_count
-from pdps.core.job import Keys, decode_as, decode_json
+from pdps.core.job import JobConfig, Keys, decode_as, decode_json
+from pdps.core.sgd import Mode
 from pdps.core.slots import SlotMap
 from pdps.core.txn import Decision, Done, Write
 from pdps.ports.coordination import Compare, CoordinationStore, EventType, KeyValue, Put, TxnOp, WatchEvent
@@ -78,6 +79,13 @@ def request_resize(
     """
     current = read_map(store, keys)
     check_counts(pservers, trainers, current.num_slots, current.replicas)
+    if pservers is not None and pservers != current.num_pservers and current.replicas > 1:
+        config = store.get(keys.config)
+        if config is not None and JobConfig.decode(config.value, keys.config).mode is Mode.ASYNC:
+            raise ConfigError(
+                f"job {keys.job!r} is async with replicas = {current.replicas}: this version cannot change its pserver count "
+                f"(a primary moving while its forwards are on their way could leave its copies apart); change --trainers only"
+            )
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         ahead, _ = read_resize(store, keys)

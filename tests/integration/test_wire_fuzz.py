@@ -83,6 +83,11 @@ def valid_pserver_request(cls: type[wire.Request], job, part) -> wire.Request:
         return wire.PushRequest("t0", **common, updates=job.ps.version, samples=4, blocks=tuple(part.keys), tensors=values)
     if cls is wire.PullRequest:
         return wire.PullRequest("t0", **common, blocks=tuple(part.keys))
+    if cls is wire.ReplicateRequest:  # (refused after decoding: this pserver backs up nothing)
+        return wire.ReplicateRequest("t0", **common, blocks=tuple(part.keys), part=True, tensors=values, primary=0, seq=1)
+    if cls is wire.MigrateRequest:
+        return wire.MigrateRequest("t0", **common, slots=(0,))
+    assert cls is wire.AppliedRequest, cls
     return wire.AppliedRequest("t0", **common)
 
 

@@ -367,14 +367,16 @@ def test_a_new_jobs_first_map_has_its_replicas():
     assert "replicas" not in json.loads(store.get(Keys("plain").slotmap).value)
 
 
-def test_pservers_of_this_version_refuse_replicas_in_async_mode():
-    """Replicas are kept for sync rounds; an async job that asks for them is refused
-    at the pserver's start, naming the setting and the mode."""
+def test_async_pservers_keep_at_most_two_copies():
+    """An async job keeps at most 2 copies (with more, the backups of a dead primary
+    could disagree on what it had not acknowledged): more is refused at the pserver's
+    start, naming the setting and the mode; sync takes any count."""
     from pdps.adapters.inproc import InprocTransport
     from pdps.adapters.memory_store import MemoryStore
     from pdps.adapters.torch_compute import TorchCompute
     from pdps.roles.pserver import Pserver
 
-    with pytest.raises(ConfigError, match="replicas = 2 in async mode"):
-        Pserver(MemoryStore(), InprocTransport(), TorchCompute("cpu"), JobConfig(name="r2", pservers=2, replicas=2, mode="async"))
-    Pserver(MemoryStore(), InprocTransport(), TorchCompute("cpu"), JobConfig(name="r2s", pservers=2, replicas=2))
+    with pytest.raises(ConfigError, match="replicas = 3 in async mode"):
+        Pserver(MemoryStore(), InprocTransport(), TorchCompute("cpu"), JobConfig(name="r3", pservers=3, replicas=3, mode="async"))
+    Pserver(MemoryStore(), InprocTransport(), TorchCompute("cpu"), JobConfig(name="r2", pservers=2, replicas=2, mode="async"))
+    Pserver(MemoryStore(), InprocTransport(), TorchCompute("cpu"), JobConfig(name="r3s", pservers=3, replicas=3))

@@ -762,8 +762,10 @@ class Pserver:
 
     def _forward(self, forwards: list[tuple[int, ReplicateRequest]]) -> None:
         """Send each backup its share of a push (concurrently), retried while it is
-        unreachable or not ready, up to SOURCE_GONE lease TTLs; then NotReady, which the
-        trainer waits out and pushes again (staging replaces what was staged)."""
+        unreachable or not ready, until the map no longer names it a backup of those
+        blocks (a failover dropped it: nothing is owed to it), up to SOURCE_GONE lease
+        TTLs; then NotReady, which the trainer waits out and pushes again (staging
+        replaces what was staged)."""
         def send(backup: int, request: ReplicateRequest) -> None:
             waiting = Retry(MIGRATE_BACKOFF, deadline=SOURCE_GONE * self.config.lease_ttl)
             while True:
@@ -771,6 +773,9 @@ class Pserver:
                     self._call_peer(backup, request)
                     return
                 except (NotReady, TransportError, StoreError) as exc:
+                    with self._cond:
+                        if not self._still_backs(backup, request):
+                            return
                     if not waiting.note():
                         raise NotReady(f"pserver {self.index} could not pass trainer {request.trainer!r}'s gradient on to pserver {backup}, a backup of its slots: {exc}") from exc
                     waiting.pause()

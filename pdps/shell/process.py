@@ -88,7 +88,7 @@ def open_role_transport(values: Mapping[str, Any]) -> Any:
     # A call to an unreachable peer fails after connect_timeout; the roles retry above it
     # with the peer's address looked up again in the store (a restarted pserver or master
     # serves elsewhere), so the channel itself only needs to ride out a blip.
-    options: dict[str, Any] = {"token": values.get("token"), "advertise_host": values.get("advertise"), "connect_timeout": 2.0}
+    options: dict[str, Any] = {"token": values.get("token"), "advertise_host": values.get("advertise"), "connect_timeout": 0.5}
     if values.get("bulk_port"):
         options["bulk_port"] = values["bulk_port"]
     for name in ("handshake_timeout", "idle_timeout", "max_connections", "max_streams"):

@@ -25,7 +25,7 @@ from pdps.runtime.retry import Retry
 log = logging.getLogger(__name__)
 
 #: Pauses between tries of a pserver that is unreachable or not ready.
-UNREACHABLE_BACKOFF = Backoff(first=0.02, longest=1.0)
+UNREACHABLE_BACKOFF = Backoff(first=0.02, longest=0.5)
 
 
 @attrs.define

@@ -311,20 +311,19 @@ def ready_replicated(view: JobView, closed: int, poll: float, launcher: subproce
 def kill_and_recover(view: JobView, launcher: subprocess.Popen, log: LauncherLog, poll: float, repeat: int, *, replicas: int = 1, closed: int = 0) -> dict[str, Any]:
     """Kill pserver ``VICTIM`` once the job is ready for it, and time what follows.
 
-    Replicas = 1: ready once a checkpoint of the current epoch is followed by training;
+    Ready once a checkpoint of the current epoch is followed by training. Replicas = 1:
     the kill rolls the job back to it, and training has resumed when a round of the new
-    epoch closes. Replicas > 1: ready once every slot has all its copies; a backup takes
+    epoch closes. Replicas > 1: ready once every slot has all its copies too; a backup takes
     over with no rollback, and training has resumed when the round after the one under
     way at the kill closes (every trainer has pulled the round under way, from the slots'
     new primaries, and pushed the next one). ``closed``: a round of the current epoch
     known closed (where the replicated job's rounds are probed from).
     """
     timeout = STARTUP_S if repeat == 0 else CHECKPOINT_S
-    if replicas == 1:
-        got = wait_for("checkpoint of the current epoch followed by training", timeout, poll, lambda: ready_checkpoint(view), launcher)
-    else:
-        wait_for("a slot map", timeout, poll, lambda: view.store.get(view.keys.slotmap), launcher)
-        got = ready_replicated(view, closed, poll, launcher)
+    # with replicas too: the first kill comes as late in the job as with one copy, not in its first rounds
+    got = wait_for("checkpoint of the current epoch followed by training", timeout, poll, lambda: ready_checkpoint(view), launcher)
+    if replicas > 1:
+        got = ready_replicated(view, max(closed, got["closed"]), poll, launcher)
     ptr, ep = got["pointer"], got["epoch"]
     epoch_before = int(ep["epoch"])
     victim = wait_for(f"pserver {VICTIM} process", PID_S, poll, lambda: pserver_pid(launcher.pid, VICTIM), launcher)

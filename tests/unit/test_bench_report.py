@@ -263,6 +263,8 @@ def test_replicas_targets_compare_failover_with_the_lease_ttl_and_the_rollback()
     assert verdicts["replicas.resumed_r1_vs_r2"]["values"] == [pytest.approx(3.3 / 2.5), pytest.approx(3.0 / 2.6)]
     assert verdicts["replicas.resumed_r1_vs_r2"]["status"] == tg.MISSED  # 2x wanted
     assert verdicts["replicas.sync_r2_vs_r1"]["status"] == tg.MET
+    line = next(line for line in rp.check_lines(results_of({"replicas": ran(replicas_json(r2=2.5))})) if " replicas.resumed_beyond_ttl " in line)
+    assert line.startswith("MET ") and "0.5 s  (threshold <= 0.5 s)" in line  # a threshold below 1 is not rounded to 0
 
 
 def test_a_configuration_the_suite_could_not_run_leaves_its_target_not_run_with_the_reason():

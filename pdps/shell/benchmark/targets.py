@@ -592,5 +592,5 @@ def format_value(value: float | None, unit: str) -> str:
 
 def format_threshold(verdict: Mapping[str, Any]) -> str:
     value, unit = verdict["threshold"], verdict["unit"]
-    shown = f"{100 * value:g}%" if unit == "fraction" else f"{value:g}x" if unit == "x" else f"{value:,.0f} {unit}"
+    shown = f"{100 * value:g}%" if unit == "fraction" else f"{value:g}x" if unit == "x" else f"{value:,g} {unit}"
     return f"{verdict['comparison']} {shown}"

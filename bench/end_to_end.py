@@ -263,11 +263,12 @@ def summarize(records: list[dict[str, Any]], trainers: int) -> dict[str, Any]:
     }
 
 
-def job_settings(args: argparse.Namespace, mode: str, trainers: int, pservers: int) -> dict[str, Any]:
+def job_settings(args: argparse.Namespace, mode: str, trainers: int, pservers: int, replicas: int = 1) -> dict[str, Any]:
     return {
         "mode": mode,
         "trainers": trainers,
         "pservers": pservers,
+        "replicas": replicas,
         "batch_size": BATCH,
         "optimizer": "SGD",
         "optimizer_args": {"lr": LR},
@@ -294,7 +295,7 @@ class Stall:
             raise RunFailed(f"no progress for {STALL_S:.0f}s: at most {max(self.best, 0)} tasks finished")
 
 
-def run_inproc(args: argparse.Namespace, data: Path, out: Path, mode: str, trainers: int, pservers: int) -> dict[str, Any]:
+def run_inproc(args: argparse.Namespace, data: Path, out: Path, mode: str, trainers: int, pservers: int, replicas: int = 1) -> dict[str, Any]:
     fn = functools.partial(e2e_train.run, out_dir=str(out), warmup=args.warmup, seed=args.seed)
     (out / "go").touch()
     stall = Stall()
@@ -306,7 +307,7 @@ def run_inproc(args: argparse.Namespace, data: Path, out: Path, mode: str, train
         transport="inproc://",
         timeout=args.job_timeout,
         progress=lambda p: stall.saw(int(p["done"])),  # called about once a second; raising ends the job
-        **job_settings(args, mode, trainers, pservers),
+        **job_settings(args, mode, trainers, pservers, replicas),
     )
     cores = (cpu_seconds() - cpu0) / (time.perf_counter() - wall0)
     row = summarize(records_in(out), trainers)
@@ -322,11 +323,11 @@ def run_inproc(args: argparse.Namespace, data: Path, out: Path, mode: str, train
 class Launch:
     """One ``pdps launch`` subprocess: stdout (its JSON summary) and stderr (the roles' logs) to files."""
 
-    def __init__(self, args: argparse.Namespace, store_url: str, data: Path, out: Path, mode: str, trainers: int, pservers: int) -> None:
+    def __init__(self, args: argparse.Namespace, store_url: str, data: Path, out: Path, mode: str, trainers: int, pservers: int, replicas: int = 1) -> None:
         self.out, self.trainers = out, trainers
         self.job = f"e2e-{uuid.uuid4().hex[:10]}"
         self.log_path, self.stdout_path = out.with_suffix(".log"), out.with_suffix(".stdout")
-        s = job_settings(args, mode, trainers, pservers)
+        s = job_settings(args, mode, trainers, pservers, replicas)
         self.argv = [
             sys.executable, "-m", "pdps", "launch",
             "--store", store_url,
@@ -335,6 +336,7 @@ class Launch:
             "--dataset", str(data),
             "--trainers", str(trainers),
             "--pservers", str(pservers),
+            "--replicas", str(replicas),
             "--mode", mode,
             "--batch-size", str(BATCH),
             "--optimizer", "SGD",

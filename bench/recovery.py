@@ -36,6 +36,11 @@ every ``--poll`` seconds (default 0.02; 3 small reads a poll) and /proc:
 * ``resumed``: a closed round record exists under ``rounds/<new epoch>/`` (a whole sync
   step of the new epoch went through every pserver: training resumed).
 
+:func:`recoveries` runs the same job with ``replicas`` > 1 for ``bench/replicas.py``:
+the victim is killed once every slot has all its copies; ``failed over`` is when the
+slot map changed (a backup promoted), and ``resumed`` the close of the round after the
+one under way at the kill, in the same epoch (no rollback).
+
 Also per repeat: the machine's CPU busy fraction from the kill to the resumption (from
 /proc/stat; the run shares the machine with whatever else runs there), and the
 launcher's WARNING/ERROR lines and its own ``[launch]`` lines of that window.
@@ -85,6 +90,7 @@ if str(ROOT) not in sys.path:
 from bench.machine import describe  # noqa: E402
 from pdps.core.job import Keys  # noqa: E402
 from pdps.registry import open_store  # noqa: E402
+from pdps.runtime.resizing import read_map, read_resize  # noqa: E402
 
 JOB = "bench-recovery"
 TARGET = "pdps.examples.digits:train"
@@ -101,10 +107,11 @@ STOP_S = 2 * GRACE_S + 20  # the launcher must exit this long after SIGTERM
 LAUNCH_TIMEOUT_S = 900.0  # the launcher's own --timeout: it never outlives a stuck run by much
 IMPORT_S = 120.0  # one `python -c "import torch, pdps"`
 ROUNDS_PAST_CHECKPOINT = 2  # "advancing": this many rounds past the checkpoint are closed
-STAGES = ("respawned", "claim_gone", "serving", "claimed", "epoch", "noticed", "resumed")
+STAGES = ("respawned", "claim_gone", "failed_over", "serving", "claimed", "epoch", "noticed", "resumed")
 STAGE_LABELS = {
     "respawned": "respawned",
     "claim_gone": "claim gone",
+    "failed_over": "failed over",
     "serving": "serving",
     "claimed": "claimed",
     "epoch": "epoch",
@@ -245,6 +252,21 @@ class JobView:
     def claim(self) -> Any:
         return self.store.get(self.keys.pserver(VICTIM))
 
+    def newest_closed(self, epoch: int, closed: int) -> int:
+        """The newest closed round of ``epoch``, from ``closed``, one known closed (rounds close in order)."""
+        while self.closed(epoch, closed + 1):
+            closed += 1
+        return closed
+
+    def slot_map(self) -> Any:
+        return read_map(self.store, self.keys)
+
+    def replicated(self) -> bool:
+        """Every slot has all its copies and no resize (re-replication) is under way: a
+        kill now is one a job with replicas survives without a rollback."""
+        resize, _ = read_resize(self.store, self.keys)
+        return not self.slot_map().under_replicated() and (resize is None or not resize.active)
+
 
 def wait_for(what: str, timeout: float, poll: float, check: Any, launcher: subprocess.Popen) -> Any:
     """Call ``check()`` every ``poll`` seconds until it returns something truthy; its value."""
@@ -269,27 +291,54 @@ def ready_checkpoint(view: JobView) -> dict[str, Any] | None:
         return None
     if not view.closed(int(ep["epoch"]), int(ptr["round"]) + ROUNDS_PAST_CHECKPOINT):
         return None
-    return {"pointer": ptr, "epoch": ep}
+    return {"pointer": ptr, "epoch": ep, "closed": int(ptr["round"]) + ROUNDS_PAST_CHECKPOINT}
+
+
+def ready_replicated(view: JobView, closed: int, poll: float, launcher: subprocess.Popen) -> dict[str, Any]:
+    """With replicas: once every slot has all its copies again (the last kill's
+    re-replication done) and training has gone ``ROUNDS_PAST_CHECKPOINT`` rounds past that.
+    ``closed``: a round of the current epoch known closed (the rounds are probed from it)."""
+    wait_for("every slot with all its copies (re-replication done)", CHECKPOINT_S, poll, view.replicated, launcher)
+    ep = view.epoch()
+    closed = view.newest_closed(int(ep["epoch"]), closed)
+    wait_for("training after re-replication", CHECKPOINT_S, poll, lambda: view.closed(int(ep["epoch"]), closed + ROUNDS_PAST_CHECKPOINT), launcher)
+    return {"pointer": view.pointer(), "epoch": ep, "closed": closed + ROUNDS_PAST_CHECKPOINT}
 
 
 # --- one kill and recovery ----------------------------------------------------------------
 
 
-def kill_and_recover(view: JobView, launcher: subprocess.Popen, log: LauncherLog, poll: float, repeat: int) -> dict[str, Any]:
-    got = wait_for("checkpoint of the current epoch followed by training", STARTUP_S if repeat == 0 else CHECKPOINT_S, poll, lambda: ready_checkpoint(view), launcher)
+def kill_and_recover(view: JobView, launcher: subprocess.Popen, log: LauncherLog, poll: float, repeat: int, *, replicas: int = 1, closed: int = 0) -> dict[str, Any]:
+    """Kill pserver ``VICTIM`` once the job is ready for it, and time what follows.
+
+    Ready once a checkpoint of the current epoch is followed by training. Replicas = 1:
+    the kill rolls the job back to it, and training has resumed when a round of the new
+    epoch closes. Replicas > 1: ready once every slot has all its copies too; a backup takes
+    over with no rollback, and training has resumed when the round after the one under
+    way at the kill closes (every trainer has pulled the round under way, from the slots'
+    new primaries, and pushed the next one). ``closed``: a round of the current epoch
+    known closed (where the replicated job's rounds are probed from).
+    """
+    timeout = STARTUP_S if repeat == 0 else CHECKPOINT_S
+    # with replicas too: the first kill comes as late in the job as with one copy, not in its first rounds
+    got = wait_for("checkpoint of the current epoch followed by training", timeout, poll, lambda: ready_checkpoint(view), launcher)
+    if replicas > 1:
+        got = ready_replicated(view, max(closed, got["closed"]), poll, launcher)
     ptr, ep = got["pointer"], got["epoch"]
     epoch_before = int(ep["epoch"])
-    last = int(ptr["round"]) + ROUNDS_PAST_CHECKPOINT
-    while view.closed(epoch_before, last + 1):  # the newest closed round, a few reads
-        last += 1
     victim = wait_for(f"pserver {VICTIM} process", PID_S, poll, lambda: pserver_pid(launcher.pid, VICTIM), launcher)
     old = view.claim()
     if old is None:
         raise BenchFailed(f"ps/{VICTIM} is not claimed while the job trains")
+    map_before = view.slot_map().version
 
     t0 = time.monotonic()
     os.kill(victim, signal.SIGKILL)
-    say(f"repeat {repeat + 1}: killed pserver {VICTIM} (pid {victim}) after round {last} of epoch {epoch_before}; checkpoint {ptr['id']} (round {ptr['round']})")
+    # the newest closed round, read after the kill: a round that closed meanwhile only makes the wait longer
+    last = view.newest_closed(epoch_before, got["closed"])
+    resumed_round = last + 2  # replicas: the round under way at the kill (last + 1) may have been pushed before it
+    where = f"checkpoint {ptr['id']} (round {ptr['round']})" if ptr else "no checkpoint yet"
+    say(f"repeat {repeat + 1}: killed pserver {VICTIM} (pid {victim}) after round {last} of epoch {epoch_before}; {where}")
 
     at: dict[str, float] = {}
     notes: list[str] = []
@@ -315,6 +364,8 @@ def kill_and_recover(view: JobView, launcher: subprocess.Popen, log: LauncherLog
                     at["claim_gone"] = now
                     notes.append("the free ps/1 was never seen between polls: claim gone = claimed")
                 at["claimed"] = now
+        if replicas > 1 and "failed_over" not in at and view.slot_map().version > map_before:
+            at["failed_over"] = now
         ep = view.epoch()
         if int(ep["epoch"]) > epoch_before:
             if int(ep["epoch"]) not in epochs_seen:
@@ -324,6 +375,8 @@ def kill_and_recover(view: JobView, launcher: subprocess.Popen, log: LauncherLog
             new_epoch = ep
             if view.any_closed(int(ep["epoch"])) is not None:
                 at["resumed"] = now
+        elif view.closed(epoch_before, resumed_round):
+            at["resumed"] = now
         for stage, pattern in (("serving", serving), ("noticed", noticed)):
             if stage not in at:
                 line_at = log.first(t0, pattern)
@@ -350,12 +403,15 @@ def kill_and_recover(view: JobView, launcher: subprocess.Popen, log: LauncherLog
     return {
         "repeat": repeat + 1,
         "ok": "resumed" in at,
+        "replicas": replicas,
         "killed_pid": victim,
         "new_pid": new_pid,
         "epoch_before": epoch_before,
-        "checkpoint": ptr["id"],
-        "checkpoint_round": int(ptr["round"]),
+        "checkpoint": ptr["id"] if ptr else None,
+        "checkpoint_round": int(ptr["round"]) if ptr else None,
         "last_round_before_kill": last,
+        "resumed_round": None if new_epoch else resumed_round,
+        "rolled_back": bool(epochs_seen),
         "new_epoch": new_epoch,
         "epochs_seen": epochs_seen,
         "seconds": {stage: at[stage] - t0 for stage in STAGES if stage in at},
@@ -368,13 +424,14 @@ def kill_and_recover(view: JobView, launcher: subprocess.Popen, log: LauncherLog
 # --- the run ------------------------------------------------------------------------------
 
 
-def launch_argv(store_url: str, checkpoint_dir: Path, lease_ttl: float, checkpoint_every: int, repeats: int) -> list[str]:
+def launch_argv(store_url: str, checkpoint_dir: Path, lease_ttl: float, checkpoint_every: int, repeats: int, *, replicas: int = 1, job: str = JOB) -> list[str]:
     return [
         sys.executable, "-m", "pdps", "launch",
         "--store", store_url,
-        "--job", JOB,
+        "--job", job,
         "--trainers", str(TRAINERS),
         "--pservers", str(PSERVERS),
+        "--replicas", str(replicas),
         "--mode", "sync",
         "--restart", "on-failure",
         "--max-restarts", str(repeats + 2),
@@ -401,6 +458,58 @@ def stop_launcher(launcher: subprocess.Popen) -> int | None:
     return launcher.returncode
 
 
+def recoveries(
+    store_url: str, lease_ttl: float, repeats: int, checkpoint_every: int, *, replicas: int = 1, poll: float = 0.02, log_path: str | None = None, job: str = JOB
+) -> dict[str, Any]:
+    """Launch the job on the etcd at ``store_url``, kill pserver 1 ``repeats`` times and time
+    each recovery: ``{"command_launch", "replicas", "results", "medians", "error", "log_tail",
+    "launcher_exit"}`` (``medians``: of each stage over the repeats that resumed)."""
+    workdir = Path(tempfile.mkdtemp(prefix="pdps-bench-recovery-"))
+    log = LauncherLog(Path(log_path) if log_path else workdir / "launcher.log")
+    results: list[dict[str, Any]] = []
+    error: str | None = None
+    launcher_rc: int | None = None
+    argv: list[str] = []
+    try:
+        with contextlib.ExitStack() as stack:
+            store = open_store(store_url)
+            stack.callback(store.close)
+            view = JobView(store, Keys(job))
+            checkpoint_dir = workdir / "checkpoints"
+            checkpoint_dir.mkdir()
+            argv = launch_argv(store_url, checkpoint_dir, lease_ttl, checkpoint_every, repeats, replicas=replicas, job=job)
+            say("starting: " + " ".join(shlex.quote(a) for a in argv))
+            launcher = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+            log.follow(launcher.stdout)
+            try:
+                closed = 0
+                for k in range(repeats):
+                    r = kill_and_recover(view, launcher, log, poll, k, replicas=replicas, closed=closed)
+                    results.append(r)
+                    closed = r["resumed_round"] or 0  # where the next repeat probes the rounds from (same epoch)
+                    s = r["seconds"]
+                    say(f"repeat {k + 1}: " + ", ".join(f"{STAGE_LABELS[x]} {s[x]:.3f}" for x in STAGES if x in s) + (f"; {'; '.join(r['notes'])}" if r["notes"] else ""))
+                    if not r["ok"]:
+                        error = f"repeat {k + 1}: training did not resume ({'; '.join(r['notes']) or 'see the log'})"
+                        break
+            except BenchFailed as exc:
+                error = str(exc)
+            finally:
+                launcher_rc = stop_launcher(launcher)
+                log.close()
+    finally:
+        tail = log.tail(60) if error else []
+        if log_path is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+        else:
+            shutil.rmtree(workdir / "checkpoints", ignore_errors=True)
+            with contextlib.suppress(OSError):
+                workdir.rmdir()
+    ok = [r for r in results if r["ok"]]
+    medians = {stage: statistics.median(r["seconds"][stage] for r in ok if stage in r["seconds"]) for stage in STAGES if any(stage in r["seconds"] for r in ok)}
+    return {"command_launch": argv, "replicas": replicas, "results": results, "medians": medians, "error": error, "log_tail": tail, "launcher_exit": launcher_rc}
+
+
 def run(
     lease_ttl: float = 2.0,
     repeats: int = 3,
@@ -420,53 +529,11 @@ def run(
     say(f"baseline: {restart_samples} runs of python -c 'import torch, pdps' (after 1 untimed)")
     restart = restart_seconds(restart_samples)
     say(f"baseline: restart {statistics.median(restart):.3f} s (median)")
-    workdir = Path(tempfile.mkdtemp(prefix="pdps-bench-recovery-"))
-    log = LauncherLog(Path(log_path) if log_path else workdir / "launcher.log")
-    results: list[dict[str, Any]] = []
-    error: str | None = None
-    launcher: subprocess.Popen | None = None
-    launcher_rc: int | None = None
-    argv: list[str] = []
-    try:
-        with contextlib.ExitStack() as stack:
-            server = EtcdServer()
-            stack.callback(server.stop)
-            server.start()
-            store = open_store(server.url)
-            stack.callback(store.close)
-            view = JobView(store, Keys(JOB))
-            checkpoint_dir = workdir / "checkpoints"
-            checkpoint_dir.mkdir()
-            argv = launch_argv(server.url, checkpoint_dir, lease_ttl, checkpoint_every, repeats)
-            say("starting: " + " ".join(shlex.quote(a) for a in argv))
-            launcher = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
-            log.follow(launcher.stdout)
-            try:
-                for k in range(repeats):
-                    r = kill_and_recover(view, launcher, log, poll, k)
-                    results.append(r)
-                    s = r["seconds"]
-                    say(f"repeat {k + 1}: " + ", ".join(f"{STAGE_LABELS[x]} {s[x]:.3f}" for x in STAGES if x in s) + (f"; {'; '.join(r['notes'])}" if r["notes"] else ""))
-                    if not r["ok"]:
-                        error = f"repeat {k + 1}: training did not resume ({'; '.join(r['notes']) or 'see the log'})"
-                        break
-            except BenchFailed as exc:
-                error = str(exc)
-            finally:
-                launcher_rc = stop_launcher(launcher)
-                log.close()
-    finally:
-        tail = log.tail(60) if error else []
-        if log_path is None:
-            shutil.rmtree(workdir, ignore_errors=True)
-        else:
-            shutil.rmtree(workdir / "checkpoints", ignore_errors=True)
-            with contextlib.suppress(OSError):
-                workdir.rmdir()
+    with EtcdServer() as server:
+        got = recoveries(server.url, lease_ttl, repeats, checkpoint_every, poll=poll, log_path=log_path)
     etcd_ttl = float(math.ceil(lease_ttl))
     restart_s = statistics.median(restart)
-    ok = [r for r in results if r["ok"]]
-    medians = {stage: statistics.median(r["seconds"][stage] for r in ok if stage in r["seconds"]) for stage in STAGES if any(stage in r["seconds"] for r in ok)}
+    medians = got["medians"]
     ratios = {}
     if "resumed" in medians:
         ratios = {
@@ -475,7 +542,7 @@ def run(
         }
     return {
         "bench": "recovery",
-        "command_launch": argv,
+        "command_launch": got["command_launch"],
         "lease_ttl": lease_ttl,
         "lease_ttl_etcd": etcd_ttl,
         "repeats": repeats,
@@ -486,12 +553,12 @@ def run(
         "poll_s": poll,
         "restart_s": restart,
         "restart_median_s": restart_s,
-        "results": results,
+        "results": got["results"],
         "medians": medians,
         "ratios": ratios,
-        "error": error,
-        "log_tail": tail,
-        "launcher_exit": launcher_rc,
+        "error": got["error"],
+        "log_tail": got["log_tail"],
+        "launcher_exit": got["launcher_exit"],
         "log_path": log_path,
         "machine": describe("torch", "grpcio", "pdps", etcd=etcd_version()),
         "loadavg_start": loadavg_start,
@@ -535,15 +602,16 @@ def print_report(report: dict[str, Any], command: str) -> None:
     for r in report["results"]:
         s = r["seconds"]
         cells = " ".join(f"{s[x]:>10.3f}" if x in s else f"{'-':>10}" for x in STAGES)
-        print(f"{r['repeat']:<7} {r['checkpoint_round']:>10} {r['last_round_before_kill']:>9} {cells} {','.join(map(str, r['epochs_seen'])) or '-':>7} {r['cpu_busy']:>8.0%}")
+        print(f"{r['repeat']:<7} {r['checkpoint_round'] if r['checkpoint_round'] is not None else '-':>10} {r['last_round_before_kill']:>9} {cells} {','.join(map(str, r['epochs_seen'])) or '-':>7} {r['cpu_busy']:>8.0%}")
     med = report["medians"]
     if med:
         print(f"{'median':<7} {'':>10} {'':>9} " + " ".join(f"{med[x]:>10.3f}" if x in med else f"{'-':>10}" for x in STAGES))
-    print("(seconds after the SIGKILL; ckpt round: the round the job rolls back to; killed at: the newest closed round seen")
-    print(" just before the kill; respawned: the launcher started a new pserver 1; claim gone: ps/1 expired; serving: the new")
+    print("(seconds after the SIGKILL; ckpt round: the round the job rolls back to; killed at: the newest closed round")
+    print(" read just after the kill; respawned: the launcher started a new pserver 1; claim gone: ps/1 expired; serving: the new")
     print(" pserver logged it serves; claimed: it holds ps/1; epoch: the rollback's new epoch record; noticed: a trainer")
     print(" logged that pserver 1 moved; resumed: a round of the new epoch closed; epochs: the epoch numbers seen after the")
-    print(" kill; cpu busy: the whole machine's, from the kill to the resumption)")
+    print(" kill; cpu busy: the whole machine's, from the kill to the resumption; failed over, with replicas only: the slot")
+    print(" map changed, a backup promoted)")
     if med:
         pairs = [
             ("claim gone - kill", "claim_gone", None),

@@ -113,8 +113,35 @@ def elastic_json(pause=0.2, restart=6.0, moved=1.0):
     }
 
 
+def replicas_json(r1=5.0, r2=2.2, sync=0.9, async_=0.85, ttl=2.0, async_refused=None):
+    def row(mode, replicas, rate):
+        return {"mode": mode, "replicas": replicas, "trainers": 2, "pservers": 2, "samples_per_s": rate, "steps_per_s": rate / 64}
+
+    throughput = [row("sync", 1, 400.0), row("sync", 2, 400.0 * sync), row("async", 1, 500.0)]
+    if async_refused:
+        throughput.append({"mode": "async", "replicas": 2, "trainers": 2, "pservers": 2, "not_run": async_refused})
+        async_ratio = {"value": None, "mode": "async", "not_run": f"async, replicas = 2: {async_refused}"}
+    else:
+        throughput.append(row("async", 2, 500.0 * async_))
+        async_ratio = {"value": async_, "mode": "async", "r1_samples_per_s": 500.0, "r2_samples_per_s": 500.0 * async_}
+    return {
+        "config": {"lease_ttl": ttl, "repeats": 3, "roles": "processes"},
+        "failover": {"lease_ttl_s": ttl, "lease_ttl_etcd_s": ttl, "runs": [
+            {"replicas": 1, "resumed_s": r1, "kills_s": [r1] * 3, "rounds_retrained": [2, 4, 3], "rollbacks": 3},
+            {"replicas": 2, "resumed_s": r2, "kills_s": [r2] * 3, "rounds_retrained": [0, 0, 0], "rollbacks": 0},
+        ]},
+        "throughput": throughput,
+        "ratios": {
+            "resumed_beyond_ttl": {"value": r2 - ttl, "resumed_s": r2, "lease_ttl_s": ttl},
+            "resumed_r1_vs_r2": {"value": r1 / r2, "r1_s": r1, "r2_s": r2},
+            "sync_r2_vs_r1": {"value": sync, "mode": "sync", "r1_samples_per_s": 400.0, "r2_samples_per_s": 400.0 * sync},
+            "async_r2_vs_r1": async_ratio,
+        },
+    }
+
+
 FAKES = {"transport": transport_json, "master": master_json, "checkpoint": checkpoint_json, "end-to-end": e2e_json, "scale": scale_json,
-         "elastic": elastic_json}
+         "elastic": elastic_json, "replicas": replicas_json}
 MACHINE = {"cpu_count": 2, "cpu_model": "Fake CPU 9000", "memory_gib": 7.5, "python": "3.11.7", "torch": "2.13.0", "etcd": "etcd Version: 3.4.23"}
 
 
@@ -228,6 +255,34 @@ def test_a_failed_run_leaves_its_targets_not_run():
     assert tg.failing([verdicts["checkpoint.save"]])
 
 
+def test_replicas_targets_compare_failover_with_the_lease_ttl_and_the_rollback():
+    verdicts = by_id(tg.evaluate({"replicas": [replicas_json(r1=3.3, r2=2.5), replicas_json(r1=3.0, r2=2.6)]}))
+    beyond = verdicts["replicas.resumed_beyond_ttl"]
+    assert beyond["values"] == [pytest.approx(0.5), pytest.approx(0.6)] and beyond["unit"] == "s" and beyond["status"] == tg.MISSED
+    assert "stability.replicas.resumed_beyond_ttl" not in verdicts  # an absolute figure
+    assert verdicts["replicas.resumed_r1_vs_r2"]["values"] == [pytest.approx(3.3 / 2.5), pytest.approx(3.0 / 2.6)]
+    assert verdicts["replicas.resumed_r1_vs_r2"]["status"] == tg.MISSED  # 2x wanted
+    assert verdicts["replicas.sync_r2_vs_r1"]["status"] == tg.MET
+    line = next(line for line in rp.check_lines(results_of({"replicas": ran(replicas_json(r2=2.5))})) if " replicas.resumed_beyond_ttl " in line)
+    assert line.startswith("MET ") and "0.5 s  (threshold <= 0.5 s)" in line  # a threshold below 1 is not rounded to 0
+
+
+def test_a_configuration_the_suite_could_not_run_leaves_its_target_not_run_with_the_reason():
+    refused = "ConfigError: job 'x' asks for replicas = 2 in async mode"
+    verdicts = by_id(tg.evaluate({"replicas": [replicas_json(async_refused=refused)] * 2}))
+    v = verdicts["replicas.async_r2_vs_r1"]
+    assert v["status"] == tg.NOT_RUN and v["values"] == [None, None] and not v["errors"]
+    assert refused in v["not_run"][0] and tg.failing([v]) == [v]
+    assert verdicts["stability.replicas.async_r2_vs_r1"]["status"] == tg.NOT_RUN
+    assert verdicts["replicas.sync_r2_vs_r1"]["status"] == tg.MET  # the other rows are judged as usual
+    results = results_of({"replicas": ran(replicas_json(async_refused=refused), replicas_json(async_refused=refused))})
+    line = next(line for line in rp.check_lines(results) if " replicas.async_r2_vs_r1 " in line)
+    assert line.startswith("NOT RUN ") and refused in line
+    assert f"- replicas suite: async_r2_vs_r1 not run: async, replicas = 2: {refused}" in rp.render_markdown(results, {})
+    names = [name for name, _, _ in tg.suite_figures("replicas", replicas_json(async_refused=refused))]
+    assert "async, replicas = 1" in names and "async, replicas = 2" not in names and "async_r2_vs_r1" not in names
+
+
 def test_suites_not_run_have_no_verdicts():
     assert {v["suite"] for v in tg.evaluate({"checkpoint": [checkpoint_json()]})} == {"checkpoint"}
 
@@ -316,6 +371,7 @@ def full_results(**checkpoint):
         "end-to-end": ran(e2e_json(), e2e_json()),
         "scale": ran(scale_json(), scale_json()),
         "elastic": ran(elastic_json(), elastic_json()),
+        "replicas": ran(replicas_json(), replicas_json()),
     })
 
 

@@ -39,6 +39,8 @@ PLOTS: dict[str, PlotSpec] = {
                       "x", "growth (log scale)", log=True),
     "elastic": PlotSpec("Elastic: each resize's wall time and longest trainer pause vs stop, checkpoint, restart",
                         "s", "seconds (log scale)", log=True),
+    "replicas": PlotSpec("Replicas: SIGKILL of a pserver -> training resumed, replicas = 2 (failover) vs 1 (rollback)",
+                         "s", "seconds after the kill", lines=("lease TTL",)),
 }
 
 

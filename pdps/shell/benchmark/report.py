@@ -145,6 +145,8 @@ def check_lines(results: Mapping[str, Any]) -> list[str]:
         line = f"{v['status']:<11} {v['id']:<{width}}  {figures}  (threshold {tg.format_threshold(v)})"
         if v["errors"]:
             line += f": {v['errors'][0]}"
+        elif v.get("not_run"):
+            line += f": {v['not_run'][0]}"
         elif v["status"] == tg.NOT_CHECKED:
             line += ": needs 2 or more runs (--runs)"
         lines.append(line)
@@ -270,6 +272,8 @@ def render_markdown(results: Mapping[str, Any], notes: Mapping[str, str], *, res
             out += [f"- {d}" if _is_stability(v) else f"- run {i}: {d}"]
         for e in v["errors"]:
             out += [f"- error: {e}"]
+        for r in v.get("not_run", ()):
+            out += [f"- {r}"]
         note = notes.get(v["id"])
         out += ["", note.strip() if note else "_No explanation yet: add one to `bench/notes.toml` under this target's id._"]
     return "\n".join(out) + "\n"

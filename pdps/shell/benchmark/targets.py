@@ -24,7 +24,7 @@ from pdps.core.errors import PdpsError
 
 MET, MISSED, ERROR, NOT_RUN, NOT_CHECKED = "MET", "MISSED", "ERROR", "NOT RUN", "NOT CHECKED"
 STABILITY = 0.15  # two consecutive runs agree on each ratio within 15%
-SUITES = ("transport", "master", "checkpoint", "end-to-end", "scale", "elastic")
+SUITES = ("transport", "master", "checkpoint", "end-to-end", "scale", "elastic", "replicas")
 
 
 class BenchError(PdpsError):
@@ -37,6 +37,13 @@ class SuiteOutputError(BenchError):
     """A suite's JSON lacks a key pdps bench reads, or holds something else than expected."""
 
     code = "bench_output"
+
+
+class FigureNotRun(BenchError):
+    """A suite ran but says it could not measure a figure, and why (e.g. a configuration
+    this version refuses): the target is NOT RUN, with the reason."""
+
+    code = "bench_not_run"
 
 
 Report = Mapping[str, Any]
@@ -301,6 +308,39 @@ def elastic_detail(name: str) -> Callable[[Report], str]:
     return detail
 
 
+# replicas: {"failover": {"lease_ttl_etcd_s", "runs": [{"replicas", "resumed_s", "kills_s", "rounds_retrained", ...}]},
+#            "throughput": [{"mode", "replicas", "samples_per_s"} | {"mode", "replicas", "not_run"}],
+#            "ratios": {name: {"value", ...} | {"value": None, "not_run"}}}
+
+
+def replicas_ratio(name: str) -> Callable[[Report], float]:
+    def figure(report: Report) -> float:
+        r = get(report, "ratios", name, suite="replicas")
+        if isinstance(r, Mapping) and r.get("not_run"):
+            raise FigureNotRun(f"replicas suite: {name} not run: {r['not_run']}")
+        return number(get(r, "value", suite="replicas"), f"ratios.{name}.value", suite="replicas")
+
+    return figure
+
+
+def replicas_detail(name: str) -> Callable[[Report], str]:
+    def detail(report: Report) -> str:
+        r = get(report, "ratios", name, suite="replicas")
+        if r.get("not_run"):
+            return f"not run: {r['not_run']}"
+        if name == "resumed_beyond_ttl":
+            return f"replicas = 2: resumed {float(r['resumed_s']):.2f} s after the kill (median); lease TTL {float(r['lease_ttl_s']):g} s"
+        if name == "resumed_r1_vs_r2":
+            return f"kill -> resumed, medians: replicas = 1 (rollback) {float(r['r1_s']):.2f} s; replicas = 2 (failover) {float(r['r2_s']):.2f} s"
+        return f"{r.get('mode')}: replicas = 2 {float(r['r2_samples_per_s']):,.0f} samples/s; replicas = 1 {float(r['r1_samples_per_s']):,.0f} samples/s"
+
+    return detail
+
+
+def _replicas(id: str, description: str, threshold: float, **kw: Any) -> Target:
+    return Target(f"replicas.{id}", "replicas", description, threshold, replicas_ratio(id), replicas_detail(id), **kw)
+
+
 # --- the table ---------------------------------------------------------------------------
 
 TARGETS: tuple[Target, ...] = (
@@ -339,6 +379,11 @@ TARGETS: tuple[Target, ...] = (
            10.0, elastic_ratio("pause_vs_restart"), elastic_detail("pause_vs_restart")),
     Target("elastic.bytes_vs_minimum", "elastic", "bytes a resize moved / the minimum from its two slot maps, the worst resize",
            1.05, elastic_ratio("bytes_vs_minimum"), elastic_detail("bytes_vs_minimum"), at_most=True),
+    _replicas("resumed_beyond_ttl", "SIGKILL of a pserver -> training resumed with replicas = 2, beyond the lease TTL (2 s); "
+              "sync, 2 pservers, gRPC + etcd, median of the kills", 0.5, unit="s", at_most=True),
+    _replicas("resumed_r1_vs_r2", "kill -> resumed with replicas = 1 (rollback to a checkpoint) / with replicas = 2 (failover)", 2.0),
+    _replicas("sync_r2_vs_r1", "training samples/s with replicas = 2 / replicas = 1, sync, 10M-parameter MLP, 2 trainers + 2 pservers over gRPC", 0.8),
+    _replicas("async_r2_vs_r1", "training samples/s with replicas = 2 / replicas = 1, async, 10M-parameter MLP, 2 trainers + 2 pservers over gRPC", 0.8),
 )
 
 
@@ -397,6 +442,23 @@ def suite_figures(suite: str, report: Report) -> list[tuple[str, float, str]]:
                 out.append((f"{label}: bytes minimum", number(x.get("bytes_minimum"), f"{label} bytes_minimum", suite=suite), "B"))
         for name, r in get(report, "ratios", suite=suite).items():
             out.append((name, number(r.get("value"), f"ratios.{name}", suite=suite), "x"))
+    elif suite == "replicas":
+        failover = get(report, "failover", suite=suite)
+        out.append(("lease TTL", number(get(failover, "lease_ttl_etcd_s", suite=suite), "failover.lease_ttl_etcd_s", suite=suite), "s"))
+        for r in get(failover, "runs", suite=suite):
+            label = f"replicas = {r['replicas']}"
+            out.append((f"{label}: kill -> resumed", number(r.get("resumed_s"), f"{label} resumed_s", suite=suite), "s"))
+            retrained = get(r, "rounds_retrained", suite=suite)
+            out.append((f"{label}: rounds retrained per kill", sum(retrained) / max(1, len(retrained)), "rounds"))
+        for r in get(report, "throughput", suite=suite):
+            if not r.get("not_run"):  # a configuration not run shows under its target
+                label = f"{r['mode']}, replicas = {r['replicas']}"
+                out.append((label, number(r.get("samples_per_s"), f"{label} samples_per_s", suite=suite), "samples/s"))
+        for name, r in get(report, "ratios", suite=suite).items():
+            if name == "resumed_beyond_ttl":
+                out.append(("replicas = 2: resumed beyond the lease TTL", replicas_ratio(name)(report), "s"))
+            elif not r.get("not_run"):
+                out.append((name, number(r.get("value"), f"ratios.{name}", suite=suite), "x"))
     else:
         raise BenchError(f"unknown suite {suite!r}; choose from {', '.join(SUITES)}")
     return out
@@ -431,7 +493,9 @@ def evaluate(reports: Mapping[str, Sequence[Report | None]], targets: Sequence[T
     """The verdict on every target of the suites in ``reports``, then the stability verdicts.
 
     ``reports[suite]`` holds each run's JSON in order (None for a run that failed). A
-    target of a suite that was not run is left out; one whose suite failed is NOT RUN.
+    target of a suite that was not run is left out; one whose suite failed, or whose
+    suite says it could not measure its figure (:class:`FigureNotRun`, the reason under
+    ``not_run``), is NOT RUN.
     """
     verdicts: list[dict[str, Any]] = []
     stability: list[dict[str, Any]] = []
@@ -442,12 +506,17 @@ def evaluate(reports: Mapping[str, Sequence[Report | None]], targets: Sequence[T
         values: list[float | None] = []
         errors: list[str] = []
         details: list[str] = []
+        not_run: list[str] = []  # why a run that worked did not measure the figure
         for report in runs:
             if report is None:
                 values.append(None)
                 continue
             try:
                 values.append(t.figure(report))
+            except FigureNotRun as exc:
+                values.append(None)
+                not_run.append(str(exc))
+                continue
             except SuiteOutputError as exc:
                 values.append(None)
                 errors.append(str(exc))
@@ -476,6 +545,7 @@ def evaluate(reports: Mapping[str, Sequence[Report | None]], targets: Sequence[T
                 "status": status,
                 "details": details,
                 "errors": errors,
+                "not_run": not_run,
             }
         )
         if t.is_ratio:
@@ -499,6 +569,7 @@ def evaluate(reports: Mapping[str, Sequence[Report | None]], targets: Sequence[T
                     "status": s_status,
                     "details": [f"{t.id} per run: " + ", ".join("-" if v is None else f"{v:.3f}" for v in values)],
                     "errors": [],
+                    "not_run": [],
                 }
             )
     return verdicts + stability
@@ -521,5 +592,5 @@ def format_value(value: float | None, unit: str) -> str:
 
 def format_threshold(verdict: Mapping[str, Any]) -> str:
     value, unit = verdict["threshold"], verdict["unit"]
-    shown = f"{100 * value:g}%" if unit == "fraction" else f"{value:g}x" if unit == "x" else f"{value:,.0f} {unit}"
+    shown = f"{100 * value:g}%" if unit == "fraction" else f"{value:g}x" if unit == "x" else f"{value:,g} {unit}"
     return f"{verdict['comparison']} {shown}"

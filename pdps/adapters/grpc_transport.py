@@ -76,6 +76,7 @@ MAX_CHUNK_BYTES = 16 << 20
 MAX_FRAME_BYTES = MAX_CHUNK_BYTES + (1 << 20)
 #: Seconds in-flight calls get to finish when an endpoint closes.
 CLOSE_GRACE = 1.0
+REFUSES_PROBE_S = 0.5  # ``refuses``: a connect that has not been refused by then cannot tell
 #: Receive buffers kept for reuse by the process (see _BufferPool): how many, how many
 #: bytes in all, and the smallest worth keeping.
 POOLED_BUFFERS = 8
@@ -1396,6 +1397,16 @@ class GrpcTransport:
 
     def connect(self, address: str) -> GrpcChannel:
         return GrpcChannel(self, address)
+
+    def refuses(self, address: str) -> bool:
+        host, port = _split(address)
+        try:
+            socket.create_connection((host, port), timeout=REFUSES_PROBE_S).close()
+        except ConnectionRefusedError:
+            return True
+        except OSError:  # a timeout, an unreachable host: cannot tell
+            return False
+        return False
 
     def _bulk_peer(self, address: str) -> _BulkPeer:
         with self._bulk_lock:

@@ -120,3 +120,7 @@ class InprocTransport:
 
     def connect(self, address: str) -> InprocChannel:
         return InprocChannel(address)
+
+    def refuses(self, address: str) -> bool:
+        with _services_lock:
+            return _name(address) not in _services

@@ -81,6 +81,14 @@ class Transport(Protocol):
 
     def connect(self, address: str) -> Channel: ...
 
+    def refuses(self, address: str) -> bool:
+        """True when nothing serves at ``address`` for sure (in process: no such
+        endpoint; over TCP: the connection is refused, the listening socket is gone with
+        its process). False when something may: it answers, or the probe cannot tell (a
+        timeout, an unreachable host). A failure detector's fast path: a False answer
+        leaves the slow, safe one (a lease running out) to decide."""
+        ...
+
 
 @runtime_checkable
 class ChannelStats(Protocol):

@@ -238,7 +238,7 @@ class Master:
         t = threading.Thread(target=self._timer_loop, name="pdps-master-timer", daemon=True)
         t.start()
         self._threads.append(t)
-        resizer = ResizeDriver(self._store, self.config, self._fence, self._stopped)
+        resizer = ResizeDriver(self._store, self.config, self._fence, self._stopped, self._transport)
         t = threading.Thread(target=resizer.run, name="pdps-master-resizer", daemon=True)
         t.start()
         self._threads.append(t)

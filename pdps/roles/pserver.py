@@ -705,6 +705,9 @@ class Pserver:
         """Async (lock held, the step just applied): queue its gradient for each backup,
         behind what was queued for it before."""
         assert self._slot_map is not None
+        if self._forwards and self.config.optimizer_args.get("maximize"):
+            # a maximizing rule may negate its gradients in place while the forwards are read
+            tensors = [t.clone() for t in tensors]  # type: ignore[attr-defined]
         queued = []
         for backup, request in self._forwards_of(req, indices, tensors, primary=self.index, incarnation=self.incarnation):
             seq = self._sent_seq[backup] = self._sent_seq.get(backup, 0) + 1
@@ -800,8 +803,10 @@ class Pserver:
             raise errors[0]
 
     def _push_async(self, req: PushRequest, shard: ParameterShard, began: float) -> tuple[PushReply, list[_Forward]]:
-        """Async (lock held): apply the push, or stage its piece; and queue what it
-        applied for the backups of its blocks (the caller waits for them off the lock)."""
+        """Async (lock held): apply the push, or stage its piece. What it applies is
+        queued for the backups of its blocks first (checked already, it cannot be
+        refused now), so they apply it while this pserver does; the caller waits for
+        them off the lock."""
         trainer = req.trainer
         seen = req.require("updates")
         if not req.part:
@@ -810,14 +815,14 @@ class Pserver:
             self._check_updates(seen, trainer)
             if self._applied_already(req.records):
                 return PushReply(**self._state(), update_s=time.perf_counter() - began, duplicate=True), []
+            queued = self._queue_forwards(req, indices, req.tensors)
             shard.apply(req.tensors, indices)
-            applied: tuple[Sequence[int] | None, Sequence[object]] = (indices, req.tensors)
         else:
             outcome, staged = self._stage_piece(shard, req, seen)
             if staged is None:
                 return PushReply(**self._state(), update_s=time.perf_counter() - began, duplicate=outcome == "duplicate"), []
-            applied = staged
-        queued = self._queue_forwards(req, *applied)
+            queued = self._queue_forwards(req, *staged)
+            shard.apply_staged_step(trainer)
         self.version += 1
         for slot in self._my_slots:
             self.applied_by_slot[slot] = self.applied_by_slot.get(slot, 0) + 1
@@ -840,7 +845,7 @@ class Pserver:
         once every pserver has accepted every piece. A step with a non-finite slot on any
         pserver thus changes nothing anywhere. ``first`` opens a step, dropping what an
         unfinished one staged; a refused piece voids the step here. Returns "staged",
-        "applied" with the step applied (its shard positions and gradients), or
+        "ready" with the step to apply (its shard positions and staged gradients), or
         "duplicate" (a final whose records were applied here already)."""
         trainer = req.trainer
         if req.first:
@@ -859,9 +864,9 @@ class Pserver:
             shard.unstage(trainer)
             return "duplicate", None
         step = shard.staged_step(trainer)  # views of its staging buffer: the trainer stages nothing until it is answered
-        if not shard.apply_staged_step(trainer):
+        if not step[0]:
             raise StalePush(f"pserver {self.index} holds no piece of the step trainer {trainer!r} ends (dropped meanwhile): pull and compute again")
-        return "applied", step
+        return "ready", step
 
     def _check_updates(self, seen: int, trainer: str) -> None:
         """Async: ``seen`` (the update count a gradient was computed on) was served here and

@@ -27,10 +27,11 @@ import time
 from pdps.core.elastic import Resize, ResizeState, describe
 from pdps.core.slots import SlotMap
 from pdps.core.errors import PdpsError
-from pdps.core.job import JobConfig, Keys
+from pdps.core.job import JobConfig, Keys, decode_as
 from pdps.core.sgd import Mode
 from pdps.core.txn import Fence
 from pdps.ports.coordination import Compare, CoordinationStore, KeyValue, Put, TxnOp, WatchEvent
+from pdps.ports.transport import Transport
 from pdps.runtime import recovery
 from pdps.runtime.resizing import read_map, read_resize, resizes_got
 
@@ -38,6 +39,7 @@ log = logging.getLogger(__name__)
 
 #: How often the driver looks again without a watch event.
 POLL = 0.5
+PROBE_EVERY = 0.25  # seconds between probes of the pservers' addresses (_reap)
 #: A checkpoint still being written after this long is taken for an orphan (its writer
 #: died): a resize waits for younger ones only.
 CHECKPOINT_PATIENCE = 120.0
@@ -47,8 +49,10 @@ REPLENISH_WAIT = 3
 
 
 class ResizeDriver:
-    def __init__(self, store: CoordinationStore, config: JobConfig, fence: Fence | None, stopped: threading.Event) -> None:
+    def __init__(self, store: CoordinationStore, config: JobConfig, fence: Fence | None, stopped: threading.Event, transport: Transport | None = None) -> None:
         self._store, self._config, self._fence, self._stopped = store, config, fence, stopped
+        self._transport = transport
+        self._probed = 0.0  # when the pservers' addresses were last probed
         self._keys = Keys(config.name)
         self._wake = threading.Event()
         self._said: tuple[str, str] | None = None
@@ -64,7 +68,7 @@ class ResizeDriver:
                     self.step()
                 except PdpsError as exc:
                     log.warning("master: a resize step failed (%s); trying again", exc)
-                self._wake.wait(POLL)
+                self._wake.wait(POLL if self._transport is None else PROBE_EVERY)
                 self._wake.clear()
         finally:
             for w in watches:
@@ -76,6 +80,7 @@ class ResizeDriver:
     def step(self) -> None:
         """One step of the job's resize, if one can be taken now."""
         keys = self._keys
+        self._reap()
         resize, found = read_resize(self._store, keys)
         live = read_map(self._store, keys)
         if resize is None or not resize.active:
@@ -101,6 +106,28 @@ class ResizeDriver:
         elif resize.state is ResizeState.GROWING:
             if set(range(resize.pservers)) <= self._claimed():
                 self._plan(resize, found, live)
+
+    def _reap(self) -> None:
+        """Revoke the lease of a pserver whose address refuses connections (at most every
+        PROBE_EVERY): its process is gone (a listening socket closes with its process),
+        so its claim need not live out its TTL. Failover (replicas) or the replacement's
+        claim then follow at once. A pserver that may be alive (stopped, cut off: the
+        probe cannot tell) keeps its lease until the TTL decides."""
+        if self._transport is None or time.monotonic() - self._probed < PROBE_EVERY:
+            return
+        self._probed = time.monotonic()
+        for kv in self._store.range(self._keys.pservers):
+            if kv.lease is None or not kv.key.rsplit("/", 1)[1].isdigit():
+                continue
+            try:
+                address = decode_as(kv.value, kv.key, lambda d: str(d["addr"]))
+                if not self._transport.refuses(address):
+                    continue
+                self._store.revoke_lease(kv.lease)
+            except PdpsError as exc:
+                log.warning("master: could not probe %s (%s)", kv.key, exc)
+                continue
+            log.warning("master: pserver %s at %s refuses connections: its process is gone; its claim goes now, not a lease TTL later", kv.key.rsplit("/", 1)[1], address)
 
     def _claimed(self) -> set[int]:
         """The pserver indexes held by a live process (``ps/<i>``)."""

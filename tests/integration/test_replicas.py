@@ -231,3 +231,29 @@ def test_an_async_job_with_replicas_refuses_a_pserver_resize_and_takes_a_trainer
         assert asked["trainers"] == 2
     finally:
         job.close()
+
+
+def test_a_dead_pservers_claim_goes_when_its_address_refuses_not_a_ttl_later(source):
+    """The master probes the pservers' addresses: one that refuses connections (its
+    process gone) has its lease revoked, so the failover does not wait out a long TTL."""
+    job = start_job(source, name="replicas-reaped", mode="sync", pservers=3, replicas=2, min_block=1, num_slots=12, lease_ttl=30.0,
+                    optimizer_args={"lr": LR}, batch_size=5, passes=1, keep_rounds=100000, task_timeout=60.0)
+    keys = Keys(job.config.name)
+    took: list[float] = []
+
+    def kill(_) -> None:
+        job.pservers[1].crash()  # as a killed process: its endpoint gone, its lease left to run out
+        began = time.monotonic()
+        while read_map(job.store, keys).held_by(1):
+            assert time.monotonic() - began < 15, "no failover within half the lease TTL"
+            time.sleep(0.02)
+        took.append(time.monotonic() - began)
+
+    try:
+        grads = train_recording(job, 2, steps_before=5, during=kill)
+        assert took and all(ps.rollbacks == 0 for ps in job.pservers)
+        rounds = closed_rounds(job.store, job.config.name)
+        got = torch.cat([p.reshape(-1) for p in pdps.fetch_parameters(job.store, job.transport, job.config).values()])
+        torch.testing.assert_close(got, replay(rounds, grads), rtol=0, atol=1e-10)
+    finally:
+        job.close()

@@ -132,3 +132,14 @@ class TransportContract:
         endpoint.close()
         with pytest.raises(TransportError):
             transport.connect(endpoint.address).call("echo", Message({}), timeout=2.0)
+
+    def test_refuses_says_true_only_once_nothing_serves(self, transport, address):
+        """The fast path of failure detection: an endpoint serving is never reported
+        gone; one closed (its process dead) is, over TCP because the port refuses."""
+        endpoint = transport.serve(address, {"echo": echo})
+        assert transport.refuses(endpoint.address) is False
+        endpoint.close()
+        deadline = time.monotonic() + 10  # a gRPC server's port closes after its grace
+        while not transport.refuses(endpoint.address):
+            assert time.monotonic() < deadline, f"{endpoint.address} still accepts connections after its endpoint closed"
+            time.sleep(0.05)

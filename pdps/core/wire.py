@@ -266,14 +266,19 @@ class PullReply(PserverReply):
 @attrs.frozen
 class AppliedReply(PserverReply):
     """``ledger``: ``(task, attempt, start, end)`` rows, the records each attempt had
-    applied on this pserver in its epoch."""
+    applied on this pserver in its epoch. ``slots``: async, ``(slot, pushes applied to
+    it)`` for each slot the pserver holds a copy of (a slot's count travels with it)."""
 
     ledger: tuple[tuple[int, int, int, int], ...] = _field(list, default=())
+    slots: tuple[tuple[int, int], ...] = _field(list, default=())
 
     def _validate(self) -> None:
         if any(not isinstance(r, (list, tuple)) or len(r) != 4 or not all(_is(int, v) for v in r) for r in self.ledger):
             raise self._refuse("ledger", f"applied reply: field 'ledger' must be rows of [task, attempt, start, end], got {self.ledger!r:.200}")
         object.__setattr__(self, "ledger", tuple(tuple(r) for r in self.ledger))
+        if any(not isinstance(r, (list, tuple)) or len(r) != 2 or not all(_is(int, v) for v in r) for r in self.slots):
+            raise self._refuse("slots", f"applied reply: field 'slots' must be [slot, count] pairs, got {self.slots!r:.200}")
+        object.__setattr__(self, "slots", tuple(tuple(r) for r in self.slots))
 
 
 @attrs.frozen

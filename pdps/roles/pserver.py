@@ -901,7 +901,9 @@ class Pserver:
         with self._cond:
             self._check_lease()
             self._check_slot_map(req)
-            return AppliedReply(**self._state(), ledger=tuple(tuple(row) for row in self.applied()))
+            held = set(self._slot_map.held_by(self.index)) if self._slot_map is not None and self.index is not None else set()
+            slots = tuple(sorted((s, n) for s, n in self.applied_by_slot.items() if s in held))
+            return AppliedReply(**self._state(), ledger=tuple(tuple(row) for row in self.applied()), slots=slots)
 
     def _pull(self, req: PullRequest) -> PullReply:
         after, slice_s = req.after_round, req.slice_s

@@ -44,7 +44,7 @@ SAMPLES: dict[type, wire.Wire] = {
     wire.InitReply: wire.InitReply(**STATE),
     wire.PushReply: wire.PushReply(**STATE, update_s=0.25, duplicate=True),
     wire.PullReply: wire.PullReply(**STATE, wait_s=0.5, waiting=("t1", "t2"), checkpoint="ckpt-1-4-ab", tensors=grads()),
-    wire.AppliedReply: wire.AppliedReply(**STATE, ledger=((4, 2, 0, 8), (5, 1, 8, 16))),
+    wire.AppliedReply: wire.AppliedReply(**STATE, ledger=((4, 2, 0, 8), (5, 1, 8, 16)), slots=((0, 7), (3, 9))),
     wire.MigrateReply: wire.MigrateReply(**STATE, names=("w@0:4/values", "w@0:4/state.exp_avg"), tensors=(torch.zeros(8), torch.ones(8))),
     wire.GetTaskReply: wire.GetTaskReply(task=TaskSpec(4, "file:///d/0.parquet", 1, 64), attempt=2, pass_no=0, offset=8, epoch=1),
     wire.ReportReply: wire.ReportReply(accepted=False, reason="attempt 2 is not current"),

@@ -76,6 +76,7 @@ MAX_CHUNK_BYTES = 16 << 20
 MAX_FRAME_BYTES = MAX_CHUNK_BYTES + (1 << 20)
 #: Seconds in-flight calls get to finish when an endpoint closes.
 CLOSE_GRACE = 1.0
+CALL_PING_S = 2.0  # while a call is open, the client pings this often and waits as long for the answer
 REFUSES_PROBE_S = 0.5  # ``refuses``: a connect that has not been refused by then cannot tell
 #: Receive buffers kept for reuse by the process (see _BufferPool): how many, how many
 #: bytes in all, and the smallest worth keeping.
@@ -128,10 +129,12 @@ _OPTIONS = [
 ]
 _SERVER_OPTIONS = _OPTIONS + [
     ("grpc.so_reuseport", 0),  # a port in use must fail to bind, not be shared silently
-    # A peer may ping without calls at most every 5 minutes; two pings sooner and its
-    # connection is closed (GOAWAY too_many_pings). grpc's defaults, pinned here.
+    # A peer may not ping without calls, and while a call is open (our clients ping
+    # every CALL_PING_S, data or not: a sync pull waiting at the barrier) at most every
+    # CALL_PING_S / 2 (this option is the receiving side's in grpc core, whatever its
+    # name says); two pings sooner and its connection is closed (GOAWAY too_many_pings).
     ("grpc.keepalive_permit_without_calls", 0),
-    ("grpc.http2.min_ping_interval_without_data_ms", 300_000),
+    ("grpc.http2.min_ping_interval_without_data_ms", int(CALL_PING_S * 500)),
     ("grpc.http2.max_ping_strikes", 2),
     # The server's own pings go on while a call waits without data (a sync pull).
     ("grpc.http2.max_pings_without_data", 0),
@@ -142,6 +145,17 @@ _CLIENT_OPTIONS = _OPTIONS + [
     # up from the call retries below for that long.
     ("grpc.initial_reconnect_backoff_ms", int(RETRY_FIRST * 1000)),
     ("grpc.max_reconnect_backoff_ms", 250),
+    # While a call is open, ping the server every CALL_PING_S and give up on the
+    # connection if a ping is not answered within as long: a peer whose process is
+    # stopped (SIGSTOP, a frozen VM) keeps its socket open and would hold the call
+    # forever; this way the call fails (UNAVAILABLE) and the caller looks elsewhere.
+    # (The server's gRPC threads answer pings however busy its handlers are.)
+    ("grpc.keepalive_time_ms", int(CALL_PING_S * 1000)),
+    ("grpc.keepalive_timeout_ms", int(CALL_PING_S * 1000)),
+    ("grpc.keepalive_permit_without_calls", 0),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.http2.min_time_between_pings_ms", int(CALL_PING_S * 1000)),  # (its default, 5 min, would allow one)
+    ("grpc.http2.ping_timeout_ms", int(CALL_PING_S * 1000)),  # grpcio 1.85 enforces this one
 ]
 
 

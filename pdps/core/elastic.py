@@ -106,12 +106,17 @@ class Resize:
         (:meth:`SlotMap.rebalance`)."""
         return self._to(ResizeEvent.PLAN, from_map=current, to_map=current.rebalance(self.pservers))
 
-    def replenish(self, current: SlotMap, live: set[int]) -> Resize:
+    def replenish(self, current: SlotMap, live: set[int], *, balance: bool = False) -> Resize:
         """Decide the new map of a re-replication: ``current`` with every slot back to
         its replicas, the missing copies made on ``live`` pservers (the emptiest first:
         a replacement at a dead pserver's index takes them all), nothing else moved
-        (:meth:`SlotMap.replenish`)."""
-        return self._to(ResizeEvent.PLAN, from_map=current, to_map=current.replenish(live))
+        (:meth:`SlotMap.replenish`). With ``balance`` (every pserver live), the primaries
+        are spread again too, as a rebalance onto the same count spreads them: the
+        replacement takes back its share of them, which moves no further copy."""
+        to_map = current.replenish(live)
+        if balance and set(live) == set(range(current.num_pservers)):
+            to_map = attrs.evolve(to_map.rebalance(current.num_pservers), version=to_map.version)
+        return self._to(ResizeEvent.PLAN, from_map=current, to_map=to_map)
 
     def finish(self) -> Resize:
         return self._to(ResizeEvent.FINISH)

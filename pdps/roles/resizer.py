@@ -175,7 +175,9 @@ class ResizeDriver:
             return False  # a replacement may come back at the dead index: the copies go to it then
         asked = Resize(id=f"{time.strftime('%Y%m%d-%H%M%S')}-replenish", state=ResizeState.REQUESTED, pservers=live.num_pservers,
                        trainers=None, requested=time.time(), by="master: re-replication")
-        planned = asked.replenish(live, members)
+        # sync: the replacement takes its share of the primaries back in the same switch
+        # (async keeps them: a primary moving mid-forward could leave its copies apart)
+        planned = asked.replenish(live, members, balance=self._config.mode is Mode.SYNC)
         if not planned.moves():
             return False
         if self._write(found, planned, self._switch_now(planned)):

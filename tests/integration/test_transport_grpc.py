@@ -1087,3 +1087,48 @@ def test_a_full_receive_buffer_pool_makes_room_for_a_larger_buffer_than_it_holds
     got = pool.take(100 << 20)
     assert got.numel() == 100 << 20
     assert sorted(a.size for a in pool._arrays) == [36 << 20, 100 << 20]  # the smallest idle one made room
+
+
+SLOW_SERVER = """
+import sys, time
+from pdps.adapters.grpc_transport import GrpcTransport
+from pdps.ports.transport import Message
+def slow(req):
+    time.sleep(float(req.meta["s"]))
+    return Message({"slept": req.meta["s"]})
+ep = GrpcTransport().serve("grpc://127.0.0.1:0", {"slow": slow})
+print(ep.address, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_call_to_a_stopped_process_fails_and_a_long_quiet_call_does_not():
+    """While a call is open the client pings the server: a server process stopped
+    (SIGSTOP) answers no ping, so the call fails instead of hanging; a handler that
+    takes several ping intervals to answer, sending nothing meanwhile, is not cut off
+    (the server accepts the pings)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    from pdps.adapters.grpc_transport import CALL_PING_S
+
+    root = str(Path(__file__).parents[2])
+    server = subprocess.Popen([sys.executable, "-c", SLOW_SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": root})
+    try:
+        address = server.stdout.readline().strip()
+        channel = GrpcTransport().connect(address)
+        quiet = 2.5 * CALL_PING_S
+        assert channel.call("slow", Message({"s": quiet}), timeout=60).meta == {"slept": quiet}
+        threading.Timer(0.5, os.kill, (server.pid, signal.SIGSTOP)).start()
+        began = time.monotonic()
+        with pytest.raises(TransportError, match="ping timeout"):
+            channel.call("slow", Message({"s": 1.0}), timeout=60)
+        assert time.monotonic() - began < 30
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+        server.kill()
+        server.wait()

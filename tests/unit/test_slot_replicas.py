@@ -380,3 +380,22 @@ def test_async_pservers_keep_at_most_two_copies():
         Pserver(MemoryStore(), InprocTransport(), TorchCompute("cpu"), JobConfig(name="r3", pservers=3, replicas=3, mode="async"))
     Pserver(MemoryStore(), InprocTransport(), TorchCompute("cpu"), JobConfig(name="r2", pservers=2, replicas=2, mode="async"))
     Pserver(MemoryStore(), InprocTransport(), TorchCompute("cpu"), JobConfig(name="r3s", pservers=3, replicas=3))
+
+
+@settings(max_examples=100, deadline=None)
+@given(old=replicated_maps(), data=st.data())
+def test_a_replenish_with_balance_hands_the_replacement_its_primaries_and_makes_only_the_missing_copies(old, data):
+    from pdps.core.elastic import Resize, ResizeState
+
+    if old.replicas == 1:
+        return
+    dead = data.draw(st.integers(0, old.num_pservers - 1))
+    short = old.without(dead)
+    asked = Resize(id="r", state=ResizeState.REQUESTED, pservers=short.num_pservers, trainers=None, requested=0.0)
+    plain = asked.replenish(short, set(range(short.num_pservers))).to_map
+    balanced = asked.replenish(short, set(range(short.num_pservers)), balance=True).to_map
+    assert balanced.version == plain.version == short.version + 1
+    assert [set(balanced.holders(s)) for s in range(short.num_slots)] == [set(plain.holders(s)) for s in range(short.num_slots)]
+    assert short.moves(balanced) == short.moves(plain)  # the same copies made, from the same sources
+    load = balanced.load()
+    assert max(load) - min(load) <= 1  # the primaries spread again: the replacement has its share

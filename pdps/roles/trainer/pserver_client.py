@@ -156,9 +156,10 @@ class PserverGroup:
             part.channel = self._transport.connect(addr)
             part.address = addr
 
-    def _map_moved(self, part: Part, exc: TransportError) -> None:
+    def _map_moved(self, part: Part, exc: PdpsError) -> None:
         """Raise SlotMapChanged if the job's slot map is newer than the one ``part`` was
-        addressed by: an unreachable pserver may have left the job in a resize."""
+        addressed by: an unreachable pserver may have left the job in a resize, and one
+        that keeps saying not ready may have been failed over (fenced, its lease lapsed)."""
         try:
             kv = self._store.get(self._keys.slotmap)
             current = None if kv is None else decode_as(kv.value, kv.key, SlotMap.from_json).version
@@ -166,7 +167,7 @@ class PserverGroup:
             return
         if current is not None and current > self.layout.slot_map.version:
             raise SlotMapChanged(
-                f"pserver {part.index} is unreachable ({exc}) and the job's slot map is at version {current} "
+                f"pserver {part.index} cannot serve ({exc}) and the job's slot map is at version {current} "
                 f"(this trainer's is {self.layout.slot_map.version}): a resize moved its slots",
                 sent=self.layout.slot_map.version, current=current,
             )
@@ -189,6 +190,7 @@ class PserverGroup:
                 raise  # the caller initializes it
             except NotReady as exc:
                 error: PdpsError = exc
+                self._map_moved(part, exc)
             except TransportError as exc:
                 if isinstance(exc, Timeout):
                     raise

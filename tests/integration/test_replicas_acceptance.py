@@ -174,9 +174,10 @@ def test_a_replacement_killed_while_its_copies_are_made_costs_no_rollback(replic
 
 def test_a_stopped_primary_continued_after_its_failover_serves_nothing_and_exits(replicated):
     """2 pservers, 2 copies: the seeded one is stopped (SIGSTOP) until the master has
-    dropped it from the slot map (its lease ran out, its backup took over); a pull sent
-    to it meanwhile waits in its socket. Continued (SIGCONT), it answers nothing, exits
-    with EXIT_LOST by itself, and the job finishes equal to a replay, in epoch 0."""
+    dropped it from the slot map (its lease ran out, its backup took over). Training
+    goes on without it while it stays stopped; a pull sent to it meanwhile waits in
+    its socket. Continued (SIGCONT), it answers nothing, exits with EXIT_LOST by
+    itself, and the job finishes equal to a replay, in epoch 0."""
     rng = random.Random(SEEDS[0])
     victim, round_no = rng.randrange(2), rng.randrange(4, 16)
     print(f"seed {SEEDS[0]} (PDPS_TEST_SEED): pserver {victim} stopped when round {round_no} closes")
@@ -184,33 +185,38 @@ def test_a_stopped_primary_continued_after_its_failover_serves_nothing_and_exits
     stopped = job.pserver(victim)
     address = json.loads(job.store.get(job.keys.pserver(victim)).value)["addr"]
     wait_until(lambda: job.closed(round_no), 60, f"round {round_no} to close", every=0.005)
+    answers: list = []
+
+    def probe() -> None:
+        channel = GrpcTransport(connect_timeout=2).connect(address)
+        try:
+            answers.append(channel.call("pull", Message({"trainer": "probe"}), timeout=20))
+        except PdpsError as exc:
+            answers.append(exc)
+        finally:
+            channel.close()
+
+    prober = threading.Thread(target=probe, daemon=True)
     stopped.send_signal(signal.SIGSTOP)
     try:
         job.pace(WAIT_PACE)
         wait_until(lambda: not job.holds(victim), 30, f"pserver {victim} dropped from the slot map (the failover)")
-        answers: list = []
-
-        def probe() -> None:
-            channel = GrpcTransport(connect_timeout=2).connect(address)
-            try:
-                answers.append(channel.call("pull", Message({"trainer": "probe"}), timeout=20))
-            except PdpsError as exc:
-                answers.append(exc)
-            finally:
-                channel.close()
-
-        prober = threading.Thread(target=probe, daemon=True)
+        failed_over, deadline = job.steps(), time.monotonic() + 10
+        while job.steps() < failed_over + 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stepped = job.steps() - failed_over  # checked once the job has finished, to see that too
         prober.start()
         time.sleep(0.5)  # the probe's request is on its way to the stopped process
     finally:
         stopped.send_signal(signal.SIGCONT)
     assert stopped.wait(timeout=30) == EXIT_LOST, f"the continued pserver exited {stopped.returncode}"
-    prober.join(timeout=30)
-    assert answers and isinstance(answers[0], PdpsError), f"the continued pserver served a pull: {answers}"
     job.pace(0.05)
     params = job.finish()
     check_replay_and_audit(job.url, job.name, job.out, params)
     assert job.epoch() == 0
+    assert stepped >= 4, f"{stepped} steps in 10 s after the failover while pserver {victim} stayed stopped"
+    prober.join(timeout=30)
+    assert answers and isinstance(answers[0], PdpsError), f"the continued pserver served a pull: {answers}"
 
 
 def test_both_copies_of_the_slots_killed_at_once_roll_back_to_the_checkpoint(replicated, tmp_path):

@@ -231,7 +231,6 @@ def test_both_copies_of_the_slots_killed_at_once_roll_back_to_the_checkpoint(rep
     round_no = rng.randrange(8, 20)
     print(f"seed {SEEDS[0]} (PDPS_TEST_SEED): both pservers killed when round {round_no} closes")
     job = replicated(pservers=2, settings=("--checkpoint-url", (tmp_path / "ckpt").as_uri(), "--checkpoint-every", "5"))
-    job.pserver(0), job.pserver(1)
     wait_until(lambda: job.closed(round_no) and recovery.committed_ids(job.store, job.keys), 60, f"round {round_no} and a checkpoint")
     job.pace(SLOW)
     for index in (0, 1):

@@ -68,7 +68,8 @@ class Job:
     operator or a StatefulSet starts them): a float64 SGD job of :func:`make_model` with
     fine blocks and every round kept; its trainers run the replayable target."""
 
-    def __init__(self, procs, url: str, dataset: str, out: Path, *, trainers: int, pservers: int) -> None:
+    def __init__(self, procs, url: str, dataset: str, out: Path, *, trainers: int, pservers: int, settings: tuple[str, ...] = ()) -> None:
+        """``settings``: more master flags (a flag given again overrides the one above)."""
         self.url, self.out, self.name = url, out, f"acc-{uuid.uuid4().hex[:8]}"
         self._pace = out.parent / "pace"
         self.pace(FAST)
@@ -81,7 +82,7 @@ class Job:
             "master", *self._common, "--dataset", dataset, "--mode", "sync", "--trainers", str(trainers),
             "--pservers", str(pservers), "--passes", str(PASSES), "--batch-size", str(BATCH), "--optimizer", "SGD",
             "--lr", str(LR), "--num-slots", "16", "--min-block", "1", "--keep-rounds", "100000", "--lease-ttl", "2",
-            "--task-timeout", "60",
+            "--task-timeout", "60", *settings,
         )  # fmt: skip
         self.pservers: list[subprocess.Popen] = []
         self.trainers: list[subprocess.Popen] = []
@@ -91,8 +92,10 @@ class Job:
         for _ in range(trainers):
             self.add_trainer()
 
-    def add_pserver(self) -> None:
-        self.pservers.append(self._procs("pserver", *self._common))
+    def add_pserver(self, index: int | None = None) -> subprocess.Popen:
+        """A pserver process; ``index``: the one it claims (as a StatefulSet's pod does)."""
+        self.pservers.append(self._procs("pserver", *self._common, *(() if index is None else ("--index", str(index)))))
+        return self.pservers[-1]
 
     def add_trainer(self) -> None:
         self.trainers.append(self._procs("trainer", *self._common, "--trainer-id", f"trainer-{self._named}", f"{TARGET}:recorded", env=self._env))
@@ -155,13 +158,15 @@ class Job:
             store.close()
 
 
-def check_replay_and_audit(url: str, name: str, out: Path, params: dict) -> list:
+def check_replay_and_audit(url: str, name: str, out: Path, params: dict, kept=None) -> list:
     """The job's final parameters equal a replay of its closed rounds with the gradients
     the trainers saved, and every record of every pass was trained exactly once; the
-    closed rounds."""
+    rounds replayed. ``kept(store, rounds)``: those of the timeline the job kept (after
+    a rollback; default: all)."""
     store = connect_store(url)
     try:
         rounds = closed_rounds(store, name)
+        rounds = rounds if kept is None else kept(store, rounds)
         audits = [pass_audit(store, name, p) for p in range(PASSES)]
     finally:
         store.close()

@@ -121,6 +121,23 @@ class Resize:
     def finish(self) -> Resize:
         return self._to(ResizeEvent.FINISH)
 
+    def without_receiver(self, live: SlotMap, pserver: int) -> SlotMap | None:
+        """A re-replication whose only receiver died (or restarted without what it had
+        received) is dropped: the live map without ``pserver`` (its new copies, and any
+        primaries it was handed, go back to the copies they came from, which moves
+        nothing), to be written with :meth:`finish`, after which the missing copies are
+        planned again. None when that does not apply: this is not a migrating resize
+        that made ``live`` with the same pserver count (a death during a resize that
+        changes the count rolls back), ``pserver`` held some slot before it, or other
+        pservers receive too."""
+        if (
+            self.state is not ResizeState.MIGRATING or self.from_map is None or self.to_map is None
+            or self.to_map.version != live.version or self.from_map.num_pservers != live.num_pservers
+            or self.from_map.held_by(pserver) or self.receivers() != [pserver] or live.lost_with(pserver)
+        ):
+            return None
+        return live.without(pserver)
+
     def moves(self) -> list[tuple[int, int, int]]:
         """``(slot, from, to)`` of every copy made anew (none before the plan)."""
         if self.from_map is None or self.to_map is None:

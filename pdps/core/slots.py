@@ -458,8 +458,9 @@ class Layout:
 
     def spread_warning(self) -> str | None:
         """Why some pservers sit idle, in words for a log line and ``pdps status``; None
-        when every pserver holds a share."""
-        idle = self.idle_pservers
+        when every pserver holds a share (with replicas, backup copies count: a
+        pserver holding only backups applies every update, and serves once promoted)."""
+        idle = tuple(p for p in self.idle_pservers if not any(b.numel for b in self.blocks_held(p)))
         if not idle:
             return None
         rows = sum(b.row_end - b.row_start for b in self.blocks if b.numel)

@@ -1627,13 +1627,24 @@ class Pserver:
                 return True
             if live.lost_with(self.index):
                 return False
-            ahead = read_resize(self._store, self._keys)[0]
+            ahead, found = read_resize(self._store, self._keys)
+            guards = [Compare.unchanged(self._keys.slotmap, kv)]
+            ops: list[TxnOp] = []
             if ahead is not None and ahead.active:
-                return False  # a resize is planning on this map: a rollback restores it, as with one copy
+                # a re-replication whose only receiver this pserver was: dropped, and planned again
+                dropped = ahead.without_receiver(live, self.index)
+                if dropped is None:
+                    return False  # a resize is planning on this map: a rollback restores it, as with one copy
+                guards.append(Compare.unchanged(self._keys.resize, found))
+                ops.append(Put(self._keys.resize, json.dumps(ahead.finish().to_json()).encode()))
             after = live.without(self.index)
-            if self._store.commit((Compare.unchanged(self._keys.slotmap, kv),), [Put(self._keys.slotmap, json.dumps(after.to_json()).encode())]).succeeded:
-                log.warning("pserver %s restarted without its copies; every slot it held has another (slot map version %d -> %d): no rollback", self.index, live.version, after.version)
+            if self._store.commit(guards, [Put(self._keys.slotmap, json.dumps(after.to_json()).encode()), *ops]).succeeded:
+                log.warning("pserver %s restarted without its copies; every slot it held has another (slot map version %d -> %d): no rollback%s",
+                            self.index, live.version, after.version, f"; re-replication {ahead.id} is dropped, to be planned again" if ops else "")
                 self._slot_map = after
+                if ops:
+                    self._store.delete_prefix(self._keys.resize_got(live.version))
+                    self._store.delete_prefix(self._keys.resize_ready(live.version))
                 return True
 
     def _migrate(self, req: MigrateRequest) -> MigrateReply:

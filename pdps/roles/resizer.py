@@ -92,6 +92,8 @@ class ResizeDriver:
             return
         self._say(resize)
         if resize.state is ResizeState.MIGRATING:
+            if live.replicas > 1 and self._drop_dead_receiver(resize, found, live):
+                return
             self._migrate(resize, found, live.version)
             return
         if self._checkpoint_writing():
@@ -156,6 +158,33 @@ class ResizeDriver:
                 return False
             if written:
                 log.warning("master: pserver %d is gone; its slots' backups take over (slot map version %d -> %d), nothing rolls back", p, live.version, after.version)
+            return written
+        return False
+
+    def _drop_dead_receiver(self, resize: Resize, found: KeyValue | None, live: SlotMap) -> bool:
+        """A re-replication whose only receiver's claim has gone (seen alive before) is
+        dropped with it (:meth:`Resize.without_receiver`), in one fenced transaction:
+        the copies it was getting are planned again, no rollback. True if written."""
+        keys = self._keys
+        claimed = self._claimed()
+        seen, self._seen_claimed = self._seen_claimed, self._seen_claimed | claimed
+        for p in resize.receivers():
+            after = resize.without_receiver(live, p) if p not in claimed and p in seen else None
+            if after is None:
+                continue
+            kv = self._store.get(keys.slotmap)
+            guards = [Compare.unchanged(keys.slotmap, kv), Compare.unchanged(keys.resize, found), Compare.absent(keys.pserver(p))]
+            ops = [Put(keys.slotmap, json.dumps(after.to_json()).encode()), Put(keys.resize, json.dumps(resize.finish().to_json()).encode())]
+            try:
+                written = self._store.commit(guards, ops, fence=self._fence).succeeded
+            except PdpsError as exc:
+                log.warning("master: could not drop pserver %d from %s (%s); trying again", p, resize.id, exc)
+                return False
+            if written:
+                self._store.delete_prefix(keys.resize_got(live.version))
+                self._store.delete_prefix(keys.resize_ready(live.version))
+                log.warning("master: pserver %d died receiving its copies (%s); dropped from the map (version %d -> %d), to be planned again, nothing rolls back",
+                            p, resize.id, live.version, after.version)
             return written
         return False
 

@@ -399,3 +399,22 @@ def test_a_replenish_with_balance_hands_the_replacement_its_primaries_and_makes_
     assert short.moves(balanced) == short.moves(plain)  # the same copies made, from the same sources
     load = balanced.load()
     assert max(load) - min(load) <= 1  # the primaries spread again: the replacement has its share
+
+
+def test_a_replenish_whose_only_receiver_died_is_dropped_with_it():
+    from pdps.core.elastic import Resize, ResizeState
+
+    old = SlotMap.initial(3, 12, replicas=2)
+    short = old.without(1)
+    asked = Resize(id="r", state=ResizeState.REQUESTED, pservers=3, trainers=None, requested=0.0)
+    planned = asked.replenish(short, {0, 1, 2}, balance=True)
+    live = planned.to_map
+    assert planned.receivers() == [1] and live.held_by(1)
+    after = planned.without_receiver(live, 1)
+    assert after is not None and not after.held_by(1) and after.version == live.version + 1
+    assert [set(after.holders(s)) for s in range(12)] == [set(short.holders(s)) for s in range(12)]  # back to the copies it came from
+    assert live.moves(after) == []  # nothing moves
+    assert planned.without_receiver(live, 0) is None  # a source: a death during the copy of its slots rolls back
+    assert planned.without_receiver(short, 1) is None  # the map not switched yet: the flip comes first
+    grown = Resize(id="g", state=ResizeState.REQUESTED, pservers=4, trainers=None, requested=0.0).plan(old)
+    assert grown.without_receiver(grown.to_map, 3) is None  # a resize changing the count: rollback, as ever

@@ -74,7 +74,7 @@ from bench.machine import describe  # noqa: E402
 from bench.recovery import TARGET as KILLED_JOB  # noqa: E402
 from bench.recovery import recoveries, say  # noqa: E402
 
-FULL = {"repeats": 5, "checkpoint_every": 20, "samples": 2816, "roles": "processes"}
+FULL = {"repeats": 5, "checkpoint_every": 20, "samples": 6400, "roles": "processes"}
 QUICK = {"repeats": 1, "checkpoint_every": 10, "samples": 640, "roles": "in-process"}
 TRAINERS, PSERVERS = 2, 2
 REPLICAS = (1, 2)

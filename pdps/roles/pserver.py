@@ -702,8 +702,9 @@ class Pserver:
             raise
 
     def _queue_forwards(self, req: PushRequest, indices: Sequence[int] | None, tensors: Sequence[object]) -> list[_Forward]:
-        """Async (lock held, the step just applied): queue its gradient for each backup,
-        behind what was queued for it before."""
+        """Async (lock held, a step checked and about to be applied here): queue its
+        gradient for each backup, behind what was queued for it before (so each backup
+        applies in the order this pserver does)."""
         assert self._slot_map is not None
         if self._forwards and self.config.optimizer_args.get("maximize"):
             # a maximizing rule may negate its gradients in place while the forwards are read

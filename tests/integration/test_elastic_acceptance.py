@@ -68,9 +68,12 @@ class Job:
     operator or a StatefulSet starts them): a float64 SGD job of :func:`make_model` with
     fine blocks and every round kept; its trainers run the replayable target."""
 
-    def __init__(self, procs, url: str, dataset: str, out: Path, *, trainers: int, pservers: int, settings: tuple[str, ...] = ()) -> None:
-        """``settings``: more master flags (a flag given again overrides the one above)."""
-        self.url, self.out, self.name = url, out, f"acc-{uuid.uuid4().hex[:8]}"
+    def __init__(
+        self, procs, url: str, dataset: str, out: Path, *, trainers: int, pservers: int, settings: tuple[str, ...] = (), entry: str = "recorded"
+    ) -> None:
+        """``settings``: more master flags (a flag given again overrides the one above);
+        ``entry``: the trainers' function in the replayable target."""
+        self.url, self.out, self.name, self.entry = url, out, f"acc-{uuid.uuid4().hex[:8]}", entry
         self._pace = out.parent / "pace"
         self.pace(FAST)
         self._procs, self._common = procs, ("--store", url, "--job", self.name)
@@ -98,7 +101,7 @@ class Job:
         return self.pservers[-1]
 
     def add_trainer(self) -> None:
-        self.trainers.append(self._procs("trainer", *self._common, "--trainer-id", f"trainer-{self._named}", f"{TARGET}:recorded", env=self._env))
+        self.trainers.append(self._procs("trainer", *self._common, "--trainer-id", f"trainer-{self._named}", f"{TARGET}:{self.entry}", env=self._env))
         self._named += 1
 
     def pace(self, seconds: float) -> None:

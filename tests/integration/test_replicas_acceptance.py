@@ -57,11 +57,11 @@ REPLICATED = ("--replicas", "2", "--lease-ttl", "1", "--batch-size", "20")  # 36
 class Replicated(Job):
     """A :class:`Job` with 2 copies of each slot whose pserver processes are known by index."""
 
-    def __init__(self, procs, url: str, dataset: str, tmp_path: Path, *, pservers: int, settings: tuple[str, ...] = ()) -> None:
+    def __init__(self, procs, url: str, dataset: str, tmp_path: Path, *, pservers: int, settings: tuple[str, ...] = (), entry: str = "recorded") -> None:
         out = tmp_path / "grads"
         out.mkdir()
         self.logs, self.pservers_at_start = tmp_path, pservers
-        super().__init__(procs, url, dataset, out, trainers=2, pservers=pservers, settings=(*REPLICATED, *settings))
+        super().__init__(procs, url, dataset, out, trainers=2, pservers=pservers, settings=(*REPLICATED, *settings), entry=entry)
         self.store, self.keys = connect_store(url), Keys(self.name)
         self._by_index: dict[int, subprocess.Popen] = {}
         self._said: dict[int, bytes] = {}  # stdout so far, by pid
@@ -249,3 +249,53 @@ def test_both_copies_of_the_slots_killed_at_once_roll_back_to_the_checkpoint(rep
     rounds = check_replay_and_audit(job.url, job.name, job.out, params, kept)
     assert {e for e, _ in rounds} == {0, 1}
     assert job.epoch() == 1
+
+
+def test_async_a_pserver_killed_loses_no_acknowledged_push(replicated):
+    """Async, 3 pservers, 2 copies: the seeded pserver SIGKILLed after a seeded number of
+    steps, a replacement started at its index. No rollback; every slot ends with 2
+    copies; and on every holder of every slot (asked over the wire, ``applied``), the
+    pushes applied are at least those the trainers were told were applied, and at most
+    the few more whose answer the death cut off (one per trainer)."""
+    from pdps.core.wire import AppliedRequest
+    from pdps.roles import calls
+
+    rng = random.Random(SEEDS[1])
+    victim, after = rng.randrange(3), rng.randrange(6, 20)
+    print(f"seed {SEEDS[1]} (PDPS_TEST_SEED): pserver {victim} killed after {after} steps")
+    job = replicated(pservers=3, settings=("--mode", "async", "--optimizer", "Adam", "--lr", "0.01"), entry="acknowledged")
+    job.pserver(victim)
+    wait_until(lambda: job.steps() >= after, 60, f"{after} steps")
+    job.kill(victim)
+    job.pace(SLOW)
+    job.add_pserver(victim)
+    wait_until(lambda: not job.holds(victim), 30, f"pserver {victim} dropped from the slot map (the failover)")
+
+    def replenished() -> bool:
+        resize = read_resize(job.store, job.keys)[0]
+        return resize is not None and not resize.active and job.under_replicated() == 0
+
+    wait_until(replenished, 60, "the re-replication: 2 copies of every slot")
+    job.pace(FAST)
+    for p in [*job.trainers, job.master]:
+        assert p.wait(timeout=150) == 0, f"{p.args[3:]} exited {p.returncode}"
+    assert job.epoch() == 0 and job.under_replicated() == 0
+    acknowledged: dict[int, int] = {}
+    for path in job.out.glob("*.acked.json"):
+        for slot, n in json.loads(path.read_text()).items():
+            acknowledged[int(slot)] = acknowledged.get(int(slot), 0) + n
+    assert len(list(job.out.glob("*.acked.json"))) == 2 and sum(acknowledged.values()) > 0
+    live = read_map(job.store, job.keys)
+    transport = GrpcTransport(connect_timeout=2)
+    applied: dict[int, dict[int, int]] = {}
+    for p in range(live.num_pservers):
+        address = json.loads(job.store.get(job.keys.pserver(p)).value)["addr"]
+        channel = transport.connect(address)
+        try:
+            applied[p] = dict(calls.call(channel, AppliedRequest("the test"), timeout=30).slots)
+        finally:
+            channel.close()
+    for s in range(live.num_slots):
+        for holder in live.holders(s):
+            got, told = applied[holder].get(s, 0), acknowledged.get(s, 0)
+            assert told <= got <= told + 2, f"slot {s}: pserver {holder} applied {got} pushes, the trainers were told of {told}"

@@ -2,11 +2,14 @@
 (``.../replayable.py:recorded``; the repository root must be on ``PYTHONPATH``).
 
 Each applied step's gradient goes to ``$GRADS_OUT/<epoch>-<round>-<trainer id>.f64``
-(raw float64 bytes, written whole or not at all). After each step the trainer sleeps
+(raw float64 bytes, written whole or not at all); ``acknowledged`` (async) saves an
+empty one per step instead and, at the end, ``$GRADS_OUT/<trainer id>.acked.json``: the
+pushes each slot's pserver said it applied. After each step the trainer sleeps
 as many seconds as ``$STEP_PACE`` (a file) says: a test slows the job down while it
 waits for a resize, so that the job outlasts the resize however slowly processes start.
 """
 
+import json
 import os
 import time
 from pathlib import Path
@@ -42,3 +45,17 @@ def recorded(ctx):
         time.sleep(float(pace.read_text()))
     return {"steps": ctx.steps}
 
+
+
+def acknowledged(ctx):
+    """Async: a plain loop, paced as :func:`recorded`; one (empty) step file per step,
+    and at the end the pushes each slot was acknowledged (:attr:`TrainerContext.acknowledged`)."""
+    pace = Path(os.environ["STEP_PACE"])
+    model = ctx.attach(make_model())
+    for n, batch in enumerate(ctx.batches()):
+        ctx.step(F.mse_loss(model(batch["x"]), batch["y"]))
+        save(f"0-{n}-{ctx.trainer_id}", np.zeros(0))
+        time.sleep(float(pace.read_text()))
+    out = Path(os.environ["GRADS_OUT"]) / f"{ctx.trainer_id}.acked.json"
+    out.write_text(json.dumps({str(slot): n for slot, n in ctx.acknowledged.items()}))
+    return {"steps": ctx.steps}

@@ -29,9 +29,8 @@ What runs
   the run's etcd (:class:`bench.end_to_end.Launch`), every role a process;
   ``--in-process`` (the default of ``--quick``): ``pdps.simulate`` on ``memory://``
   over inproc (:func:`bench.end_to_end.run_inproc`). samples/s over the timed window
-  (after ``--warmup`` steps per trainer). A configuration the pservers refuse (this
-  version replicates sync jobs only: an async job with replicas = 2 is refused with a
-  ConfigError) is reported as not run, with the reason; its ratio too.
+  (after ``--warmup`` steps per trainer). A configuration the pservers refuse (a
+  ConfigError at their start) is reported as not run, with the reason; its ratio too.
 
 Ratios (the targets of ``pdps bench --suite replicas``)
 -------------------------------------------------------

@@ -124,14 +124,14 @@ SUITE_SPECS: dict[str, Suite] = {
             "replicas.py",
             "Shard replicas, replicas = 2 against replicas = 1 in the same run. Kill -> training resumed: the digits "
             "example (2 trainers, 2 pservers, sync) started by `pdps launch --restart on-failure` over gRPC with a "
-            "throwaway etcd on 127.0.0.1 (every role a process), lease TTL 2 s both times; pserver 1 SIGKILLed 3 times "
+            "throwaway etcd on 127.0.0.1 (every role a process), lease TTL 2 s both times; pserver 1 SIGKILLed 5 times "
             "(1 with --quick), seconds from the kill to training resumed: replicas = 1 rolls back to its checkpoint "
             "(resumed: a round of the new epoch closed), replicas = 2 fails over to the backups (resumed: the round after "
             "the one under way at the kill closed), polled in etcd every 20 ms; and the rounds each kill made the job "
             "train again. Throughput: the 10M-parameter MLP of the end-to-end suite (batch 64, SGD), 2 trainers + 2 "
             "pservers, sync and async, samples/s over the timed window, every role a process over gRPC (--quick: "
-            "in process over inproc, fewer steps). A configuration the pservers refuse (this version replicates sync "
-            "jobs only) is reported as not run, with the reason.",
+            "in process over inproc, fewer steps). A configuration the pservers refuse is reported as not run, with "
+            "the reason.",
             (),
             ("--quick",),
         ),

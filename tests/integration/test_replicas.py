@@ -17,6 +17,28 @@ from tests.integration.test_elastic import resize, source, train_recording  # no
 from tests.integration.test_transactional_sync import LR, closed_rounds, replay
 
 
+def equals_a_replay(job, grads) -> None:
+    """The job's parameters equal a replay of its closed rounds with ``grads``, in float64."""
+    rounds = closed_rounds(job.store, job.config.name)
+    got = torch.cat([p.reshape(-1) for p in pdps.fetch_parameters(job.store, job.transport, job.config).values()])
+    torch.testing.assert_close(got, replay(rounds, grads), rtol=0, atol=1e-10)
+
+
+def replace_and_replenish(job, index: int, deadline: float) -> None:
+    """Start a replacement pserver at ``index`` (as a StatefulSet would) and wait, until
+    ``deadline``, for every slot to have its copies again."""
+    from pdps.registry import open_checkpoint_files
+    from pdps.roles.pserver import Pserver
+
+    replacement = Pserver(job.store, job.transport, job.compute, job.config, address="inproc://", index=index, claim_wait=30.0,
+                          checkpoints=open_checkpoint_files(job.config.checkpoint_url))
+    replacement.start()
+    job.pservers[index] = replacement
+    while read_map(job.store, Keys(job.config.name)).under_replicated():
+        assert time.monotonic() < deadline, "no re-replication"
+        time.sleep(0.02)
+
+
 def copies_agree(job) -> int:
     """Every copy of every block, on every pserver the live map names as its holder, is
     the same; the copies compared."""
@@ -48,9 +70,7 @@ def test_sync_with_two_replicas_trains_as_one_and_keeps_every_copy_equal(source,
                     optimizer_args={"lr": LR}, batch_size=10, passes=1, keep_rounds=100000, task_timeout=60.0, **kw)
     try:
         grads = train_recording(job, 2)
-        rounds = closed_rounds(job.store, job.config.name)
-        got = torch.cat([p.reshape(-1) for p in pdps.fetch_parameters(job.store, job.transport, job.config).values()])
-        torch.testing.assert_close(got, replay(rounds, grads), rtol=0, atol=1e-10)
+        equals_a_replay(job, grads)
         assert read_map(job.store, Keys(job.config.name)).replicas == 2
         assert copies_agree(job) > 0
         status = job_status(job.store, job.config.name)
@@ -69,9 +89,7 @@ def test_a_replicated_job_resized_keeps_two_copies_and_trains_as_one(source):
                     optimizer_args={"lr": LR}, batch_size=10, passes=1, keep_rounds=100000, task_timeout=60.0)
     try:
         grads = train_recording(job, 1, steps_before=5, during=lambda _: (resize(job, 3), resize(job, 2)))
-        rounds = closed_rounds(job.store, job.config.name)
-        got = torch.cat([p.reshape(-1) for p in pdps.fetch_parameters(job.store, job.transport, job.config).values()])
-        torch.testing.assert_close(got, replay(rounds, grads), rtol=0, atol=1e-10)
+        equals_a_replay(job, grads)
         live = read_map(job.store, Keys(job.config.name))
         assert live.num_pservers == 2 and all(len(live.holders(s)) == 2 for s in range(live.num_slots))
         assert copies_agree(job) > 0
@@ -82,17 +100,14 @@ def test_a_replicated_job_resized_keeps_two_copies_and_trains_as_one(source):
 
 @pytest.mark.parametrize("replaced", ["after the failover", "at once"])
 def test_a_pserver_that_dies_costs_no_rollback_and_its_copies_are_made_again(source, replaced):
-    """Sync, 2 replicas, 3 pservers: pserver 1 dies (as a killed process: its claim lives
-    until its lease runs out). The master drops it from the map once its claim has
-    gone, a backup becomes the primary of each of its slots, and training goes on in
-    the same epoch; a replacement at index 1 gets every missing copy back while
-    training continues (a replacement started at once, which claims the index as soon
-    as the lease has run out, drops the dead copies from the map itself if the master
-    has not yet). Training equals a replay of the rounds, with nothing rolled back, and
-    every copy agrees at the end."""
-    from pdps.roles.pserver import Pserver
-    from pdps.registry import open_checkpoint_files
-
+    """Sync, 2 replicas, 3 pservers: pserver 1 dies (as a killed process: its endpoint
+    gone, which the master's probe notices, revoking its claim). The master drops it
+    from the map once its claim has gone, a backup becomes the primary of each of its
+    slots, and training goes on in the same epoch; a replacement at index 1 gets every
+    missing copy back while training continues (a replacement started at once, which
+    claims the index as soon as the old claim has gone, drops the dead copies from the
+    map itself if the master has not yet). Training equals a replay of the rounds, with
+    nothing rolled back, and every copy agrees at the end."""
     job = start_job(source, name=f"replicas-failover-{replaced.replace(' ', '-')}", mode="sync", pservers=3, replicas=2, min_block=1, num_slots=12, lease_ttl=1.0,
                     optimizer_args={"lr": LR}, batch_size=5, passes=2, keep_rounds=100000, task_timeout=60.0)
     keys = Keys(job.config.name)
@@ -107,13 +122,7 @@ def test_a_pserver_that_dies_costs_no_rollback_and_its_copies_are_made_again(sou
             assert time.monotonic() < deadline, "no failover"
             time.sleep(0.02)
         events["failed over"] = time.monotonic()
-        replacement = Pserver(job.store, job.transport, job.compute, job.config, address="inproc://", index=1, claim_wait=30.0,
-                              checkpoints=open_checkpoint_files(job.config.checkpoint_url))
-        replacement.start()
-        job.pservers[1] = replacement
-        while read_map(job.store, keys).under_replicated():
-            assert time.monotonic() < deadline + 30, "no re-replication"
-            time.sleep(0.02)
+        replace_and_replenish(job, 1, deadline + 30)
         events["replenished"] = time.monotonic()
 
     try:
@@ -121,9 +130,7 @@ def test_a_pserver_that_dies_costs_no_rollback_and_its_copies_are_made_again(sou
         assert set(events) == {"killed", "failed over", "replenished"}
         assert all(ps.epoch == 0 and ps.rollbacks == 0 for ps in job.pservers)
         assert all(ctx.rollbacks == 0 for ctx in job.trainers)
-        rounds = closed_rounds(job.store, job.config.name)
-        got = torch.cat([p.reshape(-1) for p in pdps.fetch_parameters(job.store, job.transport, job.config).values()])
-        torch.testing.assert_close(got, replay(rounds, grads), rtol=0, atol=1e-10)
+        equals_a_replay(job, grads)
         live = read_map(job.store, keys)
         assert not live.under_replicated() and live.held_by(1)  # the replacement holds copies again
         assert copies_agree(job) > 0
@@ -160,9 +167,7 @@ def test_a_pserver_whose_lease_lapses_serves_nothing_and_its_backup_takes_over(s
         grads = train_recording(job, 2, steps_before=5, during=lapse)
         assert refused
         assert all(ps.epoch == 0 and ps.rollbacks == 0 for ps in job.pservers)
-        rounds = closed_rounds(job.store, job.config.name)
-        got = torch.cat([p.reshape(-1) for p in pdps.fetch_parameters(job.store, job.transport, job.config).values()])
-        torch.testing.assert_close(got, replay(rounds, grads), rtol=0, atol=1e-10)
+        equals_a_replay(job, grads)
     finally:
         job.close()
 
@@ -177,8 +182,6 @@ def test_async_with_two_replicas_loses_no_acknowledged_push_when_a_primary_dies(
     With ``overlap``, steps are pushed in pieces while backward runs."""
     import collections
 
-    from pdps.roles.pserver import Pserver
-    from pdps.registry import open_checkpoint_files
     from tests.integration.test_elastic_acceptance import train_threads, wait_steps
 
     job = start_job(source, name=f"replicas-async-{overlap}", mode="async", pservers=3, replicas=2, min_block=1, num_slots=12, lease_ttl=2.0,
@@ -192,13 +195,7 @@ def test_async_with_two_replicas_loses_no_acknowledged_push_when_a_primary_dies(
         while read_map(job.store, keys).held_by(1):
             assert time.monotonic() < deadline, "no failover"
             time.sleep(0.02)
-        replacement = Pserver(job.store, job.transport, job.compute, job.config, address="inproc://", index=1, claim_wait=30.0,
-                              checkpoints=open_checkpoint_files(job.config.checkpoint_url))
-        replacement.start()
-        job.pservers[1] = replacement
-        while read_map(job.store, keys).under_replicated():
-            assert time.monotonic() < deadline + 30, "no re-replication"
-            time.sleep(0.02)
+        replace_and_replenish(job, 1, deadline + 30)
         wait_steps(steps, errors, 5)  # training goes on with the new copies
         for th in threads:
             th.join(timeout=60)
@@ -252,8 +249,6 @@ def test_a_dead_pservers_claim_goes_when_its_address_refuses_not_a_ttl_later(sou
     try:
         grads = train_recording(job, 2, steps_before=5, during=kill)
         assert took and all(ps.rollbacks == 0 for ps in job.pservers)
-        rounds = closed_rounds(job.store, job.config.name)
-        got = torch.cat([p.reshape(-1) for p in pdps.fetch_parameters(job.store, job.transport, job.config).values()])
-        torch.testing.assert_close(got, replay(rounds, grads), rtol=0, atol=1e-10)
+        equals_a_replay(job, grads)
     finally:
         job.close()

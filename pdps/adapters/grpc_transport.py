@@ -156,6 +156,9 @@ _CLIENT_OPTIONS = _OPTIONS + [
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.http2.min_time_between_pings_ms", int(CALL_PING_S * 1000)),  # (its default, 5 min, would allow one)
     ("grpc.http2.ping_timeout_ms", int(CALL_PING_S * 1000)),  # grpcio 1.85 enforces this one
+    # ... and a connection whose HTTP/2 handshake does not finish within as long is given
+    # up (a stopped process's kernel still accepts the TCP connection; the default waits 20 s)
+    ("grpc.min_reconnect_backoff_ms", int(CALL_PING_S * 1000)),
 ]
 
 

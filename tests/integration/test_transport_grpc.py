@@ -1104,7 +1104,8 @@ sys.stdin.read()
 
 def test_a_call_to_a_stopped_process_fails_and_a_long_quiet_call_does_not():
     """While a call is open the client pings the server: a server process stopped
-    (SIGSTOP) answers no ping, so the call fails instead of hanging; a handler that
+    (SIGSTOP) answers no ping, so the call fails instead of hanging, and so does a call
+    made while it stays stopped (its handshake is given up); a handler that
     takes several ping intervals to answer, sending nothing meanwhile, is not cut off
     (the server accepts the pings)."""
     import os
@@ -1128,6 +1129,10 @@ def test_a_call_to_a_stopped_process_fails_and_a_long_quiet_call_does_not():
         with pytest.raises(TransportError, match="ping timeout"):
             channel.call("slow", Message({"s": 1.0}), timeout=60)
         assert time.monotonic() - began < 30
+        began = time.monotonic()  # a call made while it is stopped: its kernel still accepts the connection
+        with pytest.raises(TransportError, match="cannot reach"):
+            channel.call("slow", Message({"s": 1.0}), timeout=60)
+        assert time.monotonic() - began < 15  # not the 20 s gRPC waits for a handshake by default
     finally:
         os.kill(server.pid, signal.SIGCONT)
         server.kill()

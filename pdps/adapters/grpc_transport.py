@@ -929,7 +929,7 @@ class GrpcEndpoint:
         """Call the handler of an accepted request: its reply's header frame and tensor
         views, or _Rejected carrying the error it raised."""
         try:
-            reply = handler(Message(meta, tensors, deadline=deadline))
+            reply = handler(Message(meta, tensors, deadline=deadline, owned=True))  # received into buffers nobody else holds
         except PdpsError as exc:
             raise _Rejected(_status_of(exc), str(exc), exc.code) from exc
         except Exception as exc:

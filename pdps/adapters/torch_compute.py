@@ -491,9 +491,11 @@ class TorchShard:
     blocks only (a trainer pushing each slot as soon as backward has produced it)
     steps those blocks only: torch's rules skip a parameter whose ``grad`` is None.
     Sync rounds stage each trainer's gradient in a buffer of its own (float32 when the
-    blocks are half precision), reused round after round, and apply their weighted sum
-    from one reused buffer (``values.grad``); an async step pushed in pieces is staged
-    the same way and stepped straight from its buffer (:meth:`apply_staged_step`).
+    blocks are half precision), reused round after round, or keep the received tensors
+    themselves when the caller may give them away (``keep``: no copy), and apply their
+    weighted sum from one reused buffer (``values.grad``); an async step pushed in
+    pieces is staged the same way and stepped straight from its buffer
+    (:meth:`apply_staged_step`).
     Callers run :meth:`check` before :meth:`stage` and :meth:`apply`, which do not
     re-validate.
     """
@@ -532,7 +534,9 @@ class TorchShard:
         given = optimizer_kwargs(optimizer_args)
         self.optimizer_args = _with_kernel_choice(cls, given, torch.device(self.device))
         self._all = tuple(range(len(self.blocks)))
-        self._staged_blocks: dict[str, set[int]] = {}
+        # per key, the staged gradient of each block staged: a view of the key's buffer, or
+        # a tensor kept as received
+        self._staged_blocks: dict[str, dict[int, torch.Tensor]] = {}
         # a pserver holding no blocks still builds its rule (over the empty tensor), so
         # a bad optimizer is refused the same way everywhere
         self.optimizer = _build(cls, optimizer, self._value_views or [self.values], self.optimizer_args, given)
@@ -550,9 +554,9 @@ class TorchShard:
     def _on_device(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return [t.to(self.device, non_blocking=True) for t in tensors]
 
-    def check(self, tensors: Sequence[Any], trainer: str, what: str = "gradient", indices: Sequence[int] | None = None) -> None:
-        """Shapes, dtypes and finiteness of ``tensors``, one per block (the blocks at
-        ``indices`` when given: a push of some slots only)."""
+    def check(self, tensors: Sequence[Any], trainer: str, what: str = "gradient", indices: Sequence[int] | None = None, *, finite: bool = True) -> None:
+        """Shapes, dtypes and (``finite``) finiteness of ``tensors``, one per block (the
+        blocks at ``indices`` when given: a push of some slots only)."""
         blocks = self.blocks if indices is None else [self.blocks[i] for i in indices]
         if len(tensors) != len(blocks):
             raise GradientRejected(
@@ -570,6 +574,8 @@ class TorchShard:
                 raise GradientRejected(
                     f"{what} for {b.describe()} from trainer {trainer!r} has dtype {dtype_name(t.dtype)} but the block is {b.dtype}"
                 )
+        if not finite:
+            return
         # A sum is finite only if every element is (NaN and inf propagate), and summing
         # reads each element once without writing a mask, several times cheaper than
         # isfinite(t).all(). A non-finite sum may also be overflow of finite values, so
@@ -603,27 +609,39 @@ class TorchShard:
 
     # --- transactional sync rounds: stage per trainer, apply what the round names --------
 
-    def stage(self, key: str, tensors: Sequence[torch.Tensor], indices: Sequence[int] | None = None) -> None:
+    def stage(self, key: str, tensors: Sequence[torch.Tensor], indices: Sequence[int] | None = None, *, keep: bool = False) -> None:
         """Keep a copy of ``key``'s gradient (replacing an earlier one): for the open
         sync round, or for an async step pushed in pieces.
 
         ``indices`` names the blocks ``tensors`` are for (default: all, in order); a key
         is staged once every block has been (:meth:`staged`). One buffer per key,
-        reused round after round: no allocation per step. Before the shard is
-        initialized only after :meth:`expect_import`.
+        reused round after round: no allocation per step. ``keep``: the tensors are
+        the caller's to give away (nobody writes them any more, see
+        :attr:`~pdps.ports.transport.Message.owned`), so those already on this shard's
+        device are kept as they are instead of copied. Half-precision blocks are always
+        copied: they are summed in float32. Before the shard is initialized only after
+        :meth:`expect_import`.
         """
         if not self._expecting:
             self._ready()
-        buf = self._staged.get(key)
-        if buf is None:
-            acc_dtype = torch.float32 if self.dtype in (torch.float16, torch.bfloat16) else self.dtype
-            flat = torch.empty(self.numel, dtype=acc_dtype, device=self.device)
-            buf = self._staged[key] = (flat, self._views_of(flat))
-        views = buf[1] if indices is None else [buf[1][i] for i in indices]
-        if views:
-            torch._foreach_copy_(views, self._on_device(tensors))
-        have = self._staged_blocks.setdefault(key, set())
-        have.update(self._all if indices is None else indices)
+        at = self._all if indices is None else indices
+        have = self._staged_blocks.setdefault(key, {})
+        keep = keep and self.dtype not in (torch.float16, torch.bfloat16)
+        copy = []
+        for i, t in zip(at, tensors):
+            if keep and t.device == self.values.device:
+                have[i] = t
+            else:
+                copy.append((i, t))
+        if copy:
+            buf = self._staged.get(key)
+            if buf is None:
+                acc_dtype = torch.float32 if self.dtype in (torch.float16, torch.bfloat16) else self.dtype
+                flat = torch.empty(self.numel, dtype=acc_dtype, device=self.device)
+                buf = self._staged[key] = (flat, self._views_of(flat))
+            views = [buf[1][i] for i, _ in copy]
+            torch._foreach_copy_(views, self._on_device([t for _, t in copy]))
+            have.update(zip((i for i, _ in copy), views))
         if len(have) == len(self.blocks):
             self._live.add(key)
 
@@ -659,9 +677,15 @@ class TorchShard:
             raise KeyError(f"no staged gradient for {missing}")
         # half-precision shards sum in float32 (the staged buffers' dtype), then round once
         acc = self._acc_buffer() if self.dtype in (torch.float16, torch.bfloat16) else self._grad
-        acc.zero_()
-        for key, w in weights:
-            acc.add_(self._staged[key][0], alpha=float(w))
+        sums = self._grad_views if acc is self._grad else self._views_of(acc)
+        for n, (key, w) in enumerate(weights):
+            staged = self._staged_blocks[key]
+            grads = [staged[i] for i in range(len(sums))]
+            if n == 0:  # w * g is 0 + w * g to the bit: no pass zeroing the sum first
+                for out, g in zip(sums, grads):
+                    torch.mul(g, float(w), out=out)
+            else:
+                torch._foreach_add_(sums, grads, alpha=float(w))
         if acc is not self._grad:
             self._grad.copy_(acc)
         self._step(self._all, self._grad_views)
@@ -675,19 +699,21 @@ class TorchShard:
         return self._acc
 
     def staged_step(self, key: str) -> tuple[list[int], list[torch.Tensor]]:
-        indices = sorted(self._staged_blocks.get(key, ()))
-        return indices, [self._staged[key][1][i] for i in indices]
+        staged = self._staged_blocks.get(key, {})
+        indices = sorted(staged)
+        return indices, [staged[i] for i in indices]
 
     def apply_staged_step(self, key: str) -> bool:
         """One optimizer step of the blocks ``key`` has staged, with its staged gradient
         as is; then ``key`` has nothing staged (other keys keep theirs). False if it has
         staged nothing."""
         self._ready()
-        indices = sorted(self._staged_blocks.pop(key, ()))
+        staged = self._staged_blocks.pop(key, {})
         self._live.discard(key)
-        if not indices:
+        if not staged:
             return False
-        grads = [self._staged[key][1][i] for i in indices]
+        indices = sorted(staged)
+        grads = [staged[i] for i in indices]
         if grads[0].dtype != self.dtype:  # half precision stages in float32: round once, here
             views = [self._grad_views[i] for i in indices]
             torch._foreach_copy_(views, grads)

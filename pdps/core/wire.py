@@ -49,6 +49,11 @@ class Envelope(Protocol):
         set by the transport from the call's timeout; None without one."""
         ...
 
+    @property
+    def owned(self) -> bool:
+        """Whether the handler may keep the tensors without a copy (nobody else writes them)."""
+        ...
+
 
 # --- fields ---------------------------------------------------------------------------
 
@@ -153,6 +158,7 @@ class Wire:
             values[a.name] = cls._value(meta[key], key, spec, trainer)
         if issubclass(cls, Request):
             values["deadline"] = envelope.deadline
+            values["owned"] = envelope.owned
         obj = cls(**values)
         obj._validate()
         return obj
@@ -214,6 +220,8 @@ class Request(Wire):
     #: When the caller stops waiting (``time.monotonic()`` here): not on the wire, but
     #: the transport's deadline for the call (:attr:`Envelope.deadline`), for handlers that wait.
     deadline: float | None = attrs.field(default=None, kw_only=True, eq=False, repr=False, metadata={"local": True})
+    #: the transport gave the tensors away (:attr:`Envelope.owned`): a handler may keep them as they are.
+    owned: bool = attrs.field(default=False, kw_only=True, eq=False, repr=False, metadata={"local": True})
 
 
 # --- pserver ---------------------------------------------------------------------------

@@ -90,17 +90,19 @@ class ParameterShard(Protocol):
         """Take the initial values (copied). Raises GradientRejected on a mismatch."""
         ...
 
-    def check(self, tensors: Sequence[Any], trainer: str, what: str = "gradient", indices: Sequence[int] | None = None) -> None:
+    def check(self, tensors: Sequence[Any], trainer: str, what: str = "gradient", indices: Sequence[int] | None = None, *, finite: bool = True) -> None:
         """Raise GradientRejected naming the parameter and trainer unless ``tensors``
         match the blocks (those at ``indices`` when given) in count, shape and dtype and
+        (unless ``finite`` is False: checked already, by the pserver forwarding them)
         hold only finite values."""
         ...
 
-    def stage(self, key: str, tensors: Sequence[Any], indices: Sequence[int] | None = None) -> None:
+    def stage(self, key: str, tensors: Sequence[Any], indices: Sequence[int] | None = None, *, keep: bool = False) -> None:
         """Keep a copy of ``key``'s (a trainer's) gradient, replacing one staged before:
         for the open sync round, or for an async step pushed in pieces; ``indices`` names
         the blocks of a push of some slots (default all). ``key`` counts as staged once
-        every block is. Nothing is applied until :meth:`apply_staged` or
+        every block is. ``keep``: the caller gives the tensors away (nobody writes them
+        any more), so the shard may hold them instead of a copy. Nothing is applied until :meth:`apply_staged` or
         :meth:`apply_staged_step`."""
         ...
 

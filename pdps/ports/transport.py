@@ -8,7 +8,8 @@ back the same shape.
 Contract (every adapter passes ``tests/unit/contract_transport.py``):
 
 * Request tensors are *borrowed* by the handler for the duration of the call: a
-  handler that keeps data must copy it. Reply tensors may alias the server's memory
+  handler that keeps data must copy it, unless the request is :attr:`Message.owned`
+  (an adapter that received them into memory of its own gives them away). Reply tensors may alias the server's memory
   (the in-process adapter copies nothing): callers read or copy them and never write.
 * A handler raising a :class:`~pdps.core.errors.PdpsError` makes the call raise the
   same class with the same message on the caller's side.
@@ -42,11 +43,14 @@ import attrs
 @attrs.frozen
 class Message:
     """A request or a reply. ``deadline`` is set by the transport on the request a
-    handler receives (see the module docstring); replies leave it ``None``."""
+    handler receives (see the module docstring); replies leave it ``None``. ``owned``,
+    set by the transport on a request it received into memory of its own: nobody else
+    holds or writes its tensors, so the handler may keep them without a copy."""
 
     meta: Mapping[str, Any] = attrs.field(factory=dict)
     tensors: Sequence[Any] = ()  # torch.Tensor
     deadline: float | None = attrs.field(default=None, kw_only=True)
+    owned: bool = attrs.field(default=False, kw_only=True)
 
 
 Handler = Callable[[Message], Message]

@@ -637,7 +637,7 @@ class Pserver:
             keep = [i for i, k in enumerate(req.blocks or ()) if k not in held_already]
             req = attrs.evolve(req, blocks=tuple(req.blocks[i] for i in keep), tensors=tuple(req.tensors[i] for i in keep))  # type: ignore[index]
         indices = req.claim(shard.blocks, self.index)
-        shard.check(req.tensors, req.trainer, indices=indices)
+        shard.check(req.tensors, req.trainer, indices=indices, finite=False)  # the primary checked their values
         shard.apply(req.tensors, indices)
         self._streams[primary] = (req.incarnation, req.seq)
         for slot in {self._slot_of[k] for k in req.blocks or ()}:
@@ -657,8 +657,9 @@ class Pserver:
             raise StalePush(f"round {round_no} is closed; the open round is {self.round_no}: pull and compute again")
         if round_no > self.round_no:
             raise InvalidTransition(f"trainer {trainer}", f"round {self.round_no}", f"push for round {round_no}", "pull first")
-        shard.check(req.tensors, trainer, indices=indices)
-        shard.stage(trainer, req.tensors, indices)  # applied only if the closed round holds its contribution
+        # a forward's values were checked by the primary forwarding it: one pass fewer over it here
+        shard.check(req.tensors, trainer, indices=indices, finite=not isinstance(req, ReplicateRequest))
+        shard.stage(trainer, req.tensors, indices, keep=req.owned)  # applied only if the closed round holds its contribution
 
     def _claim(self, req: PushRequest | PullRequest, blocks: Sequence[Block], primary: list[int] | None) -> list[int] | None:
         """The positions in ``blocks`` (a shard's) that ``req`` is for: the blocks named,
@@ -686,14 +687,18 @@ class Pserver:
         return out
 
     def _call_peer(self, backup: int, request: ReplicateRequest) -> None:
-        """One call to pserver ``backup``, over the connection kept for it."""
-        kv = self._store.get(self._keys.pserver(backup))
-        if kv is None:
-            raise NotReady(f"pserver {backup} is not registered")
-        address = decode_as(kv.value, kv.key, lambda d: str(d["addr"]))
+        """One call to pserver ``backup``, over the connection kept for it (its address
+        read from the store when there is none: after a failed call, it is read again)."""
         with self._peers_lock:
-            connection = self._peers.setdefault(backup, _Connection())
-            channel = connection.to(self._transport, address)
+            connection = self._peers.get(backup)
+            channel = connection.channel if connection is not None else None
+        if channel is None:
+            kv = self._store.get(self._keys.pserver(backup))
+            if kv is None:
+                raise NotReady(f"pserver {backup} is not registered")
+            address = decode_as(kv.value, kv.key, lambda d: str(d["addr"]))
+            with self._peers_lock:
+                channel = self._peers.setdefault(backup, _Connection()).to(self._transport, address)
         try:
             calls.call(channel, request)
         except TransportError:

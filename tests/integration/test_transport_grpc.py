@@ -25,7 +25,7 @@ from pdps.adapters.grpc_transport import GrpcTransport, TlsConfig
 from pdps.core.errors import ConfigError, InvalidTransition, NotReady, StalePush, Timeout, TransportError
 from pdps.ports.transport import ChannelStats, ConcurrentCalls, Message
 from tests.tls import make_tls
-from tests.unit.contract_transport import TransportContract, echo
+from tests.unit.contract_transport import KEPT, TransportContract, echo
 
 ROOT = Path(__file__).resolve().parents[2]
 PROTO = ROOT / "pdps" / "adapters" / "proto"
@@ -94,6 +94,13 @@ class TestGrpc(TransportContract):
     @pytest.fixture
     def unreachable(self):
         return f"grpc://127.0.0.1:{free_port()}"
+
+    def test_requests_arrive_owned(self, transport, served):
+        """Received into buffers of the transport's own: the handler may keep them (a
+        sync pserver stages a gradient so, without a copy)."""
+        KEPT.clear()
+        transport.connect(served.address).call("keep", Message({}, [torch.ones(4)]))
+        assert [owned for owned, _ in KEPT] == [True]
 
 
 # --- tensors on the wire ----------------------------------------------------------

@@ -51,10 +51,20 @@ def deadline(req: Message) -> Message:
     return Message({"left": None if req.deadline is None else req.deadline - time.monotonic()})
 
 
+#: What ``keep`` kept: the request's tensors as they are when it says they are ``owned``,
+#: copies otherwise; and each request's ``owned``.
+KEPT: list[tuple[bool, list]] = []
+
+
+def keep(req: Message) -> Message:
+    KEPT.append((req.owned, list(req.tensors) if req.owned else [t.clone() for t in req.tensors]))
+    return Message({})
+
+
 class TransportContract:
     @pytest.fixture
     def served(self, transport, address):
-        handlers = {"echo": echo, "total": total, "reject": reject, "raise": raise_, "deadline": deadline}
+        handlers = {"echo": echo, "total": total, "reject": reject, "raise": raise_, "deadline": deadline, "keep": keep}
         endpoint = transport.serve(address, handlers)
         yield endpoint
         endpoint.close()
@@ -67,6 +77,20 @@ class TransportContract:
         assert len(reply.tensors) == 3
         for got, want in zip(reply.tensors, tensors):
             assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
+
+    def test_a_handler_keeps_owned_tensors_and_nothing_later_changes_them(self, transport, served):
+        """Request tensors are borrowed unless the request is ``owned``: then the handler
+        may keep them as they are, and neither the caller nor later calls change them."""
+        ch = transport.connect(served.address)
+        KEPT.clear()
+        sent = [torch.arange(float(n), dtype=torch.float32) for n in (3, 1 << 19)]  # small, and a receive buffer's size
+        ch.call("keep", Message({}, sent))
+        for t in sent:
+            t.fill_(-1.0)  # the caller reuses its buffers at once
+        for _ in range(3):
+            ch.call("keep", Message({}, [torch.full_like(t, 7.0) for t in sent]))
+        assert [type(owned) for owned, _ in KEPT] == [bool] * 4
+        assert [torch.equal(k, torch.arange(float(t.numel()))) for k, t in zip(KEPT[0][1], sent)] == [True, True]
 
     def test_call_without_tensors(self, transport, served):
         reply = transport.connect(served.address).call("total", Message({}))

@@ -36,11 +36,16 @@ def test_no_copies_either_way():
         seen.append(req.tensors[0].data_ptr())
         return Message({}, [state[2:4]])
 
+    def owned(req: Message) -> Message:
+        return Message({"owned": req.owned})
+
     t = InprocTransport()
-    ep = t.serve("inproc://", {"h": handler})
+    ep = t.serve("inproc://", {"h": handler, "owned": owned})
     sent = torch.ones(1024)
     reply = t.connect(ep.address).call("h", Message({}, [sent]))
     assert seen == [sent.data_ptr()]
+    # the caller's own tensors: borrowed, never given away
+    assert t.connect(ep.address).call("owned", Message({}, [sent])).meta == {"owned": False}
     assert reply.tensors[0].data_ptr() == state[2:].data_ptr()
     ep.close()
 

@@ -474,6 +474,42 @@ class TestShard:
         twin.apply([grads[1]], [1])
         assert torch.equal(shard.values, twin.values)
 
+    def test_kept_gradients_are_staged_without_a_copy_and_apply_as_copied_ones(self):
+        """``keep``: the caller gives the tensors away, the shard holds them (no copy,
+        no buffer), and the round applies exactly what copies would have."""
+        shard, blocks, g1 = shard_and_grads("SGD", {"lr": 1.0})
+        g2 = [torch.randn(b.shape, dtype=torch.float64) for b in blocks]
+        twin = TorchShard(blocks, "SGD", {"lr": 1.0})
+        twin.initialize(shard.views(), "t0")
+        shard.stage("a", g1, keep=True)
+        shard.stage("b", g2[:1], [0], keep=True)  # a kept piece and a copied one make one key
+        shard.stage("b", g2[1:], list(range(1, len(blocks))))
+        assert "a" not in shard._staged  # nothing copied: no buffer of its own
+        assert shard.staged_step("a")[1][0] is g1[0]
+        twin.stage("a", g1)
+        twin.stage("b", g2)
+        shard.apply_staged([("a", 3 / 8), ("b", 5 / 8)])
+        twin.apply_staged([("a", 3 / 8), ("b", 5 / 8)])
+        assert torch.equal(shard.values, twin.values)
+        assert shard.staged() == set() and shard.staged_step("a") == ([], [])  # nothing held after the round
+
+    def test_half_precision_gradients_are_copied_even_when_kept(self):
+        blocks = cut_blocks(TorchReplica(make_model(dtype=torch.bfloat16), "cpu").specs)
+        shard = TorchShard(blocks, "SGD", {"lr": 1.0})
+        shard.initialize([torch.zeros(b.shape, dtype=torch.bfloat16) for b in blocks], "t0")
+        grads = [torch.ones(b.shape, dtype=torch.bfloat16) for b in blocks]
+        shard.stage("a", grads, keep=True)
+        assert shard.staged_step("a")[1][0].dtype == torch.float32  # summed in float32, as always
+
+    def test_a_forwarded_gradient_skips_only_the_finiteness_check(self):
+        shard, blocks, grads = shard_and_grads()
+        grads[0][0] = float("nan")
+        shard.check(grads, "t0", finite=False)  # checked already by the pserver that forwarded it
+        with pytest.raises(GradientRejected, match="not finite"):
+            shard.check(grads, "t0")
+        with pytest.raises(GradientRejected, match="shape"):
+            shard.check([g.reshape(-1) for g in grads], "t0", finite=False)
+
     def test_apply_staged_reuses_one_gradient_buffer(self):
         shard, _, grads = shard_and_grads()
         buffer = shard.values.grad

@@ -103,6 +103,12 @@ def check_url(url: object) -> str:
     return url
 
 
+def check_seq(seq: object) -> int:
+    if isinstance(seq, bool) or not isinstance(seq, int) or seq < 1:
+        raise ConfigError(f"an export's seq is an int >= 1 (list_exports() says which exist), got {seq!r}")
+    return seq
+
+
 def check_keep(keep: object) -> int | None:
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
         raise ConfigError(f"keep must be None (keep every export) or an int >= 1, got {keep!r}")

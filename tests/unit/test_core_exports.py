@@ -58,6 +58,13 @@ def test_keep_must_be_a_positive_int(keep):
     assert core.check_keep(None) is None and core.check_keep(2) == 2
 
 
+@pytest.mark.parametrize("seq", [0, -1, 1.0, True, "3", None])
+def test_a_seq_must_be_a_positive_int(seq):
+    with pytest.raises(ConfigError, match="seq"):
+        core.check_seq(seq)
+    assert core.check_seq(3) == 3
+
+
 def test_tensor_mappings_must_be_non_empty_and_named_by_strings():
     assert core.check_names({"w": 1, "b": 2}) == ["w", "b"]
     with pytest.raises(ConfigError, match="empty"):

@@ -8,8 +8,10 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import re
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import safetensors.torch
@@ -249,6 +251,13 @@ class ExportTests:
         assert_same(exports.load(url), models[5])
 
 
+def test_the_example_in_the_docs_runs():
+    text = (Path(__file__).resolve().parents[2] / "docs" / "online.md").read_text()
+    section = text.split("## Model exports", 1)[1]
+    example = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    exec(compile(example, "docs/online.md", "exec"), {})  # noqa: S102 - the example asserts its own outcome
+
+
 class RivalClaims:
     """A storage on which another writer claims the same number right after this one
     does, ``times`` times: what two writers racing look like, made certain."""
@@ -293,3 +302,15 @@ class TestS3Exports(ExportTests):
     @pytest.fixture
     def url(self, s3_env) -> str:
         return f"s3://{s3_env.create_bucket()}/exports"
+
+    def test_the_latest_model_loads_with_fsspec_and_the_reference_loader(self, url):
+        # What docs/online.md tells a serving process without pdps to do.
+        import fsspec
+
+        model = a_model(7)
+        exports.publish(url, a_model(6))
+        exports.publish(url, model)
+        with fsspec.open(f"{url}/LATEST") as f:
+            seq = json.load(f)["seq"]
+        with fsspec.open(f"{url}/{seq:08d}/model.safetensors") as f:
+            assert_same(safetensors.torch.load(f.read()), model)

@@ -26,9 +26,11 @@ from pdps.core.errors import (
     ConfigError,
     Contended,
     CorruptCheckpoint,
+    CorruptExport,
     CorruptRecord,
     DatasetError,
     EpochChanged,
+    ExportConflict,
     FencingError,
     GradientRejected,
     InvalidTransition,
@@ -78,7 +80,7 @@ _LAZY = {
 }
 
 __all__ = [
-    "DEFAULT_JOB", "BadRequest", "Batch", "ConfigError", "ControlPlaneReport", "Contended", "CorruptCheckpoint", "CorruptRecord", "DatasetError", "EpochChanged",
+    "DEFAULT_JOB", "BadRequest", "Batch", "ConfigError", "ControlPlaneReport", "Contended", "CorruptCheckpoint", "CorruptExport", "CorruptRecord", "DatasetError", "EpochChanged", "ExportConflict",
     "Faults", "FencingError", "GradientRejected", "InvalidTransition", "JobConfig", "Killed", "LeaseExpired",
     "MissingExtraError", "Mode", "NoSuchJob", "NoSuchPass", "NotInitialized", "NotReady", "PdpsError",
     "ResizeInProgress", "SimulationResult", "SlotMapChanged", "StalePush", "StepRecord", "StorageError", "StoreError", "StoreUnavailable", "Timeout",

@@ -2,7 +2,9 @@
 
 What this module owns: the bytes of a checkpoint in a :class:`~pdps.ports.storage.Storage`
 and their integrity (:class:`SafetensorsFiles` is the :class:`~pdps.ports.checkpoints.CheckpointFiles`
-port over one storage; the functions take the storage as their first argument). Which
+port over one storage; the functions take the storage as their first argument). The same
+files are model exports' (:class:`SafetensorsFormat`, the
+:class:`~pdps.ports.tensor_format.TensorFormat` port: :func:`encode` and :func:`decode`). Which
 checkpoints exist, which one is committed and what each record holds are
 :mod:`pdps.core.checkpoints`' rules, applied by :mod:`pdps.runtime.recovery`.
 
@@ -53,7 +55,7 @@ import mmap
 import queue
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -61,7 +63,9 @@ import attrs
 
 from pdps.core.checkpoints import MANIFEST, Manifest, PartInfo, check_id, checksum_text, id_order, is_checkpoint_id
 from pdps.core.errors import ConfigError, CorruptCheckpoint, StorageError
+from pdps.core.exports import TensorSpec
 from pdps.ports.storage import CachedReads, Leftover, OpensReaders, Storage
+from pdps.ports.tensor_format import Encoded
 
 if TYPE_CHECKING:
     import torch
@@ -168,21 +172,46 @@ class SafetensorsFiles:
         return delete(self.storage, ckpt_id)
 
 
+@attrs.frozen
+class SafetensorsFormat:
+    """The :class:`~pdps.ports.tensor_format.TensorFormat` of safetensors files: :func:`encode` and :func:`decode`."""
+
+    def encode(self, tensors: Mapping[str, torch.Tensor], where: str) -> Encoded:
+        return encode(tensors, where)
+
+    def decode(
+        self, buf: Any, where: str, path: str, error: Callable[[str, str], StorageError]
+    ) -> tuple[dict[str, torch.Tensor], tuple[TensorSpec, ...]]:
+        return decode(buf, where, path, error)
+
+
 # --- parts ------------------------------------------------------------------------------
 
 
 def write_part(storage: Storage, path: str, tensors: Mapping[str, torch.Tensor], *, name: str | None = None) -> PartInfo:
-    """Write ``tensors`` as one safetensors file at ``path``; return its PartInfo.
+    """Write ``tensors`` as one safetensors file at ``path`` (see :func:`encode`); return
+    its PartInfo. ``name`` defaults to the file name without its extension (``ps-0``).
+
+    Raises ConfigError as :func:`encode` does; StorageError when the write fails
+    (nothing is then visible at ``path``).
+    """
+    file = encode(tensors, f"checkpoint part {path}")
+    return _write(storage, path, file.chunks, file.size, name)
+
+
+def encode(tensors: Mapping[str, torch.Tensor], where: str) -> Encoded:
+    """``tensors`` as a safetensors file, to be written from its chunks.
 
     Contiguous CPU tensors are written straight from their memory, which must not
-    change until this returns (the pserver hands in copies). Others are copied first,
-    one at a time: a CUDA tensor to the CPU, a non-contiguous one to contiguous.
-    Tensors are laid out biggest element first, so that every tensor starts at a
-    multiple of its element size and :func:`read_part` can return views without copies.
-    ``name`` defaults to the file name without its extension (``ps-0``).
+    change until the chunks are consumed (the pserver hands in copies). Others are
+    copied first, one at a time, as the chunks are: a CUDA tensor to the CPU, a
+    non-contiguous one to contiguous. Tensors are laid out biggest element first, so
+    that every tensor starts at a multiple of its element size and :func:`decode` can
+    return views without copies.
 
-    Raises ConfigError for a dtype safetensors has no name for, or a name that is not
-    a string; StorageError when the write fails (nothing is then visible at ``path``).
+    Raises ConfigError naming ``where`` and the tensor, before any chunk exists, for a
+    value that is not a dense tensor, a dtype safetensors has no name for, or a name
+    that is not a string.
     """
     import torch
 
@@ -190,13 +219,14 @@ def write_part(storage: Storage, path: str, tensors: Mapping[str, torch.Tensor],
     items = []
     for key, t in tensors.items():
         if not isinstance(key, str) or not key or key == "__metadata__":
-            raise ConfigError(f"checkpoint part {path}: tensor names must be non-empty strings other than '__metadata__', got {key!r}")
+            raise ConfigError(f"{where}: tensor names must be non-empty strings other than '__metadata__', got {key!r}")
         if not isinstance(t, torch.Tensor) or t.layout is not torch.strided:
-            raise ConfigError(f"checkpoint part {path}: {key!r} is a {type(t).__name__}, not a dense tensor")
+            raise ConfigError(f"{where}: {key!r} is a {type(t).__name__}, not a dense tensor")
         if t.dtype not in names:
             supported = ", ".join(attr for attr, _ in _DTYPES.values())
-            raise ConfigError(f"checkpoint part {path}: {key!r} is {t.dtype}; checkpoints hold {supported}")
+            raise ConfigError(f"{where}: {key!r} is {t.dtype}; pdps's safetensors files hold {supported}")
         items.append((key, t.detach()))
+    specs = tuple(TensorSpec(key, names[t.dtype], tuple(t.shape)) for key, t in items)
     items.sort(key=lambda kv: (-kv[1].element_size(), kv[0]))
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
@@ -215,7 +245,7 @@ def write_part(storage: Storage, path: str, tensors: Mapping[str, torch.Tensor],
                 continue
             yield from _pieces(_bytes_of(t))
 
-    return _write(storage, path, chunks(), len(prefix) + offset, name)
+    return Encoded(len(prefix) + offset, chunks(), specs)
 
 
 def write_json_part(storage: Storage, path: str, obj: Any, *, name: str | None = None) -> PartInfo:
@@ -242,10 +272,19 @@ def read_part(storage: Storage, info: PartInfo) -> dict[str, torch.Tensor]:
     (unknown dtype, offsets outside the data or leaving gaps); StorageError when the
     storage cannot be read.
     """
+    buf = _read_checked(storage, info)
+    return decode(buf, f"checkpoint part {_where(storage, info.path)}", info.path)[0]
+
+
+def decode(
+    buf: Any, where: str, path: str, error: Callable[[str, str], StorageError] = CorruptCheckpoint
+) -> tuple[dict[str, torch.Tensor], tuple[TensorSpec, ...]]:
+    """The tensors of the safetensors file in ``buf`` (views of it, which keep it alive)
+    and their specs, in the file's order. Raises ``error(message, path)`` naming
+    ``where`` when the header is not a valid one."""
     import torch
 
-    buf = _read_checked(storage, info)
-    entries, data_start = _parse_header(memoryview(buf), len(buf), _where(storage, info.path), info.path)
+    entries, data_start = _parse_header(memoryview(buf), len(buf), where, path, error)
     data = torch.frombuffer(buf, dtype=torch.uint8)  # the tensors keep the buffer alive
     out: dict[str, torch.Tensor] = {}
     for key, dtype_name, shape, begin, end in entries:
@@ -254,7 +293,7 @@ def read_part(storage: Storage, info: PartInfo) -> dict[str, torch.Tensor]:
         if (data_start + begin) % itemsize:
             raw = raw.clone()  # another writer's unaligned layout: a copy is the only way
         out[key] = raw.view(getattr(torch, attr)).reshape(shape)
-    return out
+    return out, tuple(TensorSpec(key, dtype, tuple(shape)) for key, dtype, shape, _, _ in entries)
 
 
 def read_json_part(storage: Storage, info: PartInfo) -> Any:
@@ -689,13 +728,15 @@ def _header_fault(storage: Storage, info: PartInfo, first: memoryview, size: int
                 head = bytearray(8 + n)  # a header longer than a piece: read it alone
                 storage.read_into(info.path, head)
                 first = memoryview(head)
-        _parse_header(first, size, where, info.path)
+        _parse_header(first, size, f"checkpoint part {where}", info.path)
     except CorruptCheckpoint as exc:
         return exc
     return None
 
 
-def _parse_header(view: memoryview, size: int, where: str, path: str) -> tuple[list[tuple[str, str, list[int], int, int]], int]:
+def _parse_header(
+    view: memoryview, size: int, where: str, path: str, error: Callable[[str, str], StorageError] = CorruptCheckpoint
+) -> tuple[list[tuple[str, str, list[int], int, int]], int]:
     """The (name, dtype, shape, begin, end) of each tensor of a safetensors file of
     ``size`` bytes whose start is in ``view``, and where its data starts.
 
@@ -703,8 +744,8 @@ def _parse_header(view: memoryview, size: int, where: str, path: str) -> tuple[l
     and that the spans tile the data exactly (no gap, no overlap, no trailing bytes).
     """
 
-    def corrupt(what: str) -> CorruptCheckpoint:
-        return CorruptCheckpoint(f"checkpoint part {where} is not a valid safetensors file: {what}", path)
+    def corrupt(what: str) -> StorageError:
+        return error(f"{where} is not a valid safetensors file: {what}", path)
 
     if size < 8 or len(view) < 8:
         raise corrupt(f"{size} bytes, too short for the 8-byte header length")

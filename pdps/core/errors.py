@@ -187,6 +187,24 @@ class CorruptCheckpoint(StorageError):
         self.path = path
 
 
+class CorruptExport(StorageError):
+    """A model export is missing a piece, or its model file does not match its manifest
+    (size, sha256, tensor names, dtypes or shapes). ``path`` names the object."""
+
+    code = "corrupt_export"
+
+    def __init__(self, message: str, path: str = "") -> None:
+        super().__init__(message)
+        self.path = path
+
+
+class ExportConflict(StorageError):
+    """Another writer kept taking the export number this one picked: an export URL
+    takes one writer at a time. Nothing of this export was published."""
+
+    code = "export_conflict"
+
+
 class TransportError(PdpsError):
     """A call could not be delivered or answered (unknown address or method, deadline)."""
 

@@ -153,6 +153,11 @@ class JobConfig:
             raise ConfigError(
                 f"replicas ({self.replicas}) must be at most the number of pservers ({self.pservers}): each copy of a slot is on its own pserver"
             )
+        if self.replicas > 2 and self.mode is not Mode.SYNC:
+            raise ConfigError(
+                f"replicas = {self.replicas} in {self.mode.value} mode: this version keeps at most 2 copies of an async job's slots "
+                "(with more, the backups of a dead primary could disagree on the pushes it had not acknowledged): set replicas = 2, or mode = sync"
+            )
 
     @property
     def checkpoints(self) -> bool:
@@ -222,6 +227,15 @@ def decode_json(raw: bytes, key: str) -> Any:
         return json.loads(raw)
     except (TypeError, ValueError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise CorruptRecord(f"cannot decode the value of {key} ({len(raw)} bytes): {exc}", key) from exc
+
+
+def says_done(raw: bytes, key: str) -> bool:
+    """Whether a job ``state`` record says the job is done (an undecodable one does not)."""
+    try:
+        state = decode_json(raw, key)
+    except CorruptRecord:
+        return False
+    return isinstance(state, dict) and state.get("state") == "done"
 
 
 @attrs.frozen

@@ -53,7 +53,7 @@ from pdps.core.errors import (
     Timeout,
     TransportError,
 )
-from pdps.core.job import JobConfig, Keys, decode_as, decode_json
+from pdps.core.job import JobConfig, Keys, decode_as, decode_json, says_done
 from pdps.core.lifecycle import HALTED, UNSETTLED, PserverEvent, PserverState, next_state
 from pdps.core.sgd import Mode, RoundRecord, check_staleness, participants
 from pdps.core.slots import Block, Layout, ParamSpec, SlotMap
@@ -126,15 +126,6 @@ def claim_index(store: CoordinationStore, keys: Keys, lease: int, value: bytes, 
     if index is not None:
         raise ConfigError(f"pserver index {index} of job {keys.job!r} is still held by another pserver after {wait:.0f}s")
     raise ConfigError(f"all {desired} pserver indexes of job {keys.job!r} are taken")
-
-
-def _says_done(value: bytes, key: str) -> bool:
-    """Whether a job ``state`` record says the job is done (an undecodable one does not)."""
-    try:
-        state = decode_json(value, key)
-    except CorruptRecord:
-        return False
-    return isinstance(state, dict) and state.get("state") == "done"
 
 
 #: How often a pserver asks again for an index another pserver's lease still holds.
@@ -274,12 +265,6 @@ class Pserver:
         claim_wait: float = 0.0,
         checkpoints: CheckpointFiles | None = None,
     ) -> None:
-        if config.replicas > 2 and config.mode is not Mode.SYNC:
-            raise ConfigError(
-                f"job {config.name!r} asks for replicas = {config.replicas} in {config.mode.value} mode, but this version's pservers "
-                "keep at most 2 copies of an async job's slots (with more, the backups of a dead primary could disagree on the "
-                "pushes it had not acknowledged): set replicas = 2, or mode = sync"
-            )
         self.config = config
         self._want_index = index
         self._claim_wait = claim_wait
@@ -1115,14 +1100,14 @@ class Pserver:
         if time.monotonic() - self._state_read >= MEMBERS_FRESH:
             self._state_read = time.monotonic()
             kv = self._store.get(self._keys.state)
-            self._done = kv is not None and _says_done(kv.value, kv.key)
+            self._done = kv is not None and says_done(kv.value, kv.key)
         return self._done
 
     def _on_state_event(self, event: WatchEvent) -> None:
         if event.key != self._keys.state:
             return
         with self._cond:
-            self._done = event.type is EventType.PUT and event.value is not None and _says_done(event.value, event.key)
+            self._done = event.type is EventType.PUT and event.value is not None and says_done(event.value, event.key)
             if self._done:
                 self._closer.notify_all()  # a round waiting on trainers that have stopped can close
 

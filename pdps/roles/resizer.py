@@ -23,14 +23,15 @@ import json
 import logging
 import threading
 import time
+import uuid
 
 from pdps.core.elastic import Resize, ResizeState, describe
 from pdps.core.slots import SlotMap
 from pdps.core.errors import PdpsError
-from pdps.core.job import JobConfig, Keys, decode_as
+from pdps.core.job import JobConfig, Keys, decode_as, says_done
 from pdps.core.sgd import Mode
 from pdps.core.txn import Fence
-from pdps.ports.coordination import Compare, CoordinationStore, KeyValue, Put, TxnOp, WatchEvent
+from pdps.ports.coordination import Compare, CoordinationStore, EventType, KeyValue, Put, TxnOp, WatchEvent
 from pdps.ports.transport import Transport
 from pdps.runtime import recovery
 from pdps.runtime.resizing import read_map, read_resize, resizes_got
@@ -58,10 +59,13 @@ class ResizeDriver:
         self._said: tuple[str, str] | None = None
         self._short_since: float | None = None  # when the live map was first seen short of copies
         self._seen_claimed: set[int] = set()  # pserver indexes seen held by a live process
+        self._done = False  # the job's state says done (its last rounds may still be closing)
 
     def run(self) -> None:
         keys = self._keys
-        watches = [self._store.watch(prefix, self._on_event) for prefix in (keys.resize, keys.ps_desired, keys.pservers, keys.root + "resize_got/", keys.slotmap)]
+        watches = [self._store.watch(prefix, self._on_event) for prefix in (keys.resize, keys.ps_desired, keys.pservers, keys.root + "resize_got/", keys.slotmap, keys.state)]
+        state = self._store.get(keys.state)
+        self._done = self._done or (state is not None and says_done(state.value, state.key))
         try:
             while not self._stopped.is_set():
                 try:
@@ -74,17 +78,26 @@ class ResizeDriver:
             for w in watches:
                 w.cancel()
 
+    def _leaving(self) -> bool:
+        """The job is done and its trainers have left: no round will close any more, and
+        pservers that go now are leaving, not dying (no failover, no new copies)."""
+        return self._done and not self._store.range(self._keys.trainers)
+
     def _on_event(self, event: WatchEvent) -> None:
+        if event.key == self._keys.state:
+            self._done = event.type is EventType.PUT and event.value is not None and says_done(event.value, event.key)
         self._wake.set()
 
     def step(self) -> None:
         """One step of the job's resize, if one can be taken now."""
         keys = self._keys
-        self._reap()
+        leaving = self._leaving()
+        if not leaving:
+            self._reap()
         resize, found = read_resize(self._store, keys)
         live = read_map(self._store, keys)
         if resize is None or not resize.active:
-            if live.replicas > 1:
+            if live.replicas > 1 and not leaving:
                 claimed = self._claimed()
                 if self._fail_over(live, claimed) or self._replenish(live, found, claimed):
                     return
@@ -202,7 +215,7 @@ class ResizeDriver:
         empty = any(not live.held_by(p) for p in members)
         if not empty and time.monotonic() - self._short_since < REPLENISH_WAIT * self._config.lease_ttl:
             return False  # a replacement may come back at the dead index: the copies go to it then
-        asked = Resize(id=f"{time.strftime('%Y%m%d-%H%M%S')}-replenish", state=ResizeState.REQUESTED, pservers=live.num_pservers,
+        asked = Resize(id=f"{time.strftime('%Y%m%d-%H%M%S')}-replenish-{uuid.uuid4().hex[:6]}", state=ResizeState.REQUESTED, pservers=live.num_pservers,
                        trainers=None, requested=time.time(), by="master: re-replication")
         # sync: the replacement takes its share of the primaries back in the same switch
         # (async keeps them: a primary moving mid-forward could leave its copies apart)

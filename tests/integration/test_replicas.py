@@ -252,3 +252,25 @@ def test_a_dead_pservers_claim_goes_when_its_address_refuses_not_a_ttl_later(sou
         equals_a_replay(job, grads)
     finally:
         job.close()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_job_that_ends_records_no_failover_as_its_pservers_leave(source, mode):
+    """The job done, its pservers stop before the master: leaving, not dying. The map
+    the job ends with is the one it trained on (no failover, nothing short of copies)."""
+    from pdps.adapters.memory_store import MemoryStore
+    from torch import nn
+    from torch.nn import functional as F
+
+    def train(ctx: pdps.TrainerContext) -> None:
+        model = ctx.attach(nn.Sequential(nn.Linear(4, 2)))
+        for batch in ctx.batches():
+            ctx.step(F.mse_loss(model(batch["x"].float()), batch["y"].float()))
+
+    store = MemoryStore()
+    pdps.simulate(train, dataset=source, store=store, name=f"ends-{mode}", trainers=2, pservers=3, replicas=2, num_slots=12, mode=mode,
+                  batch_size=20, optimizer="SGD", optimizer_args={"lr": 0.01})
+    live = read_map(store, Keys(f"ends-{mode}"))
+    assert (live.version, live.under_replicated()) == (1, [])
+    status = job_status(store, f"ends-{mode}")
+    assert status["slot_map"]["under_replicated"] == 0

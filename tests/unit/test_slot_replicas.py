@@ -369,17 +369,12 @@ def test_a_new_jobs_first_map_has_its_replicas():
 
 def test_async_pservers_keep_at_most_two_copies():
     """An async job keeps at most 2 copies (with more, the backups of a dead primary
-    could disagree on what it had not acknowledged): more is refused at the pserver's
-    start, naming the setting and the mode; sync takes any count."""
-    from pdps.adapters.inproc import InprocTransport
-    from pdps.adapters.memory_store import MemoryStore
-    from pdps.adapters.torch_compute import TorchCompute
-    from pdps.roles.pserver import Pserver
-
+    could disagree on what it had not acknowledged): more is refused when the JobConfig
+    is made, before anything starts, naming the setting and the mode; sync takes any count."""
     with pytest.raises(ConfigError, match="replicas = 3 in async mode"):
-        Pserver(MemoryStore(), InprocTransport(), TorchCompute("cpu"), JobConfig(name="r3", pservers=3, replicas=3, mode="async"))
-    Pserver(MemoryStore(), InprocTransport(), TorchCompute("cpu"), JobConfig(name="r2", pservers=2, replicas=2, mode="async"))
-    Pserver(MemoryStore(), InprocTransport(), TorchCompute("cpu"), JobConfig(name="r3s", pservers=3, replicas=3))
+        JobConfig(name="r3", pservers=3, replicas=3, mode="async")
+    assert JobConfig(name="r2", pservers=2, replicas=2, mode="async").replicas == 2
+    assert JobConfig(name="r3s", pservers=3, replicas=3).replicas == 3
 
 
 @settings(max_examples=100, deadline=None)

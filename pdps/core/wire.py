@@ -480,8 +480,8 @@ class ReplicateRequest(PushRequest):
     closed round whole. Async: applied at once, in the order the primary applied it:
     ``primary`` is the forwarding pserver, ``incarnation`` its incarnation and ``seq``
     the forward's place in what it sends this backup (a forward sent again after a
-    lost reply is applied once); ``records`` travel with it, so a promoted backup knows
-    what it applied."""
+    lost reply is applied once). ``records`` are not sent: the primary decided the push
+    was no duplicate, and a backup applies what its primary applied, no more."""
 
     METHOD: ClassVar[str] = "replicate"
     REPLY: ClassVar[type[Wire]] = PushReply

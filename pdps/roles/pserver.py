@@ -135,6 +135,11 @@ LOAD_ATTEMPTS = 5
 LOAD_BACKOFF = Backoff(first=0.2, longest=1.6)
 #: Task attempts whose applied records a pserver remembers for the ``applied`` call.
 LEDGER_ATTEMPTS = 100_000
+#: Async: tasks whose high-water mark a pserver keeps (the newest pushed). A late push
+#: comes from an attempt that still runs, and the tasks that have one at a time are a
+#: few per trainer: a task this far back has long finished, and an endless stream's
+#: task ids would otherwise grow the marks without bound.
+MARKED_TASKS = 100_000
 #: What closing a round returns when this pserver wrote its marker.
 _CLOSED_HERE = object()
 #: A sync pull that waits this long at the barrier answers "still waiting" with whom it
@@ -338,10 +343,12 @@ class Pserver:
         self._closers: tuple[int, ...] = ()  # the pservers that close rounds in turn (those holding some of the model)
         self._placed = True  # False: a sync pserver a resize adds, until it has seen the open round
         self._gone: set[str] = set()  # trainers whose key went: their staging buffers can go
-        #: async: the records [start, end) of each task last applied here, and their pass:
-        #: the same records pushed again (a re-queued task's first push, a retried call)
-        #: are not applied twice
-        self._last_records: dict[int, tuple[int, int, int]] = {}  # task -> (pass, start, end)
+        #: async: each task's high-water mark, (pass, end) of the records [0, end) of it
+        #: applied here (an attempt pushes a task's records in order, from where the last
+        #: one's progress ended): records pushed again (a re-queued task's first push, a
+        #: retried call, a timed-out attempt's late push) are not applied twice. The
+        #: newest MARKED_TASKS tasks.
+        self._marks: OrderedDict[int, tuple[int, int]] = OrderedDict()
         #: (task, attempt) -> the records applied here, as merged [start, end) ranges (the
         #: ``applied`` call; the newest LEDGER_ATTEMPTS attempts of this epoch)
         self._ledger: OrderedDict[tuple[int, int], list[list[int]]] = OrderedDict()
@@ -819,16 +826,38 @@ class Pserver:
             self.applied_by_slot[slot] = self.applied_by_slot.get(slot, 0) + 1
         records = req.records
         if records is not None:
-            self._last_records[records[1]] = (records[0], records[3], records[4])
+            self._mark_applied(records)
             self._note_applied(records[1], records[2], records[3], records[4])
         self._maybe_announce_async()
         return PushReply(**self._state(), update_s=time.perf_counter() - began), queued
 
     def _applied_already(self, records: tuple[int, int, int, int, int] | None) -> bool:
-        """These records of this (pass, task) were applied here already: the push of an
-        attempt that died before recording its progress, sent again by the next one (or
-        a call retried). Once is enough."""
-        return records is not None and self._last_records.get(records[1]) == (records[0], records[3], records[4])
+        """These records of this (pass, task) were applied here already, all of them
+        (below the task's mark, or of a pass before the mark's): the push of an attempt
+        that died before recording its progress, sent again by the next one, a timed-out
+        attempt's late push, or a call retried. Once is enough. StalePush if only some
+        were: the push is one sum, which cannot be applied in part."""
+        if records is None:
+            return False
+        pass_no, task, _, start, end = records
+        mark = self._marks.get(task)
+        if mark is None or pass_no > mark[0]:
+            return False  # the task's first records here in this pass
+        if pass_no < mark[0] or end <= mark[1]:
+            return True  # a pass ends once every pserver has all its tasks' records
+        if start >= mark[1]:
+            return False
+        raise StalePush(
+            f"a push of records [{start}, {end}) of task {task} (pass {pass_no}) overlaps records [0, {mark[1]}), which pserver "
+            f"{self.index} applied already: it is one sum and is dropped whole"
+        )
+
+    def _mark_applied(self, records: tuple[int, int, int, int, int]) -> None:
+        pass_no, task, _, _, end = records
+        self._marks[task] = (pass_no, end)
+        self._marks.move_to_end(task)
+        while len(self._marks) > MARKED_TASKS:
+            self._marks.popitem(last=False)
 
     def _stage_piece(self, shard: ParameterShard, req: PushRequest, seen: int) -> tuple[str, tuple[list[int], list[object]] | None]:
         """Async, a step pushed slot by slot while the trainer's backward runs: stage each
@@ -848,10 +877,11 @@ class Pserver:
             if not req.final:
                 return "staged", None
             self._check_updates(seen, trainer)
+            duplicate = self._applied_already(req.records)
         except (GradientRejected, StalePush):
             shard.unstage(trainer)
             raise
-        if self._applied_already(req.records):
+        if duplicate:
             shard.unstage(trainer)
             return "duplicate", None
         step = shard.staged_step(trainer)  # views of its staging buffer: the trainer stages nothing until it is answered
@@ -1328,7 +1358,7 @@ class Pserver:
             self._outgoing_forwarded.clear()
             self._copied.clear()
             self._pending, self._received = {}, {}
-            self._last_records.clear()  # the parameters go back: so does what they hold
+            self._marks.clear()  # the parameters go back: so does what they hold
             self._ledger.clear()
             self.rollbacks += 1
             self._cond.notify_all()  # waiting pulls end with EpochChanged

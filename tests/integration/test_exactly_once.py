@@ -247,3 +247,79 @@ def test_a_pserver_applies_the_same_records_of_a_task_once(dataset):
         assert sorted(map(tuple, job.ps.applied())) == [(3, 1, 0, 8), (3, 2, 8, 16), (3, 5, 0, 8)]
     finally:
         job.close()
+
+
+def _pusher(dataset):
+    """A one-pserver async job and ``push(records, trainer)``: a push of ones for every
+    block, carrying ``records`` [pass, task, attempt, start, end]."""
+    from pdps.adapters.parquet import ParquetSource
+    from pdps.ports.transport import Message
+    from tests.integration.jobkit import start_job
+
+    job = start_job(ParquetSource(dataset), mode="async", pservers=1)
+    ctx = job.trainer("t")
+    ctx.attach(make_model())
+    part = ctx._group.parts[0]
+    grads = [torch.ones_like(t) for t in ctx._replica.grads(part.blocks)]
+
+    def push(records: list[int], trainer: str = "t") -> Message:
+        meta = {"trainer": trainer, "updates": job.ps.version, "blocks": part.keys, "records": records}
+        return ctx._group.call(part, "push", Message(meta, grads))
+
+    return job, push
+
+
+def test_a_late_push_of_an_earlier_range_of_a_task_is_applied_nowhere(dataset):
+    """Attempt 1 of task 7 timed out but still runs: its push of records [0, 8) arrives
+    after the resumed attempt 2 pushed [0, 8) and [8, 16). The pserver applies it no more."""
+    job, push = _pusher(dataset)
+    try:
+        push([0, 7, 2, 0, 8], "u")
+        push([0, 7, 2, 8, 16], "u")
+        before = pdps.fetch_parameters(job.store, job.transport, job.config)
+        reply = push([0, 7, 1, 0, 8])  # the late one
+        assert reply.meta.get("duplicate") is True and job.ps.version == 2
+        after = pdps.fetch_parameters(job.store, job.transport, job.config)
+        assert all(torch.equal(before[k], after[k]) for k in before)
+        assert sorted(map(tuple, job.ps.applied())) == [(7, 2, 0, 16)]
+        push([0, 7, 2, 16, 24], "u")  # the records after the mark, as usual
+        push([1, 7, 3, 0, 8], "u")  # the next pass starts the task again
+        assert job.ps.version == 4
+    finally:
+        job.close()
+
+
+def test_a_push_overlapping_the_records_a_task_applied_is_refused_whole(dataset):
+    """A push of [8, 24) after [0, 16) was applied holds records applied already and
+    others not: its gradient is one sum, so it is refused (StalePush, naming both)."""
+    from pdps.core.errors import StalePush
+
+    job, push = _pusher(dataset)
+    try:
+        push([0, 7, 1, 0, 16])
+        with pytest.raises(StalePush, match=r"records \[8, 24\) of task 7.*\[0, 16\)"):
+            push([0, 7, 2, 8, 24], "u")
+        assert job.ps.version == 1 and sorted(map(tuple, job.ps.applied())) == [(7, 1, 0, 16)]
+        push([0, 7, 2, 16, 24], "u")
+        assert job.ps.version == 2
+    finally:
+        job.close()
+
+
+def test_a_pserver_remembers_the_records_of_its_newest_tasks_only(dataset, monkeypatch):
+    """The marks are bounded (an endless stream has endless task ids): the oldest task's
+    is forgotten first, and a push of its records is then taken for a new one."""
+    from pdps.roles import pserver
+
+    monkeypatch.setattr(pserver, "MARKED_TASKS", 2)
+    job, push = _pusher(dataset)
+    try:
+        for task in (1, 2, 3):
+            push([0, task, 1, 0, 8])
+        assert push([0, 3, 1, 0, 8]).meta.get("duplicate") is True  # still known
+        assert push([0, 2, 1, 0, 8]).meta.get("duplicate") is True
+        assert job.ps.version == 3
+        assert not push([0, 1, 1, 0, 8]).meta.get("duplicate")  # forgotten
+        assert job.ps.version == 4
+    finally:
+        job.close()

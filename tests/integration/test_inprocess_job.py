@@ -3,6 +3,7 @@ trainer, a training function that raises, and bad input rejected before it chang
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import sys
@@ -476,6 +477,28 @@ def test_trainers_read_each_task_a_batch_at_a_time(tmp_path):
     result = pdps.simulate(classify, dataset=Recording(), trainers=2, pservers=1, mode="async", batch_size=10)
     assert result.tasks_done == len(inner.tasks())
     assert sorted(asked) == [(t.id, 0, 10) for t in inner.tasks()]
+
+
+def test_a_task_whose_batches_end_early_or_break_mid_task_fails(tmp_path):
+    """A source that stops short, or raises after some batches, fails the task like an unreadable one."""
+    inner = digits_like(tmp_path.as_uri())
+
+    class Short:
+        url = inner.url
+
+        def tasks(self):
+            return inner.tasks()
+
+        def read(self, task, *, start=0, batch_size):
+            batches = inner.read(task, start=start, batch_size=batch_size)
+            if task.id == 1:
+                yield next(batches)
+                raise OSError("connection reset")
+            yield from itertools.islice(batches, 2) if task.id == 2 else batches
+
+    result = pdps.simulate(classify, dataset=Short(), trainers=2, pservers=1, mode="async", batch_size=10, failure_max=0)
+    assert result.tasks_failed == 2
+    assert result.tasks_done == len(inner.tasks()) - 2
 
 
 def test_simulate_refuses_a_job_that_already_exists(tmp_path):

@@ -3,7 +3,7 @@
 What this module owns: turning a Parquet file or a directory of ``*.parquet`` shards
 into :class:`TaskSpec`s from the file footers alone (the master never reads a data
 page), checking there that every column is something a trainer can use, and reading
-one row group back as numpy columns on a trainer. Also :func:`write_parquet_shards`,
+one row group back on a trainer as numpy columns, a batch at a time. Also :func:`write_parquet_shards`,
 which writes numpy columns in the layout this source reads, for demos and tests.
 
 pyarrow is the ``parquet`` extra; importing this module without it raises

@@ -82,7 +82,7 @@ class Dataset:
             out.extend(TaskSpec(id=i, location=location, part=i - first, records=RECORDS) for i in range(first, min(first + self.parts, self.n)))
         return out
 
-    def read(self, task: TaskSpec) -> Any:  # pragma: no cover - never called by the master
+    def read(self, task: TaskSpec, *, start: int = 0, batch_size: int) -> Any:  # pragma: no cover - never called by the master
         raise AssertionError("the master must not read records")
 
 

@@ -122,7 +122,7 @@ class Tasks:
     def tasks(self) -> list[TaskSpec]:
         return [TaskSpec(id=i, location=f"part-{i // 1000}", part=i % 1000, records=10) for i in range(self.n)]
 
-    def read(self, task: TaskSpec) -> Any:  # pragma: no cover - never called by the master
+    def read(self, task: TaskSpec, *, start: int = 0, batch_size: int) -> Any:  # pragma: no cover - never called by the master
         raise AssertionError("the master must not read records")
 
 

@@ -3,7 +3,7 @@
 What this module owns: turning a Parquet file or a directory of ``*.parquet`` shards
 into :class:`TaskSpec`s from the file footers alone (the master never reads a data
 page), checking there that every column is something a trainer can use, and reading
-one row group back as numpy columns on a trainer. Also :func:`write_parquet_shards`,
+one row group back on a trainer as numpy columns, a batch at a time. Also :func:`write_parquet_shards`,
 which writes numpy columns in the layout this source reads, for demos and tests.
 
 pyarrow is the ``parquet`` extra; importing this module without it raises
@@ -12,7 +12,7 @@ pyarrow is the ``parquet`` extra; importing this module without it raises
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 import attrs
 import fsspec
@@ -21,6 +21,7 @@ import numpy as np
 from pdps.adapters.fsspec_storage import filesystem_for
 from pdps.core.errors import ConfigError, DatasetError, MissingExtraError
 from pdps.core.tasks import TaskSpec
+from pdps.ports.data import Columns
 
 try:
     import pyarrow as pa
@@ -84,27 +85,36 @@ class ParquetSource:
             raise DatasetError(f"dataset {self.url} has no rows")
         return tasks
 
-    def read(self, task: TaskSpec) -> dict[str, np.ndarray]:
-        """The task's row group as columns: numbers 1-D, lists of numbers 2-D (rows x width)."""
+    def read(self, task: TaskSpec, *, start: int = 0, batch_size: int) -> Iterator[Columns]:
+        """Rows ``[start, task.records)`` of the task's row group in batches of ``batch_size``
+        rows: numbers 1-D, lists of numbers 2-D (rows x width, one width per task).
+
+        pyarrow decodes ``batch_size`` rows at a time; the rows before ``start`` are
+        decoded and dropped a batch at a time (Parquet pages cannot be skipped by row).
+        """
         fs, path = filesystem_for(task.location, **self._storage_options)
         where = f"{task.location} row group {task.part}"
+        widths: dict[str, int] = {}
         try:
             with fs.open(path, "rb") as f:
                 pf = pq.ParquetFile(f)
-                if not 0 <= task.part < pf.metadata.num_row_groups:
+                groups = pf.metadata.num_row_groups
+                if not 0 <= task.part < groups:
                     raise DatasetError(
-                        f"{where} does not exist (the file has {pf.metadata.num_row_groups}); "
+                        f"{where} does not exist (the file has {groups}); "
                         "the dataset changed after its tasks were made: restart the job"
                     )
-                table = pf.read_row_group(task.part)
+                rows = pf.metadata.row_group(task.part).num_rows
+                if rows != task.records:
+                    raise DatasetError(
+                        f"{where} has {rows} rows, its task says {task.records}; "
+                        "the dataset changed after its tasks were made: restart the job"
+                    )
+                pieces = pf.iter_batches(row_groups=[task.part], batch_size=batch_size)
+                for table in _rebatched(pieces, skip=start, size=batch_size):
+                    yield {name: _to_numpy(table.column(name), name, where, widths) for name in table.column_names}
         except (pa.ArrowInvalid, OSError) as exc:
             raise DatasetError(f"cannot read {where}: {exc}") from exc
-        if table.num_rows != task.records:
-            raise DatasetError(
-                f"{where} has {table.num_rows} rows, its task says {task.records}; "
-                "the dataset changed after its tasks were made: restart the job"
-            )
-        return {name: _to_numpy(table.column(name), name, where) for name in table.column_names}
 
     def _files(self) -> list[str]:
         try:
@@ -197,7 +207,30 @@ def _is_number(t: pa.DataType) -> bool:
     return pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)
 
 
-def _to_numpy(column: pa.ChunkedArray, name: str, where: str) -> np.ndarray:
+def _rebatched(pieces: Iterable[pa.RecordBatch], *, skip: int, size: int) -> Iterator[pa.Table]:
+    """The rows after the first ``skip`` as tables of ``size`` rows, the last one fewer,
+    whatever sizes pyarrow's batches come in; holds less than two of them at a time."""
+    held: list[pa.RecordBatch] = []
+    count = 0
+    for piece in pieces:
+        if skip >= piece.num_rows:
+            skip -= piece.num_rows
+            continue
+        piece, skip = piece.slice(skip), 0
+        held.append(piece)
+        count += piece.num_rows
+        while count >= size:
+            table = pa.Table.from_batches(held)
+            yield table.slice(0, size)
+            rest = table.slice(size)
+            held, count = rest.to_batches(), rest.num_rows
+    if count:
+        yield pa.Table.from_batches(held)
+
+
+def _to_numpy(column: pa.ChunkedArray, name: str, where: str, widths: dict[str, int]) -> np.ndarray:
+    """One column of a batch as numpy; ``widths`` holds each list column's width in the
+    task's batches so far, which every later batch must match."""
     arr = column.combine_chunks()
     if arr.null_count:
         raise DatasetError(f"column {name!r} of {where} has {arr.null_count} missing values; fill them when writing")
@@ -209,10 +242,11 @@ def _to_numpy(column: pa.ChunkedArray, name: str, where: str) -> np.ndarray:
         width = arr.type.list_size
     else:
         lengths = pc.list_value_length(arr).to_numpy(zero_copy_only=False)
-        width = int(lengths[0]) if n else 0
+        width = widths.setdefault(name, int(lengths[0]) if n else 0)
         if n and (lengths != width).any():
+            low, high = min(int(lengths.min()), width), max(int(lengths.max()), width)
             raise DatasetError(
-                f"column {name!r} of {where} has lists of lengths {int(lengths.min())}..{int(lengths.max())}; "
+                f"column {name!r} of {where} has lists of lengths {low}..{high}; "
                 "a list column must have one length per row group to become a 2-D array"
             )
     values = arr.flatten()  # honours the array's offset, unlike .values

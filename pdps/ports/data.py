@@ -6,17 +6,26 @@ Contract:
   file footers only), so the master never loads the data. A missing dataset, an
   empty one, or one in the wrong format raises :class:`~pdps.core.errors.DatasetError`
   here, before any task exists. Task ids are ``0..n-1`` in a stable order.
-* ``read(task)`` returns that task's records as named numpy columns of equal length
-  (a fixed-size list column becomes a 2-D array).
+* ``read(task, start=, batch_size=)`` yields the task's records ``[start, task.records)``
+  as named numpy columns of equal length (a fixed-size list column becomes a 2-D
+  array), in batches of ``batch_size`` rows, the last one fewer: batch ``k`` covers
+  ``[start + k * batch_size, ...)``. The same records in the same order on every call,
+  in any process (a trainer that resumes a task at an offset relies on it), so a
+  trainer holds one batch, never a whole task. A task whose data does not match it
+  (fewer or more rows than ``task.records``, a part that is gone) raises
+  :class:`~pdps.core.errors.DatasetError` before the first batch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Protocol, runtime_checkable
 
 import numpy as np
 
 from pdps.core.tasks import TaskSpec
+
+Columns = dict[str, np.ndarray]
 
 
 @runtime_checkable
@@ -25,4 +34,11 @@ class DataSource(Protocol):
 
     def tasks(self) -> list[TaskSpec]: ...
 
-    def read(self, task: TaskSpec) -> dict[str, np.ndarray]: ...
+    def read(self, task: TaskSpec, *, start: int = 0, batch_size: int) -> Iterator[Columns]: ...
+
+
+def read_whole(source: DataSource, task: TaskSpec) -> Columns:
+    """All of a task's records as one set of columns, for checks and replays of small
+    tasks (a trainer reads batches): the one batch of ``batch_size=task.records``."""
+    (columns,) = source.read(task, batch_size=task.records)
+    return columns

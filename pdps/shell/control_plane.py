@@ -28,7 +28,7 @@ import time
 import tracemalloc
 import uuid
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import attrs
@@ -40,6 +40,7 @@ from pdps.core.job import Keys, require_whole_number, shown
 from pdps.core.sgd import Mode
 from pdps.core.tasks import TaskSpec
 from pdps.ports.coordination import CoordinationStore
+from pdps.ports.data import Columns
 from pdps.ports.transport import Transport
 from pdps.runtime.counting import CountingStore, StoreCounts
 
@@ -66,8 +67,9 @@ class Records:
     def tasks(self) -> list[TaskSpec]:
         return [TaskSpec(id=i, location=f"part-{i // 1000}", part=i % 1000, records=self.records) for i in range(self.n)]
 
-    def read(self, task: TaskSpec) -> dict[str, np.ndarray]:
-        return {"x": np.ones((task.records, 1), dtype=np.float32)}
+    def read(self, task: TaskSpec, *, start: int = 0, batch_size: int) -> Iterator[Columns]:
+        for low in range(start, task.records, batch_size):
+            yield {"x": np.ones((min(batch_size, task.records - low), 1), dtype=np.float32)}
 
 
 def scalars(pservers: int) -> Any:

@@ -18,6 +18,7 @@ from torch import nn
 import pdps
 from pdps.adapters.memory_store import MemoryStore
 from pdps.adapters.parquet import write_parquet_shards
+from pdps.ports.data import read_whole
 from pdps.shell.status import pass_audit
 
 # 12 tasks of 40 records, batches of 8: a kill after k steps lands inside a task
@@ -130,7 +131,7 @@ def test_a_sync_job_replays_in_one_process_from_its_history(dataset):
         total = sum(s.samples for _, s in contributions)
         update = [torch.zeros_like(p) for p in params]
         for _, s in contributions:
-            cols = source.read(tasks[s.task])
+            cols = read_whole(source, tasks[s.task])
             x, y = (torch.from_numpy(cols[k][s.start : s.end]) for k in ("x", "y"))
             model.zero_grad()
             F.mse_loss(model(x), y).backward()

@@ -3,6 +3,7 @@ trainer, a training function that raises, and bad input rejected before it chang
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import sys
@@ -21,6 +22,7 @@ from pdps.adapters.parquet import ParquetSource, write_parquet_shards
 from pdps.core.errors import ConfigError, DatasetError, GradientRejected, UnknownSchemeError
 from pdps.core.job import Keys
 from pdps.core.sgd import Contribution
+from pdps.ports.data import read_whole
 from pdps.shell.status import format_status, job_status
 
 K = 20  # steps
@@ -72,7 +74,7 @@ def reference(source: ParquetSource, dtype: torch.dtype, optimizer: str, kwargs:
     """Single-process torch on the concatenated N*B batch of step k, for k < K."""
     model = make_model(dtype)
     opt = getattr(torch.optim, optimizer)(model.parameters(), **kwargs)
-    tasks = [source.read(t) for t in source.tasks()]
+    tasks = [read_whole(source, t) for t in source.tasks()]
     for k in range(K):
         xs = torch.cat([torch.from_numpy(t["x"][k * B : (k + 1) * B]) for t in tasks])
         ys = torch.cat([torch.from_numpy(t["y"][k * B : (k + 1) * B]) for t in tasks])
@@ -445,10 +447,10 @@ def test_tasks_that_keep_failing_are_failed_and_the_pass_still_ends(tmp_path):
         def tasks(self):
             return inner.tasks()
 
-        def read(self, task):
+        def read(self, task, *, start=0, batch_size):
             if task.id in bad:
                 raise OSError(f"disk error reading task {task.id}")
-            return inner.read(task)
+            return inner.read(task, start=start, batch_size=batch_size)
 
     result = pdps.simulate(classify, dataset=Flaky(), trainers=2, pservers=1, mode="sync", batch_size=10,
                            passes=2, failure_max=1, optimizer="SGD", optimizer_args={"lr": 0.1})
@@ -456,6 +458,47 @@ def test_tasks_that_keep_failing_are_failed_and_the_pass_still_ends(tmp_path):
     assert result.passes == 2
     assert result.tasks_failed == 2 * len(bad)
     assert result.tasks_done == 2 * (n - len(bad))
+
+
+def test_trainers_read_each_task_a_batch_at_a_time(tmp_path):
+    inner = digits_like(tmp_path.as_uri())
+    asked = []
+
+    class Recording:
+        url = inner.url
+
+        def tasks(self):
+            return inner.tasks()
+
+        def read(self, task, *, start=0, batch_size):
+            asked.append((task.id, start, batch_size))
+            return inner.read(task, start=start, batch_size=batch_size)
+
+    result = pdps.simulate(classify, dataset=Recording(), trainers=2, pservers=1, mode="async", batch_size=10)
+    assert result.tasks_done == len(inner.tasks())
+    assert sorted(asked) == [(t.id, 0, 10) for t in inner.tasks()]
+
+
+def test_a_task_whose_batches_end_early_or_break_mid_task_fails(tmp_path):
+    """A source that stops short, or raises after some batches, fails the task like an unreadable one."""
+    inner = digits_like(tmp_path.as_uri())
+
+    class Short:
+        url = inner.url
+
+        def tasks(self):
+            return inner.tasks()
+
+        def read(self, task, *, start=0, batch_size):
+            batches = inner.read(task, start=start, batch_size=batch_size)
+            if task.id == 1:
+                yield next(batches)
+                raise OSError("connection reset")
+            yield from itertools.islice(batches, 2) if task.id == 2 else batches
+
+    result = pdps.simulate(classify, dataset=Short(), trainers=2, pservers=1, mode="async", batch_size=10, failure_max=0)
+    assert result.tasks_failed == 2
+    assert result.tasks_done == len(inner.tasks()) - 2
 
 
 def test_simulate_refuses_a_job_that_already_exists(tmp_path):

@@ -34,6 +34,7 @@ from safetensors.torch import load_file
 
 import pdps
 from pdps.core.elastic import ResizeState
+from pdps.ports.data import read_whole
 from pdps.runtime import recovery
 from pdps.runtime.resizing import read_map, read_resize
 from pdps.shell.status import pass_audit
@@ -120,7 +121,7 @@ def replay(job: ResizingJob) -> dict[str, torch.Tensor]:
             update = [torch.zeros_like(p) for p in params]
             for trainer, weight in record.weights():
                 c = record.contributions[trainer]
-                cols = source.read(tasks[c.task])
+                cols = read_whole(source, tasks[c.task])
                 x, y = (torch.from_numpy(cols[k][c.start : c.offset]) for k in ("x", "y"))
                 model.zero_grad()
                 loss_of(model, x, y).backward()

@@ -8,6 +8,7 @@ from pdps.adapters.memory_store import MemoryStore
 from pdps.core.audit import Attempt, AuditEntry, Outcome
 from pdps.core.errors import ConfigError
 from pdps.core.job import Keys
+from pdps.ports.data import read_whole
 from pdps.runtime.counting import StoreCounts
 from pdps.shell.control_plane import AuditCheck, Latency, Records, SimClock, check_audit, critical_calls, simulated_seconds
 
@@ -77,6 +78,6 @@ def test_the_audit_check_counts_how_each_task_ended():
 def test_the_dataset_describes_its_tasks_and_refuses_a_bad_size():
     source = Records(3, 2)
     assert [(t.id, t.records) for t in source.tasks()] == [(0, 2), (1, 2), (2, 2)]
-    assert source.read(source.tasks()[0])["x"].shape == (2, 1)
+    assert read_whole(source, source.tasks()[0])["x"].shape == (2, 1)
     with pytest.raises(ConfigError, match="tasks"):
         Records(0)

@@ -36,7 +36,7 @@ class Tasks:
     def tasks(self) -> list[TaskSpec]:
         return [TaskSpec(id=i, location=f"part-{i // 100}", part=i % 100, records=10) for i in range(self.n)]
 
-    def read(self, task):  # pragma: no cover - never called by the master
+    def read(self, task, *, start=0, batch_size):  # pragma: no cover - never called by the master
         raise AssertionError("the master must not read records")
 
 

@@ -15,7 +15,7 @@ import pytest
 from pdps.adapters.parquet import ParquetSource, write_parquet_shards
 from pdps.core.errors import ConfigError, DatasetError, MissingExtraError
 from pdps.core.tasks import TaskSpec
-from pdps.ports.data import DataSource
+from pdps.ports.data import DataSource, read_whole
 
 ROWS = 10
 
@@ -52,7 +52,7 @@ def test_one_task_per_row_group(one_file):
 
 def test_read_returns_the_rows_of_its_row_group(one_file, columns):
     source = ParquetSource(one_file)
-    got = source.read(source.tasks()[1])
+    got = read_whole(source, source.tasks()[1])
     assert sorted(got) == ["w", "x", "y"]
     assert got["x"].shape == (4, 3) and got["x"].dtype == np.float32
     np.testing.assert_array_equal(got["x"], columns["x"][4:8])
@@ -72,7 +72,7 @@ def test_directory_of_shards_in_name_order(tmp_path, columns):
     assert {t.location for t in tasks} == set(files)
     assert sum(t.records for t in tasks) == ROWS
     assert max(t.records for t in tasks) == 2
-    parts = [source.read(t) for t in tasks]
+    parts = [read_whole(source, t) for t in tasks]
     for name, want in columns.items():
         np.testing.assert_array_equal(np.concatenate([p[name] for p in parts]), want)
 
@@ -83,7 +83,7 @@ def test_files_are_ordered_by_name_not_by_creation(tmp_path):
     source = ParquetSource(str(tmp_path))
     tasks = source.tasks()
     assert [t.location.rsplit("/", 1)[1] for t in tasks] == ["a.parquet", "b.parquet", "c.parquet"]
-    assert [float(source.read(t)["v"][0]) for t in tasks] == [1.0, 2.0, 3.0]
+    assert [float(read_whole(source, t)["v"][0]) for t in tasks] == [1.0, 2.0, 3.0]
 
 
 def test_other_and_hidden_files_are_ignored(tmp_path):
@@ -105,7 +105,7 @@ def test_tasks_reads_footers_only(one_file, monkeypatch):
     source = ParquetSource(one_file)
     assert [t.records for t in source.tasks()] == [4, 4, 2]
     with pytest.raises(AssertionError):  # the trap is armed: reading data would trip it
-        source.read(TaskSpec(id=0, location=one_file, part=0, records=4))
+        read_whole(source, TaskSpec(id=0, location=one_file, part=0, records=4))
 
 
 def test_empty_row_groups_are_skipped(tmp_path):
@@ -173,7 +173,7 @@ def test_list_column_of_equal_lengths_becomes_2d(tmp_path):
     pq.write_table(pa.table({"v": pa.array([[1, 2], [3, 4], [5, 6]], pa.list_(pa.int32()))}), path)
     source = ParquetSource(str(path))
     [task] = source.tasks()
-    got = source.read(task)["v"]
+    got = read_whole(source, task)["v"]
     assert got.dtype == np.int32
     np.testing.assert_array_equal(got, [[1, 2], [3, 4], [5, 6]])
 
@@ -184,7 +184,7 @@ def test_ragged_list_column_is_a_dataset_error(tmp_path):
     source = ParquetSource(str(path))
     [task] = source.tasks()
     with pytest.raises(DatasetError, match="'v'.*lengths 1..2"):
-        source.read(task)
+        read_whole(source, task)
 
 
 def test_missing_values_are_a_dataset_error(tmp_path):
@@ -192,7 +192,7 @@ def test_missing_values_are_a_dataset_error(tmp_path):
     pq.write_table(pa.table({"v": pa.array([1.0, None])}), path)
     source = ParquetSource(str(path))
     with pytest.raises(DatasetError, match="'v'.*1 missing"):
-        source.read(source.tasks()[0])
+        read_whole(source, source.tasks()[0])
 
 
 def test_read_notices_a_dataset_rewritten_after_its_tasks(tmp_path, columns):
@@ -202,9 +202,59 @@ def test_read_notices_a_dataset_rewritten_after_its_tasks(tmp_path, columns):
     tasks = source.tasks()
     write_parquet_shards(columns, url, shards=1, row_group_size=5, overwrite=True)
     with pytest.raises(DatasetError, match="changed"):
-        source.read(tasks[1])
+        read_whole(source, tasks[1])
     with pytest.raises(DatasetError, match="changed"):
-        source.read(tasks[2])  # row group 2 no longer exists
+        read_whole(source, tasks[2])  # row group 2 no longer exists
+
+
+def test_a_task_with_fewer_rows_than_its_spec_is_a_dataset_error_naming_it(one_file):
+    source = ParquetSource(one_file)
+    task = TaskSpec(id=7, location=one_file, part=2, records=3)  # row group 2 holds 2 rows
+    with pytest.raises(DatasetError, match=r"row group 2 has 2 rows, its task says 3.*changed") as info:
+        next(source.read(task, start=1, batch_size=1))
+    assert one_file in str(info.value)
+
+
+def test_read_asks_pyarrow_for_batches_and_holds_one_at_a_time(tmp_path, monkeypatch):
+    rows, batch_size = 1000, 64
+    cols = {"x": np.arange(rows * 4, dtype=np.float32).reshape(rows, 4), "y": np.arange(rows)}
+    [url] = write_parquet_shards(cols, str(tmp_path / "ds"), shards=1, row_group_size=rows)
+    asked = []
+    iter_batches = pq.ParquetFile.iter_batches
+
+    def spy(self, *args, **kwargs):
+        asked.append(kwargs)
+        return iter_batches(self, *args, **kwargs)
+
+    def whole(*args, **kwargs):
+        raise AssertionError("a trainer must not decode a whole row group at once")
+
+    monkeypatch.setattr(pq.ParquetFile, "iter_batches", spy)
+    for method in ["read", "read_row_group", "read_row_groups"]:
+        monkeypatch.setattr(pq.ParquetFile, method, whole)
+    source = ParquetSource(url)
+    [task] = source.tasks()
+    start = 100
+    sizes = []
+    for batch in source.read(task, start=start, batch_size=batch_size):
+        assert batch["x"].shape[1:] == (4,) and batch["y"].ndim == 1
+        np.testing.assert_array_equal(batch["y"], cols["y"][start : start + len(batch["y"])])
+        start += len(batch["y"])
+        sizes.append(len(batch["y"]))
+    assert start == rows
+    assert sizes == [batch_size] * 14 + [4]
+    assert [(a["row_groups"], a["batch_size"]) for a in asked] == [([0], batch_size)]
+
+
+def test_a_list_column_keeps_its_width_across_the_batches_of_a_task(tmp_path):
+    path = tmp_path / "a.parquet"
+    pq.write_table(pa.table({"v": pa.array([[1.0, 2.0], [3.0, 4.0], [5.0]])}), path)
+    source = ParquetSource(str(path))
+    [task] = source.tasks()
+    batches = source.read(task, batch_size=2)
+    np.testing.assert_array_equal(next(batches)["v"], [[1.0, 2.0], [3.0, 4.0]])
+    with pytest.raises(DatasetError, match="'v'.*lengths 1..2"):
+        next(batches)
 
 
 def test_memory_url(columns):
@@ -216,7 +266,7 @@ def test_memory_url(columns):
         assert [t.records for t in tasks] == [3, 2, 3, 2]
         assert {t.location for t in tasks} == set(files)
         assert all(loc.startswith("memory://") for loc in files)
-        np.testing.assert_array_equal(source.read(tasks[2])["x"], columns["x"][5:8])
+        np.testing.assert_array_equal(read_whole(source, tasks[2])["x"], columns["x"][5:8])
     finally:
         fs = fsspec.filesystem("memory")
         fs.rm(url.removeprefix("memory://").split("/")[0], recursive=True)

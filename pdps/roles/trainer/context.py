@@ -37,7 +37,7 @@ from typing import Any
 
 import attrs
 
-from pdps.core.errors import ConfigError, EpochChanged, LeaseExpired, NotInitialized, PdpsError, SlotMapChanged, StalePush, Timeout
+from pdps.core.errors import ConfigError, DatasetError, EpochChanged, LeaseExpired, NotInitialized, PdpsError, SlotMapChanged, StalePush, Timeout
 from pdps.core.headcount import parse_count, surplus
 from pdps.core.job import JobConfig, Keys, decode_json
 from pdps.core.sgd import Mode
@@ -57,7 +57,7 @@ from pdps.core.wire import (
 )
 from pdps.ports.compute import Compute, ModelReplica, ThreadedCompute
 from pdps.ports.coordination import Compare, CoordinationStore, EventType, Put, WatchEvent
-from pdps.ports.data import DataSource
+from pdps.ports.data import Columns, DataSource
 from pdps.ports.transport import ChannelStats, ConcurrentCalls, Transport
 from pdps.roles.trainer.discovery import DISCOVERY_TIMEOUT, Waits, wait_for_key
 from pdps.roles.trainer.master_client import MasterClient
@@ -417,20 +417,26 @@ class TrainerContext(SyncRound, AsyncCadence):
                     continue
                 if self._attempt.progress.attempt == attempt:
                     offset = max(offset, self._attempt.progress.applied)  # handed to us again: go on
-                try:
-                    columns = self._source.read(task)
-                except Exception as exc:  # an unreadable task fails, the trainer goes on
-                    log.error("trainer %s cannot read task %d (%s part %d): %s", self.trainer_id, task.id, task.location, task.part, exc)
-                    self._report("fail_task", held, error=str(exc))
-                    held = None
-                    continue
-                n = len(next(iter(columns.values()))) if columns else 0
+                n = task.records
                 if offset:
                     log.info("trainer %s resumes task %d at record %d of %d (trained that far before: a checkpoint restored, or a task given back)", self.trainer_id, task.id, offset, n)
                 self._abandon = False
                 device = "cpu" if self._replica is None else self._replica.device
-                for start in range(min(offset, n), n, bs):
-                    cols = self._compute.tensors({k: v[start : start + bs] for k, v in columns.items()}, device)
+                reader: Iterator[Columns] | None = None  # one batch held at a time, never the task
+                start = min(offset, n)
+                while start < n:
+                    try:
+                        if reader is None:
+                            reader = iter(self._source.read(task, start=start, batch_size=bs))
+                        columns = next(reader, None)
+                        if columns is None:
+                            raise DatasetError(f"{task.location} part {task.part} ended at record {start}, its task says {n}")
+                    except Exception as exc:  # an unreadable task fails, the trainer goes on
+                        log.error("trainer %s cannot read task %d (%s part %d): %s", self.trainer_id, task.id, task.location, task.part, exc)
+                        self._report("fail_task", held, error=str(exc))
+                        held = None
+                        break
+                    cols = self._compute.tensors(columns, device)
                     self._batch = Batch(cols, min(bs, n - start), task, pass_no, last=start + bs >= n, attempt=attempt, start=start)
                     self._time("data", time.perf_counter() - fetching)
                     self._back_to_user()
@@ -441,6 +447,7 @@ class TrainerContext(SyncRound, AsyncCadence):
                         break
                     if self._stop.is_set() and not self._batch.last:
                         break
+                    start += bs
                 else:
                     self._report("finish_task", held)
                     held = None

@@ -220,21 +220,8 @@ def test_a_pserver_applies_the_same_records_of_a_task_once(dataset):
     """The push of an attempt that died before recording its progress may have reached a
     pserver; the next attempt sends the same records again. The pserver applies them
     once (and a push of other records, or the same records in the next pass, as usual)."""
-    from pdps.adapters.parquet import ParquetSource
-    from pdps.ports.transport import Message
-    from tests.integration.jobkit import start_job
-
-    job = start_job(ParquetSource(dataset), mode="async", pservers=1)
+    job, push = _pusher(dataset)
     try:
-        ctx = job.trainer("t")
-        ctx.attach(make_model())
-        part = ctx._group.parts[0]
-        grads = [torch.ones_like(t) for t in ctx._replica.grads(part.blocks)]
-
-        def push(records: list[int], attempt_trainer: str = "t") -> Message:
-            meta = {"trainer": attempt_trainer, "updates": job.ps.version, "blocks": part.keys, "records": records}
-            return ctx._group.call(part, "push", Message(meta, grads))
-
         push([0, 3, 1, 0, 8])
         assert job.ps.version == 1
         before = pdps.fetch_parameters(job.store, job.transport, job.config)

@@ -512,6 +512,8 @@ class TorchShard:
         if len(dtypes) > 1:
             raise ConfigError(f"the blocks of one shard must share a dtype, got {dtypes}")
         self.dtype = torch_dtype(dtypes[0] if dtypes else "float32")
+        # staged gradients are summed in this dtype: float32 for half-precision blocks
+        self._sum_dtype = torch.float32 if self.dtype in (torch.float16, torch.bfloat16) else self.dtype
         self.device = str(_device(device))
         self.numel = sum(b.numel for b in self.blocks)
         self.values = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
@@ -626,7 +628,7 @@ class TorchShard:
             self._ready()
         at = self._all if indices is None else indices
         have = self._staged_blocks.setdefault(key, {})
-        keep = keep and self.dtype not in (torch.float16, torch.bfloat16)
+        keep = keep and self._sum_dtype == self.dtype
         copy = []
         for i, t in zip(at, tensors):
             if keep and t.device == self.values.device:
@@ -636,8 +638,7 @@ class TorchShard:
         if copy:
             buf = self._staged.get(key)
             if buf is None:
-                acc_dtype = torch.float32 if self.dtype in (torch.float16, torch.bfloat16) else self.dtype
-                flat = torch.empty(self.numel, dtype=acc_dtype, device=self.device)
+                flat = torch.empty(self.numel, dtype=self._sum_dtype, device=self.device)
                 buf = self._staged[key] = (flat, self._views_of(flat))
             views = [buf[1][i] for i, _ in copy]
             torch._foreach_copy_(views, self._on_device([t for _, t in copy]))
@@ -648,10 +649,9 @@ class TorchShard:
     def reserve(self, keys: Iterable[str]) -> None:
         """Allocate and touch the staging buffers of ``keys`` and the gradient buffer: a
         shard built ahead of a resize's switch allocates nothing in its first round."""
-        acc_dtype = torch.float32 if self.dtype in (torch.float16, torch.bfloat16) else self.dtype
         for key in keys:
             if key not in self._staged:
-                flat = torch.zeros(self.numel, dtype=acc_dtype, device=self.device)
+                flat = torch.zeros(self.numel, dtype=self._sum_dtype, device=self.device)
                 self._staged[key] = (flat, self._views_of(flat))
         self._grad.zero_()
 
@@ -676,7 +676,7 @@ class TorchShard:
         if missing:
             raise KeyError(f"no staged gradient for {missing}")
         # half-precision shards sum in float32 (the staged buffers' dtype), then round once
-        acc = self._acc_buffer() if self.dtype in (torch.float16, torch.bfloat16) else self._grad
+        acc = self._acc_buffer() if self._sum_dtype != self.dtype else self._grad
         sums = self._grad_views if acc is self._grad else self._views_of(acc)
         for n, (key, w) in enumerate(weights):
             staged = self._staged_blocks[key]
@@ -694,8 +694,7 @@ class TorchShard:
 
     def _acc_buffer(self) -> torch.Tensor:
         if self._acc is None:
-            acc_dtype = torch.float32 if self.dtype in (torch.float16, torch.bfloat16) else self.dtype
-            self._acc = torch.zeros(self.numel, dtype=acc_dtype, device=self.device)
+            self._acc = torch.zeros(self.numel, dtype=self._sum_dtype, device=self.device)
         return self._acc
 
     def staged_step(self, key: str) -> tuple[list[int], list[torch.Tensor]]:

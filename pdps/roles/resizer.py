@@ -23,7 +23,6 @@ import json
 import logging
 import threading
 import time
-import uuid
 
 from pdps.core.elastic import Resize, ResizeState, describe
 from pdps.core.slots import SlotMap
@@ -34,7 +33,7 @@ from pdps.core.txn import Fence
 from pdps.ports.coordination import Compare, CoordinationStore, EventType, KeyValue, Put, TxnOp, WatchEvent
 from pdps.ports.transport import Transport
 from pdps.runtime import recovery
-from pdps.runtime.resizing import read_map, read_resize, resizes_got
+from pdps.runtime.resizing import new_resize_id, read_map, read_resize, resizes_got
 
 log = logging.getLogger(__name__)
 
@@ -215,7 +214,7 @@ class ResizeDriver:
         empty = any(not live.held_by(p) for p in members)
         if not empty and time.monotonic() - self._short_since < REPLENISH_WAIT * self._config.lease_ttl:
             return False  # a replacement may come back at the dead index: the copies go to it then
-        asked = Resize(id=f"{time.strftime('%Y%m%d-%H%M%S')}-replenish-{uuid.uuid4().hex[:6]}", state=ResizeState.REQUESTED, pservers=live.num_pservers,
+        asked = Resize(id=new_resize_id("replenish"), state=ResizeState.REQUESTED, pservers=live.num_pservers,
                        trainers=None, requested=time.time(), by="master: re-replication")
         # sync: the replacement takes its share of the primaries back in the same switch
         # (async keeps them: a primary moving mid-forward could leave its copies apart)
@@ -240,7 +239,7 @@ class ResizeDriver:
         if self._config.replicas > 1 and self._config.mode is Mode.ASYNC:
             log.error("master: %s says %d pservers, but an async job with replicas cannot change its pserver count yet; ignored", self._keys.ps_desired, desired)
             return
-        resize = Resize(id=f"{time.strftime('%Y%m%d-%H%M%S')}-desired", state=ResizeState.REQUESTED, pservers=desired, trainers=None, requested=time.time(), by=f"{self._keys.ps_desired}")
+        resize = Resize(id=new_resize_id("desired"), state=ResizeState.REQUESTED, pservers=desired, trainers=None, requested=time.time(), by=f"{self._keys.ps_desired}")
         if self._write(found, resize):
             log.warning("master: %s says %d pservers, the job runs %d: %s", self._keys.ps_desired, desired, pservers, describe(resize))
 

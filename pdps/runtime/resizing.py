@@ -32,6 +32,13 @@ log = logging.getLogger(__name__)
 REREAD = 0.5
 
 
+
+def new_resize_id(kind: str = "") -> str:
+    """A resize's id: when it was asked (sortable, readable in ``pdps status``), what
+    asked for it, and 6 random hex digits, so that two asked in the same second differ."""
+    return "-".join(p for p in (time.strftime("%Y%m%d-%H%M%S"), kind, uuid.uuid4().hex[:6]) if p)
+
+
 def read_resize(store: CoordinationStore, keys: Keys) -> tuple[Resize | None, KeyValue | None]:
     kv = store.get(keys.resize)
     return (None if kv is None else decode_as(kv.value, kv.key, Resize.from_json)), kv
@@ -94,7 +101,7 @@ def request_resize(
                 raise ResizeInProgress(f"job {keys.job!r}: {describe(ahead, resizes_got(store, keys, ahead.to_map.version) if ahead.to_map else ())} is in progress, asked by {ahead.by or 'an operator'}; wait for it (pdps scale --wait) or ask again once it is done")
             wait_resized(store, keys, ahead.id, deadline=deadline, progress=progress)
         mine = Resize(
-            id=f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}", state=ResizeState.REQUESTED,
+            id=new_resize_id(), state=ResizeState.REQUESTED,
             pservers=read_map(store, keys).num_pservers if pservers is None else pservers,
             trainers=trainers, requested=time.time(), by=by,
         )

@@ -38,9 +38,12 @@ def classify(ctx: pdps.TrainerContext) -> None:
 
 @pytest.fixture
 def job(etcd_store, tmp_path):
-    """A finished sync job on etcd that committed checkpoints every 2 rounds (3 kept)."""
+    """A finished sync job on etcd that committed checkpoints every 2 rounds (3 kept).
+    A checkpoint due while a pserver still writes the last one is skipped (by design),
+    so the job runs about 18 rounds: 3 committed even when the disk is slow (with 9 a
+    CI run once committed only 2)."""
     rng = np.random.default_rng(5)
-    x = rng.normal(size=(240, 4)).astype(np.float32)
+    x = rng.normal(size=(480, 4)).astype(np.float32)
     data = f"{tmp_path.as_uri()}/data"
     write_parquet_shards({"x": x, "y": (x[:, 0] + x[:, 1] > 0).astype(np.int64)}, data, shards=2, row_group_size=40)
     ckpt = tmp_path / "ckpt"

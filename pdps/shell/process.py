@@ -238,6 +238,8 @@ def run_master(values: Mapping[str, Any]) -> int:
                     log.error("master stopped: %s", master.error)
                     return 2
                 if master.stopped:
+                    if shutdown.requested.is_set():
+                        break  # SIGTERM landed between the wait and here: its helper stopped the master
                     log.error("master lost its lock; exiting so it can be restarted as a standby")
                     return EXIT_LOST
                 if master.done.is_set():

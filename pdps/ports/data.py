@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Protocol, runtime_checkable
 
+import attrs
 import numpy as np
 
 from pdps.core.tasks import TaskSpec
@@ -42,3 +43,45 @@ def read_whole(source: DataSource, task: TaskSpec) -> Columns:
     tasks (a trainer reads batches): the one batch of ``batch_size=task.records``."""
     (columns,) = source.read(task, batch_size=task.records)
     return columns
+
+
+@attrs.frozen
+class Cut:
+    """A piece of newly arrived data that becomes one task (its id is the master's to give)."""
+
+    location: str
+    part: int
+    records: int
+
+
+@attrs.frozen
+class Arrivals:
+    """What one :meth:`StreamingSource.poll` found after its cursor."""
+
+    cuts: tuple[Cut, ...]
+    cursor: str  # the position after the last cut: the next poll starts there
+    backlog: int | None = None  # records after ``cursor`` not cut yet (None: unknown)
+    stalled: str | None = None  # why data that exists is not cut yet ("part-7.parquet is still being written")
+
+
+@runtime_checkable
+class StreamingSource(DataSource, Protocol):
+    """An unbounded dataset: tasks are cut from data as it arrives.
+
+    * ``start_cursor()`` is where a new job starts reading; cursors are opaque,
+      JSON-safe strings the master persists with the tasks it cut.
+    * ``poll(cursor, task_records=K, max_tasks=M, flush=F)`` cuts up to ``M`` tasks
+      from the data after ``cursor``, in order, never any data at or before it: each
+      cut holds at most ``K`` records where the source can split its data (a stream
+      entry range), or one indivisible part (a Parquet row group). With ``flush``
+      False only full cuts are made (``K`` records); with ``flush`` True the partial
+      tail is cut too. The cuts partition exactly the data between ``cursor`` and
+      the returned cursor. Polling the same cursor again may cut differently (nothing
+      was persisted), but data once cut never changes, so ``read`` of a cut gives the
+      same records on every call, in any process.
+    * ``tasks()`` is not used for a streaming source; ``read`` is as for any source.
+    """
+
+    def start_cursor(self) -> str: ...
+
+    def poll(self, cursor: str, *, task_records: int, max_tasks: int, flush: bool) -> Arrivals: ...

@@ -214,6 +214,12 @@ class AuditLog:
     def entries(self) -> dict[int, tuple[Attempt, ...]]:
         return dict(self._logs)
 
+    def forget(self, task_ids: Iterable[int]) -> None:
+        """Drop finished tasks' logs from memory (a streaming job's closed window: its
+        entries are persisted and final)."""
+        for tid in task_ids:
+            self._logs.pop(tid, None)
+
     def record(self, changes: Iterable[Change]) -> list[AuditEntry]:
         """Follow one transition; return the entries it changed (at most one per task)."""
         out: dict[tuple[int, int], AuditEntry] = {}

@@ -126,6 +126,25 @@ class JobConfig:
     keep_rounds: int = attrs.field(default=10000, validator=_whole_number(1))  # sync: closed rounds kept
     # on: push each slot during backward, async: pull during the next forward; auto: see trainer
     overlap: str = attrs.field(default="auto", validator=_text)
+    # --- streaming jobs (a dataset URL of a streaming source; docs/online.md) ---
+    # a window closes after this many records (0: not by count) / seconds open (0: not by time)
+    window_records: int = attrs.field(default=0, validator=_whole_number(0))
+    window_seconds: float = attrs.field(default=0.0, validator=_seconds(zero=True))
+    # the job ends after this many windows; 0: it runs until stopped
+    windows: int = attrs.field(default=0, validator=_whole_number(0))
+    # records per task cut from a stream (at most; a Parquet row group is one task whatever its size)
+    task_records: int = attrs.field(default=1000, validator=_whole_number(1))
+    # backpressure: the master cuts no task while this many are todo or pending
+    stream_max_tasks: int = attrs.field(default=64, validator=_whole_number(1))
+    # a partial task (< task_records) is cut once data has waited this long for more
+    stream_linger: float = attrs.field(default=1.0, validator=_seconds(zero=True))
+    # post-window work: export the model to this storage URL every export_every windows
+    export_url: str = attrs.field(default="", validator=_text)
+    export_every: int = attrs.field(default=1, validator=_whole_number(1))
+    export_keep: int = attrs.field(default=0, validator=_whole_number(0))  # 0: keep every export
+    # user functions as "module:function": run once before the first task; run after each window
+    before_job: str = attrs.field(default="", validator=_text)
+    evaluate: str = attrs.field(default="", validator=_text)
 
     def __init__(self, **settings: Any) -> None:
         # attrs' own __init__ would let an unknown name through as a TypeError
@@ -153,6 +172,12 @@ class JobConfig:
             raise ConfigError(
                 f"replicas ({self.replicas}) must be at most the number of pservers ({self.pservers}): each copy of a slot is on its own pserver"
             )
+        if (self.window_records or self.window_seconds or self.windows) and self.passes != 1:
+            raise ConfigError(f"a streaming job has windows, not passes: passes must be 1, got {self.passes}")
+        for name in ("before_job", "evaluate"):
+            value = getattr(self, name)
+            if value and not _is_import_path(value):
+                raise ConfigError(f"{name} must name a function as 'module:function' or 'path/to/file.py:function' (found where the master runs), got {value!r}")
         if self.replicas > 2 and self.mode is not Mode.SYNC:
             raise ConfigError(
                 f"replicas = {self.replicas} in {self.mode.value} mode: this version keeps at most 2 copies of an async job's slots "
@@ -188,6 +213,11 @@ class JobConfig:
             return cls.from_json(d)
         except (ConfigError, TypeError, ValueError) as exc:
             raise CorruptRecord(f"{key} holds no valid job config: {exc}", key) from exc
+
+
+def _is_import_path(value: str) -> bool:
+    where, _, function = value.rpartition(":")
+    return bool(where) and function.isidentifier()
 
 
 # help(JobConfig) and editors show the fields, not **settings
@@ -284,6 +314,13 @@ class Keys:
                           written once: the step's decision point (RoundRecord)
     ``initialized``       the pservers were given initial values (a later pserver start is a restart)
     ``waits/<who>``       a role waiting longer than a few seconds: for whom, since when (leased)
+    ``stream``            a streaming job's position: {cursor, next_id, records, ended}, written
+                          in the transaction that adds the tasks cut up to the cursor
+    ``stream/lag``        what a streaming job has not trained yet (written by the master, ~1/s)
+    ``specs/<id>``        a streaming job's task spec, written when the task is added
+    ``windows/<no>``      a window of a streaming job (:class:`pdps.core.windows.Window`)
+    ``evals/<no>``        the user's evaluation of the model after window ``<no>``
+    ``hooks/before``      the before-job function ran (it runs once per job)
     """
 
     job: str
@@ -371,6 +408,39 @@ class Keys:
     @property
     def state(self) -> str:
         return self.root + "state"
+
+    @property
+    def stream(self) -> str:
+        return self.root + "stream"
+
+    @property
+    def stream_lag(self) -> str:
+        return self.root + "stream/lag"
+
+    @property
+    def specs(self) -> str:
+        return self.root + "specs/"
+
+    def spec(self, task_id: int) -> str:
+        return f"{self.specs}{task_id:08d}"
+
+    @property
+    def windows(self) -> str:
+        return self.root + "windows/"
+
+    def window(self, no: int) -> str:
+        return f"{self.windows}{no:08d}"
+
+    @property
+    def evals(self) -> str:
+        return self.root + "evals/"
+
+    def evaluation(self, no: int) -> str:
+        return f"{self.evals}{no:08d}"
+
+    @property
+    def before_hook(self) -> str:
+        return self.root + "hooks/before"
 
     @property
     def ps_desired(self) -> str:

@@ -21,6 +21,12 @@ Rules, in a few lines:
   failures.
 * A trainer holds at most ``max_in_flight`` pending tasks.
 
+An *open-ended* queue (a streaming dataset, :meth:`TaskQueue.open_ended`) starts
+empty: :meth:`TaskQueue.add_tasks` appends tasks with the next ids as data arrives
+(:class:`TasksAdded`), its one pass is complete only after :meth:`TaskQueue.end_stream`,
+and :meth:`TaskQueue.forget` drops finished tasks from memory (a report for one
+is ignored as done), so memory holds the unfinished tasks, not the stream.
+
 The queue does no I/O and reads no clock: ``now`` is an argument. Every transition
 returns the list of *changes* it made, one :class:`TaskChanged` per touched task
 (and :class:`PassStarted` for a new pass, which rewrites no task: a record whose
@@ -172,6 +178,15 @@ class PassCompleted:
 
 
 @attrs.frozen
+class TasksAdded:
+    """New tasks of an open-ended queue, todo at the end of the queue: persist their
+    specs (a streaming source cannot make them again)."""
+
+    specs: tuple[TaskSpec, ...]
+    next_id: int  # the id the next task added will get
+
+
+@attrs.frozen
 class Ignored:
     """A report that changed nothing (stale attempt, task no longer pending)."""
 
@@ -181,7 +196,7 @@ class Ignored:
     reason: str
 
 
-Change = Union[TaskChanged, PassStarted, PassCompleted, Ignored]
+Change = Union[TaskChanged, PassStarted, PassCompleted, TasksAdded, Ignored]
 
 
 @attrs.frozen
@@ -234,6 +249,12 @@ class TaskQueue:
     _pending: dict[int, None] = attrs.field(factory=dict)
     _by_trainer: dict[str, set[int]] = attrs.field(factory=dict)
     _completion_announced: bool = False
+    #: open-ended (streaming) queues only: the id the next added task gets, whether the
+    #: stream has ended (completion may be announced), and the finished tasks forgotten
+    _open_ended: bool = False
+    _next_id: int = 0
+    _stream_ended: bool = False
+    _forgotten: Counts | None = None
 
     # --- construction -----------------------------------------------------------------
 
@@ -250,6 +271,11 @@ class TaskQueue:
         return cls.restore(specs, (), pass_no=0, failure_max=failure_max, timeout=timeout, max_in_flight=max_in_flight)
 
     @classmethod
+    def open_ended(cls, *, failure_max: int = 3, timeout: float = 60.0, max_in_flight: int = 1) -> TaskQueue:
+        """A new streaming job's queue: empty, at pass 0, filled by :meth:`add_tasks`."""
+        return cls.restore((), (), pass_no=0, failure_max=failure_max, timeout=timeout, max_in_flight=max_in_flight, next_id=0)
+
+    @classmethod
     def restore(
         cls,
         specs: Sequence[TaskSpec],
@@ -260,6 +286,8 @@ class TaskQueue:
         timeout: float = 60.0,
         max_in_flight: int = 1,
         now: float | None = None,
+        next_id: int | None = None,
+        stream_ended: bool = False,
     ) -> TaskQueue:
         """Rebuild a queue from persisted records; a task without a record, or with a
         record from an older pass, is todo.
@@ -267,9 +295,13 @@ class TaskQueue:
         Pending tasks keep their deadlines unless ``now`` is given: then each gets a
         full ``timeout`` from ``now``. A restarted master passes it, because a deadline
         read from the store was set on another process's clock.
+
+        ``next_id`` makes the queue open-ended: ``specs`` are its tasks still in memory
+        (those of ids below ``next_id`` not among them are finished and forgotten), and
+        ``stream_ended`` says whether tasks may still be added.
         """
         _check_config(failure_max, timeout, max_in_flight)
-        if not specs:
+        if not specs and next_id is None:
             raise ConfigError("the dataset produced no tasks; a job needs at least one")
         by_id: dict[int, TaskSpec] = {}
         for s in specs:
@@ -284,6 +316,12 @@ class TaskQueue:
             records={},
             pass_no=pass_no,
         )
+        if next_id is not None:
+            beyond = [s.id for s in specs if not 0 <= s.id < next_id]
+            if beyond:
+                raise ConfigError(f"task ids {beyond[:10]} are not below the stream's next id {next_id}")
+            q._open_ended, q._next_id, q._stream_ended = True, next_id, stream_ended
+            q._forgotten = Counts(pass_no, 0, 0, 0, 0)
         seen = {r.id: r for r in records}
         unknown = set(seen) - set(by_id)
         if unknown:
@@ -310,13 +348,33 @@ class TaskQueue:
 
     @property
     def pass_complete(self) -> bool:
-        return not self._todo and not self._pending
+        return not self._todo and not self._pending and (self._stream_ended or not self._open_ended)
+
+    @property
+    def open(self) -> bool:
+        """An open-ended queue whose stream has not ended: tasks may still be added."""
+        return self._open_ended and not self._stream_ended
+
+    @property
+    def next_id(self) -> int:
+        """The id the next added task gets (the number of tasks a queue made so far)."""
+        return self._next_id if self._open_ended else len(self._specs)
+
+    def unfinished(self) -> int:
+        """Tasks todo or pending."""
+        return len(self._todo) + len(self._pending)
 
     def record(self, task_id: int) -> TaskRecord:
         try:
             return self._records[task_id]
         except KeyError:
+            if self.forgotten(task_id):
+                raise UnknownTaskError(f"task {task_id} is finished and no longer in memory") from None
             raise UnknownTaskError(f"no task {task_id} in this job") from None
+
+    def forgotten(self, task_id: int) -> bool:
+        """A task of an open-ended queue that finished and was dropped from memory."""
+        return self._open_ended and 0 <= task_id < self._next_id and task_id not in self._records
 
     def spec(self, task_id: int) -> TaskSpec:
         try:
@@ -341,10 +399,13 @@ class TaskQueue:
         return set(self._by_trainer)
 
     def counts(self) -> Counts:
+        """The queue's counts; an open-ended queue's done and failed include the tasks it forgot."""
         done = failed = 0
         for r in self._records.values():
             done += r.state is State.DONE
             failed += r.state is State.FAILED
+        if self._forgotten is not None:
+            done, failed = done + self._forgotten.done, failed + self._forgotten.failed
         return Counts(self._pass_no, len(self._todo), len(self._pending), done, failed)
 
     def next_deadline(self) -> float | None:
@@ -354,6 +415,50 @@ class TaskQueue:
 
     # --- events -----------------------------------------------------------------------
 
+    def add_tasks(self, cuts: Sequence[tuple[str, int, int]]) -> list[Change]:
+        """Append tasks ``(location, part, records)`` to an open-ended queue's todo, with
+        the next ids in order. Refused once the stream has ended or on a batch queue."""
+        if not self._open_ended:
+            raise InvalidTransition("queue", "batch", "add_tasks", "only a streaming job's queue takes new tasks")
+        if self._stream_ended:
+            raise InvalidTransition("queue", "ended", "add_tasks", "the stream has ended: no task may be added")
+        added = []
+        for location, part, records in cuts:
+            if records < 1:
+                raise ConfigError(f"a task needs at least one record, got {records} for {location} part {part}")
+            spec = TaskSpec(id=self._next_id, location=location, part=part, records=records)
+            self._next_id += 1
+            self._specs[spec.id] = spec
+            self._index(TaskRecord(id=spec.id, pass_no=self._pass_no, state=State.TODO))
+            added.append(spec)
+        if not added:
+            return []
+        self._completion_announced = False
+        return [TasksAdded(tuple(added), self._next_id)]
+
+    def end_stream(self) -> list[Change]:
+        """No more tasks will be added: the pass completes once todo and pending drain."""
+        if self._open_ended:
+            self._stream_ended = True
+        return self._completion()
+
+    def forget(self, task_ids: Iterable[int]) -> None:
+        """Drop finished tasks of an open-ended queue from memory (their records are in
+        the store); a later report for one is ignored as done. Unfinished ones stay."""
+        if self._forgotten is None:
+            return
+        done = failed = 0
+        for tid in task_ids:
+            rec = self._records.get(tid)
+            if rec is None or rec.state not in (State.DONE, State.FAILED):
+                continue
+            del self._records[tid]
+            del self._specs[tid]
+            done += rec.state is State.DONE
+            failed += rec.state is State.FAILED
+        f = self._forgotten
+        self._forgotten = attrs.evolve(f, done=f.done + done, failed=f.failed + failed)
+
     def dispatch(self, trainer: str, now: float) -> tuple[Assignment | WaitReason, list[Change]]:
         """Hand the head of todo to ``trainer``, or say why it must wait."""
         if not trainer:
@@ -361,7 +466,7 @@ class TaskQueue:
         if len(self._by_trainer.get(trainer, ())) >= self.max_in_flight:
             return WaitReason.AT_CAP, []
         if not self._todo:
-            return (WaitReason.DRAINED if self._pending else WaitReason.PASS_COMPLETE), []
+            return (WaitReason.DRAINED if self._pending or self.open else WaitReason.PASS_COMPLETE), []
         tid = self._todo[0]
         rec = self._records[tid]
         # one string per trainer, not one per dispatch: the audit keeps the name of every attempt
@@ -467,6 +572,9 @@ class TaskQueue:
     # --- internals --------------------------------------------------------------------
 
     def _current(self, task_id: int, attempt: int, event: Event) -> tuple[TaskRecord, Ignored | None]:
+        if self.forgotten(task_id):
+            gone = TaskRecord(id=task_id, pass_no=self._pass_no, state=State.DONE)
+            return gone, Ignored(task_id, attempt, event, "task is finished (no longer in memory)")
         rec = self.record(task_id)
         if attempt != rec.attempt:
             return rec, Ignored(task_id, attempt, event, f"stale attempt {attempt}; current is {rec.attempt}")
@@ -574,3 +682,32 @@ def rolled_back(
                 offset = seen[1]
         out.append(attrs.evolve(rec, state=State.TODO, attempt=attempt, trainer=None, deadline=None, offset=offset))
     return out
+
+
+def rolled_back_stream(
+    snapshot: Iterable[TaskRecord],
+    current: Iterable[TaskRecord],
+    progress: Mapping[int, tuple[int, int, bool]],
+    *,
+    first: int,
+    snapshot_next: int,
+    next_id: int,
+) -> list[TaskRecord]:
+    """The records of a streaming job's tasks ``first..next_id-1`` rolled back to a
+    checkpoint that saved ``snapshot`` (its unfinished windows' tasks) when the job had
+    ``snapshot_next`` tasks.
+
+    Tasks in the snapshot roll back as :func:`rolled_back` says; tasks added after the
+    checkpoint are todo from their first record. ``current`` holds the records now
+    (their attempts: an attempt never goes back). A task below ``snapshot_next`` that
+    the snapshot lacks had finished by then (its window had closed): it stays done.
+    """
+    now = {r.id: r for r in current}
+    out = {r.id: r for r in rolled_back([r for r in snapshot if r.id >= first], now.values(), progress, pass_no=0)}
+    for tid in range(first, next_id):
+        if tid in out:
+            continue
+        attempt = now[tid].attempt if tid in now else 0
+        state = State.TODO if tid >= snapshot_next else State.DONE
+        out[tid] = TaskRecord(id=tid, pass_no=0, state=state, attempt=attempt)
+    return [out[tid] for tid in range(first, next_id)]

@@ -65,6 +65,7 @@ from pdps.core.sgd import Mode
 from pdps.core.slots import SlotMap
 from pdps.core.tasks import (
     Assignment,
+    TasksAdded,
     Change,
     Ignored,
     PassCompleted,
@@ -75,6 +76,7 @@ from pdps.core.tasks import (
     TaskSpec,
     WaitReason,
     rolled_back,
+    rolled_back_stream,
 )
 from pdps.core.tasks import State as TaskState
 from pdps.core.txn import Decision, Done, Write
@@ -91,7 +93,8 @@ from pdps.core.wire import (
 )
 from pdps.ports.checkpoints import CheckpointFiles
 from pdps.ports.coordination import Compare, CoordinationStore, Delete, EventType, Fence, KeyValue, Op, Put, TxnOp, WatchEvent
-from pdps.ports.data import DataSource
+from pdps.core.windows import Window, WindowChanged, Windows
+from pdps.ports.data import DataSource, StreamingSource
 from pdps.ports.transport import Endpoint, Transport
 from pdps.roles import calls
 from pdps.roles.resizer import ResizeDriver
@@ -104,6 +107,8 @@ log = logging.getLogger(__name__)
 
 #: How long a trainer told to wait should sleep before asking again.
 RETRY_IN = 0.05
+#: How often a streaming job's master polls its source.
+FEED_EVERY = 0.05
 
 
 class _Read:
@@ -153,8 +158,19 @@ class Master:
         clock: Callable[[], float] = time.monotonic,
         checkpoints: CheckpointFiles | None = None,
         max_txn_ops: int = MAX_TXN_OPS,
+        wall: Callable[[], float] = time.time,
+        on_window: Callable[[Window], None] | None = None,
+        before_job: Callable[[], None] | None = None,
     ) -> None:
         self.config = config
+        #: a streaming source: tasks are cut as data arrives, in windows (see _feed)
+        self._streaming = isinstance(source, StreamingSource)
+        self._wall = wall  # windows' times are persisted and read elsewhere: wall-clock seconds
+        self._on_window = on_window  # told of each window closed, once durable (post-window hooks)
+        self._before_job = before_job  # run once the lock is held, before the first task is served
+        self._windows: Windows | None = None
+        self._stream_pos: dict = {}  # {cursor, next_id, records, ended} as in the store's `stream`
+        self._lag: dict = {}
         self._files = recovery.files_for(config, checkpoints)
         self._epoch = 0  # the job's epoch whose queue this master serves (see recovery)
         self._snapshots: set[str] = set()
@@ -199,7 +215,14 @@ class Master:
         """
         from pdps.runtime.lease import LeaseKeeper
 
-        specs = self._source.tasks()  # a bad dataset fails here, before any task is created
+        if self._streaming:
+            specs: list[TaskSpec] = []
+            if not (self.config.window_records or self.config.window_seconds):
+                raise ConfigError(
+                    f"the dataset {self.config.dataset!r} is a stream: give the job windows (window_records and/or window_seconds)"
+                )
+        else:
+            specs = self._source.tasks()  # a bad dataset fails here, before any task is created
         publish_job(self._store, self.config)
         self._keeper = LeaseKeeper(self._store, self.config.lease_ttl, name="master", on_lost=self._lease_lost)
         owner = f"master-{uuid.uuid4().hex[:8]}".encode()
@@ -215,6 +238,8 @@ class Master:
             self._keeper.stop()
             raise ConfigError(f"job {self.config.name!r} already has a master (lock {self._keys.master_lock} is held)")
         try:
+            if self._before_job is not None:
+                self._before_job()
             self._queue = self._load_queue(specs)
             self._catch_up_epoch()
             self._resume()
@@ -242,6 +267,10 @@ class Master:
         t = threading.Thread(target=resizer.run, name="pdps-master-resizer", daemon=True)
         t.start()
         self._threads.append(t)
+        if self._streaming:
+            t = threading.Thread(target=self._feed, name="pdps-master-source", daemon=True)
+            t.start()
+            self._threads.append(t)
         self.leading.set()
         c = self._queue.counts()
         log.info("master of job %r serving at %s: pass %d, %d todo, %d pending, %d done", self.config.name, self._endpoint.address, c.pass_no, c.todo, c.pending, c.done)
@@ -285,6 +314,8 @@ class Master:
     def _load_queue(self, specs: list[TaskSpec]) -> TaskQueue:
         cfg = self.config
         limits = {"failure_max": cfg.failure_max, "timeout": cfg.task_timeout, "max_in_flight": cfg.max_in_flight}
+        if self._streaming:
+            return self._load_stream_queue(limits)
         kv = self._store.get(self._keys.pass_no)
         # the record counts go in once, for the audit (pdps status --pass): O(runs) here, never per transition
         counts = RecordCounts.of(specs)
@@ -336,6 +367,77 @@ class Master:
             self.done.set()
         return queue
 
+    def _load_stream_queue(self, limits: dict) -> TaskQueue:
+        """A streaming job's queue: new, or its windows not closed yet as stored."""
+        cfg = self.config
+        kv = self._store.get(self._keys.pass_no)
+        if kv is None:
+            self._stream_pos = {"cursor": self._source.start_cursor(), "next_id": 0, "records": 0, "ended": False}
+            self._windows = Windows.restore((), records=cfg.window_records, seconds=cfg.window_seconds)
+            self._write(
+                [
+                    Put(self._keys.pass_no, b"0"),
+                    Put(self._keys.state, b'{"state": "running"}'),
+                    Put(self._keys.stream, json.dumps(self._stream_pos).encode()),
+                ]
+            )
+            self._audit = AuditLog(pass_no=0)
+            return TaskQueue.open_ended(**limits)
+        pass_no = _int_record(kv)
+        state = self._stored_state()
+        self._stream_pos = self._stored_stream()
+        next_id = self._stream_pos["next_id"]
+        self._windows = Windows.restore(self._stored_windows().values(), records=cfg.window_records, seconds=cfg.window_seconds)
+        first = self._windows.first_live_task(next_id)
+        specs = self._stored_specs(range(first, next_id))
+        ids = {s.id for s in specs}
+        records = []
+        for rec_kv in self._store.range(self._keys.tasks):
+            try:
+                if self._keys.task_id(rec_kv.key) >= first:
+                    records.append(decode_record(rec_kv, self._keys, pass_no, ids))
+            except (CorruptRecord, ValueError) as exc:
+                self._quarantine(rec_kv, exc if isinstance(exc, CorruptRecord) else CorruptRecord(str(exc), rec_kv.key))
+        queue = TaskQueue.restore(
+            specs, records, pass_no=pass_no, now=self._clock(), next_id=next_id, stream_ended=bool(self._stream_pos["ended"]), **limits
+        )
+        self.restored = queue.records()
+        self._audit = self._restore_audit(pass_no, ids, below=first)
+        self.passes_completed = len(self._store.range(self._keys.passes))
+        if state.get("state") == "done":
+            self.done.set()
+        return queue
+
+    def _stored_stream(self) -> dict:
+        kv = self._store.get(self._keys.stream)
+        if kv is None:
+            raise CorruptRecord(f"{self._keys.stream} is missing although {self._keys.pass_no} exists: not a streaming job?", self._keys.stream)
+
+        def parse(d: dict) -> dict:
+            pos = {"cursor": str(d["cursor"]), "next_id": int(d["next_id"]), "records": int(d["records"]), "ended": bool(d["ended"])}
+            if pos["next_id"] < 0:
+                raise ValueError("a negative next_id")
+            return pos
+
+        return decode_as(kv.value, kv.key, parse)
+
+    def _stored_windows(self) -> dict[int, Window]:
+        return {w.no: w for kv in self._store.range(self._keys.windows) for w in [decode_as(kv.value, kv.key, Window.from_json)]}
+
+    def _stored_specs(self, ids: range) -> list[TaskSpec]:
+        """The specs of a streaming job's tasks ``ids`` (memory's where it has them)."""
+        have = {} if self._queue is None else {s.id: s for s in self._queue.specs()}
+        out = []
+        for tid in ids:
+            spec = have.get(tid)
+            if spec is None:
+                kv = self._store.get(self._keys.spec(tid))
+                if kv is None:
+                    raise CorruptRecord(f"{self._keys.spec(tid)} is missing: the stream's task {tid} cannot be read again", self._keys.spec(tid))
+                spec = decode_as(kv.value, kv.key, TaskSpec.from_json)
+            out.append(spec)
+        return out
+
     def _store_record_counts(self, counts: RecordCounts) -> list[str]:
         """Write the chunks of ``counts`` that the store lacks or holds otherwise, one per
         transaction; returns their keys."""
@@ -357,7 +459,7 @@ class Master:
             raise CorruptRecord(f"{kv.key} holds {kv.value[:100]!r}, not a job state", kv.key)
         return state
 
-    def _restore_audit(self, pass_no: int, ids: set[int]) -> AuditLog:
+    def _restore_audit(self, pass_no: int, ids: set[int], below: int = 0) -> AuditLog:
         """The current pass's attempt logs, so that later attempts append to them.
 
         An undecodable entry (or one for a task the dataset lacks) is quarantined and
@@ -367,6 +469,8 @@ class Master:
         entries = {}
         for kv in self._store.range(self._keys.audit_pass(pass_no)):
             name = kv.key.rsplit("/", 1)[1]
+            if name.isdigit() and int(name) < below:
+                continue  # a streaming job's task of a closed window: its log is final
             try:
                 if not name.isdigit() or int(name) not in ids:
                     raise CorruptRecord(f"{kv.key} is an audit entry for no task of the dataset", kv.key)
@@ -424,9 +528,13 @@ class Master:
     def _transition_ops(self, changes: list[Change], ops: list[TxnOp], after: list[Callable[[], None]]) -> None:
         assert self._queue is not None
         follow: list[PassCompleted] = []
+        finished = False
         for ch in changes:
             if isinstance(ch, TaskChanged):
                 ops.append(Put(self._keys.task(ch.record.id), json.dumps(ch.record.to_json()).encode()))
+                finished = finished or ch.record.state in (TaskState.DONE, TaskState.FAILED)
+            elif isinstance(ch, TasksAdded):
+                ops.extend(Put(self._keys.spec(spec.id), json.dumps(spec.to_json()).encode()) for spec in ch.specs)
             elif isinstance(ch, PassStarted):
                 ops.append(Put(self._keys.pass_no, str(ch.pass_no).encode()))
             elif isinstance(ch, PassCompleted):
@@ -436,6 +544,8 @@ class Master:
             elif isinstance(ch, Ignored):
                 log.info("ignored %s for task %d attempt %d: %s", ch.event, ch.task_id, ch.attempt, ch.reason)
         ops.extend(self._audit_put(entry) for entry in self._audit.record(changes))  # same transaction
+        if finished and self._windows is not None:
+            self._close_windows(ops, after)
         if any(isinstance(ch, PassStarted) for ch in changes):
             # a pass run again after a rollback has entries already: its new attempts append to them
             self._audit = self._restore_audit(self._audit.pass_no, {s.id for s in self._queue.specs()})
@@ -449,6 +559,31 @@ class Master:
             else:
                 ops.append(Put(self._keys.state, json.dumps({"state": "done", "passes": self.passes_completed}).encode()))
                 after.append(self.done.set)  # "done" is said only once it is durable
+
+    def _close_windows(self, ops: list[TxnOp], after: list[Callable[[], None]]) -> None:
+        """Close the windows whose tasks all finished, in the transaction at hand (lock
+        held): their tasks leave memory, and the post-window work starts once it is durable."""
+        assert self._queue is not None and self._windows is not None
+        queue = self._queue
+
+        def state_of(tid: int) -> TaskState | None:
+            return None if queue.forgotten(tid) else queue.record(tid).state
+
+        for closed in self._windows.settle(state_of, self._wall()):
+            w = closed.window
+            ops.append(Put(self._keys.window(w.no), w.encode()))
+            queue.forget(w.tasks)
+            self._audit.forget(w.tasks)
+            log.info("window %d closed: tasks %d..%d, %d records, %d failed", w.no, w.first, w.end - 1, w.records, len(w.failed))
+            if self._on_window is not None:
+                after.append(lambda w=w: self._window_closed(w))
+
+    def _window_closed(self, window: Window) -> None:
+        assert self._on_window is not None
+        try:
+            self._on_window(window)
+        except Exception:  # post-window work must not stop the job; its failure is logged
+            log.exception("post-window work for window %d failed", window.no)
 
     def _commit_failed(self, error: BaseException) -> Callable[[], None] | None:
         """A group commit failed (none of its transitions was acknowledged): what the
@@ -702,6 +837,8 @@ class Master:
             "records": [r.to_json() for r in self._queue.records()],
             "progress": progress,
         }
+        if self._windows is not None:  # a streaming job: the records are those of its unfinished windows
+            state["next_id"], state["windows_closed"] = self._queue.next_id, self._windows.closed
         t = threading.Thread(target=self._write_snapshot, args=(ckpt_id, state), name=f"pdps-ckpt-{ckpt_id}", daemon=True)
         self._writers = [w for w in self._writers if w.is_alive()] + [t]
         t.start()
@@ -723,6 +860,59 @@ class Master:
         if epoch.epoch > restored:
             with self._lock:
                 self._restore_epoch(epoch)
+
+    def _restore_stream_epoch(self, epoch: Epoch) -> None:
+        """:meth:`_restore_epoch` for a streaming job (lock held): the windows closed since
+        the checkpoint are sealed again, their tasks come back from the store, and every
+        task added since is todo again; the cursor stays (no data is tasked twice)."""
+        assert self._queue is not None and self._windows is not None
+        snapshot: list[TaskRecord] = []
+        progress: dict[int, tuple[int, int, bool]] = {}
+        snapshot_next = closed_then = 0
+        if epoch.checkpoint is not None and self._files is not None:
+            manifest = self._files.read_manifest(epoch.checkpoint)
+            state = self._files.read_json_part(manifest.parts[MASTER_PART])
+            snapshot = [TaskRecord.from_json(d) for d in state["records"]]
+            progress = {int(k): (int(v[0]), int(v[1]), bool(v[2])) for k, v in state["progress"].items()}
+            snapshot_next, closed_then = int(state["next_id"]), int(state["windows_closed"])
+        next_id = self._queue.next_id
+        reopened = self._windows.rolled_back(closed_then, self._stored_windows())
+        first = self._windows.first_live_task(next_id)
+        specs = self._stored_specs(range(first, next_id))
+        current = {r.id: r for r in self._queue.records()}
+        for kv in self._store.range(self._keys.tasks):  # the attempts of tasks forgotten since
+            tid = self._keys.task_id(kv.key)
+            if tid >= first and tid not in current:
+                with contextlib.suppress(CorruptRecord):
+                    current[tid] = decode_record(kv, self._keys, 0)
+        records = rolled_back_stream(snapshot, current.values(), progress, first=first, snapshot_next=snapshot_next, next_id=next_id)
+        cfg = self.config
+        queue = TaskQueue.restore(
+            specs, records, pass_no=0, failure_max=cfg.failure_max, timeout=cfg.task_timeout, max_in_flight=cfg.max_in_flight,
+            next_id=next_id, stream_ended=not self._queue.open,
+        )  # fmt: skip
+        ops: list[TxnOp] = [Put(self._keys.task(r.id), json.dumps(r.to_json()).encode()) for r in records]
+        ops += [Put(self._keys.window(ch.window.no), ch.window.encode()) for ch in reopened]
+        ops.extend(Delete(kv.key) for kv in self._store.range(self._keys.passes))
+        in_snapshot = {r.id: r for r in snapshot}
+        finished = [t for t, r in in_snapshot.items() if r.state is TaskState.PENDING and t in progress and progress[t][0] == r.attempt and progress[t][2]]
+        kept = {
+            t: progress[t][1] for t, r in in_snapshot.items()
+            if r.state is TaskState.PENDING and t in progress and progress[t][0] == r.attempt and t not in finished
+        }  # fmt: skip
+        self._audit = self._restore_audit(0, set(range(first, next_id)), below=first)
+        ops += [self._audit_put(e) for e in self._audit.roll_back([r for r in snapshot if r.id >= first], finished=finished, kept=kept)]
+        for i in range(0, len(ops), 100):
+            self._write(ops[i : i + 100])
+        self._write([Put(self._keys.state, json.dumps({"state": "running", "epoch": epoch.epoch}).encode())])
+        self._queue, self.passes_completed, self._epoch = queue, 0, epoch.epoch
+        self._snapshots.clear()
+        self.done.clear()
+        c = queue.counts()
+        log.warning(
+            "master rolled the stream back to %s (epoch %d): windows from %d open again, %d todo, %d pending",
+            epoch.checkpoint or "the start", epoch.epoch, closed_then, c.todo, c.pending,
+        )  # fmt: skip
 
     def _on_epoch_event(self, event: WatchEvent) -> None:
         if event.type is not EventType.PUT or self._stopped.is_set():
@@ -755,6 +945,9 @@ class Master:
         if epoch.epoch <= self._epoch:
             return
         self._store.flush()  # the transitions before the rollback are durable (or it waits for a rebuild)
+        if self._windows is not None:
+            self._restore_stream_epoch(epoch)
+            return
         specs = self._queue.specs()
         pass_no, completed, progress = 0, 0, {}
         snapshot = [TaskRecord(id=s.id, pass_no=0, state=TaskState.TODO) for s in specs]
@@ -841,6 +1034,108 @@ class Master:
             except Exception as exc:
                 log.exception("master timer failed")
                 self._fail(exc)
+
+    # --- streaming ----------------------------------------------------------------------
+
+    def _feed(self) -> None:
+        """The source thread of a streaming job: poll the source outside the lock, then
+        add what it cut in one fenced transaction with the cursor, so each piece of data
+        becomes exactly one task; seal windows by time; write the lag about once a second."""
+        partial_since: float | None = None  # since when a partial task has been waiting
+        lag_due = 0.0
+        while not self._stopped.wait(FEED_EVERY):
+            try:
+                if self.done.is_set() or not self.leading.is_set():
+                    continue
+                with self._locked():
+                    assert self._queue is not None and self._windows is not None
+                    if self._stopped.is_set() or not self._queue.open:
+                        continue
+                    if self._windows.due(self._wall()):
+                        self._guarded_ops(self._windows.seal(self._wall()))
+                    budget = self.config.stream_max_tasks - self._queue.unfinished()
+                    cursor, room = self._stream_pos["cursor"], self._windows.room()
+                arrivals = None
+                if budget > 0 and self._queue.open:
+                    k = self.config.task_records
+                    size, most = (k, budget) if room is None else ((room, 1) if room < k else (k, min(budget, room // k)))
+                    flush = partial_since is not None and self._clock() - partial_since >= self.config.stream_linger
+                    arrivals = self._source.poll(cursor, task_records=size, max_tasks=most, flush=flush)
+                    with self._locked():
+                        if self._stream_pos["cursor"] != cursor or self._stopped.is_set():
+                            continue  # a rollback or another master moved it meanwhile: poll again
+                        self._add_tasks(arrivals)
+                    waiting = not arrivals.cuts and bool(arrivals.backlog)
+                    partial_since = (partial_since or self._clock()) if waiting else None
+                if self._clock() >= lag_due:
+                    lag_due = self._clock() + 1.0
+                    self._write_lag(arrivals, budget <= 0)
+            except StoreUnavailable as exc:
+                self._fail(exc)
+            except FencingError:
+                pass  # stepped down
+            except PdpsError as exc:
+                log.error("master could not poll the stream %s (trying again): %s", self.config.dataset, exc)
+                self._stopped.wait(1.0)
+            except Exception as exc:
+                log.exception("master source thread failed")
+                self._fail(exc)
+
+    def _add_tasks(self, arrivals) -> None:
+        """Add the tasks ``arrivals`` cut, with the new cursor and the windows they fill (lock held)."""
+        assert self._queue is not None and self._windows is not None
+        changes: list[Change] = self._queue.add_tasks([(c.location, c.part, c.records) for c in arrivals.cuts])
+        added = [s for ch in changes if isinstance(ch, TasksAdded) for s in ch.specs]
+        windows = self._windows.added(added, self._wall())
+        last = self.config.windows and self._windows.sealed >= self.config.windows
+        if last:
+            changes += self._queue.end_stream()
+        pos = dict(self._stream_pos, cursor=arrivals.cursor, next_id=self._queue.next_id, ended=bool(last))
+        pos["records"] += sum(s.records for s in added)
+        if pos == self._stream_pos:
+            return
+        ops: list[TxnOp] = [Put(self._keys.window(ch.window.no), ch.window.encode()) for ch in windows]
+        ops.append(Put(self._keys.stream, json.dumps(pos).encode()))
+        self._stream_pos = pos
+        after: list[Callable[[], None]] = []
+        self._transition_ops(changes, ops, after)
+        self._store.wait(self._store.stage(ops, fence=self._fence, after=after))
+        if last:
+            log.info("the job's %d windows are sealed: no more tasks are cut from %s", self.config.windows, self.config.dataset)
+
+    def _guarded_ops(self, windows: list[WindowChanged]) -> None:
+        """Persist sealed windows (lock held); the window may close at once if its tasks are done."""
+        assert self._queue is not None
+        ops: list[TxnOp] = [Put(self._keys.window(ch.window.no), ch.window.encode()) for ch in windows]
+        after: list[Callable[[], None]] = []
+        if windows and self._windows is not None:
+            last = self.config.windows and self._windows.sealed >= self.config.windows
+            changes = self._queue.end_stream() if last else []
+            if last:
+                self._stream_pos = dict(self._stream_pos, ended=True)
+                ops.append(Put(self._keys.stream, json.dumps(self._stream_pos).encode()))
+            self._close_windows(ops, after)
+            self._transition_ops(changes, ops, after)
+        self._store.wait(self._store.stage(ops, fence=self._fence, after=after))
+
+    def _write_lag(self, arrivals, backpressure: bool) -> None:
+        """``stream/lag``: what the job has not trained yet (for pdps status)."""
+        with self._locked():
+            assert self._queue is not None
+            untrained = [(self._queue.spec(r.id).records - r.offset) for r in self._queue.records() if r.state in (TaskState.TODO, TaskState.PENDING)]
+            lag = {
+                "records_untasked": None if arrivals is None else arrivals.backlog,
+                "tasks_untrained": len(untrained),
+                "records_untrained": sum(untrained),
+                "backpressure": backpressure,
+                "stalled": None if arrivals is None else arrivals.stalled,
+                "windows_closed": 0 if self._windows is None else self._windows.closed,
+                "at": self._wall(),
+            }
+            if arrivals is None and self._lag:
+                lag["records_untasked"], lag["stalled"] = self._lag.get("records_untasked"), self._lag.get("stalled")
+            self._lag = lag
+        self._write([Put(self._keys.stream_lag, json.dumps(lag).encode())])
 
     def _guarded(self, changes: list[Change]) -> None:
         """Persist changes made off a request (a timer, a watch), where nobody can be told."""

@@ -4,7 +4,8 @@
 Progress goes to stderr; with ``--json`` the last line of stdout is one JSON object.
 
 ``pdps status STORE_URL`` shows a job as the coordination store holds it; with
-``--pass N``, the audit of pass N (every attempt at every task and its outcome).
+``--pass N``, the audit of pass N (every attempt at every task and its outcome);
+``--window N``, the same for window N of a streaming job.
 
 ``pdps checkpoint list|inspect|restore`` lists a job's checkpoints, verifies one
 part by part, or rolls the running job back to one (:mod:`pdps.shell.checkpoint_cli`).
@@ -57,6 +58,7 @@ def _whole_number(minimum: int, what: str, hint: str = ""):
 
 _positive_int = _whole_number(1, "a whole number")
 _pass_number = _whole_number(0, "a pass number", " (0 is the first pass)")
+_window_number = _whole_number(0, "a window number", " (0 is the first window)")
 
 
 def _version() -> str:
@@ -115,6 +117,15 @@ def build_parser(argv: Sequence[str] = (), env: Mapping[str, str] | None = None)
         default=None,
         help="show the audit of pass N (0 is the first): every attempt at every task, its trainer and outcome, "
         "and how many records were trained",
+    )
+    status.add_argument(
+        "--window",
+        dest="window_no",
+        metavar="N",
+        type=_window_number,
+        default=None,
+        help="a streaming job: show the audit of window N (0 is the first): every attempt at every task of "
+        "the window, and how many of its records were trained exactly once",
     )
     status.set_defaults(func=cmd_status, parser=status)
 
@@ -299,11 +310,15 @@ def cmd_launch(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     url = _store_url(args)  # before the imports below, which load torch
     from pdps.registry import connect_store
-    from pdps.shell.status import format_pass_audit, format_status, job_status, pass_audit
+    from pdps.shell.status import format_pass_audit, format_status, format_window_audit, job_status, pass_audit, window_audit
 
+    if args.pass_no is not None and args.window_no is not None:
+        args.parser.error("give --pass N or --window N, not both")
     store = connect_store(url, timeout=args.connect_timeout)
     try:
-        if args.pass_no is None:
+        if args.window_no is not None:
+            status = window_audit(store, args.job, args.window_no)
+        elif args.pass_no is None:
             status = job_status(store, args.job)
         else:
             status = pass_audit(store, args.job, args.pass_no)
@@ -315,7 +330,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(status))
     else:
-        print(format_status(status, url) if args.pass_no is None else format_pass_audit(status, url))
+        if args.window_no is not None:
+            print(format_window_audit(status, url))
+        else:
+            print(format_status(status, url) if args.pass_no is None else format_pass_audit(status, url))
     return 0
 
 

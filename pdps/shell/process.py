@@ -207,6 +207,7 @@ def run_master(values: Mapping[str, Any]) -> int:
     from pdps.adapters.prometheus_metrics import master_reading
     from pdps.registry import open_checkpoint_files, open_data_source
     from pdps.roles.master import Master
+    from pdps.shell.hooks import WindowHooks, run_before_job, user_function
     from pdps.shell.settings import job_config
 
     metrics = role_metrics(values, "master", f"{socket.gethostname()}-{os.getpid()}")
@@ -221,9 +222,14 @@ def run_master(values: Mapping[str, Any]) -> int:
         else:
             log.info("job %r exists; serving its stored configuration", config.name)
         st = _resilient(store, config, metrics)
+        transport = metrics.transport(open_role_transport(values))
+        before = user_function(config.before_job, "before_job") if config.before_job else None
+        evaluate = user_function(config.evaluate, "evaluate") if config.evaluate else None
+        hooks = WindowHooks(st, transport, config, evaluate) if config.export_url or evaluate else None
         master = Master(
-            st, metrics.transport(open_role_transport(values)), open_data_source(config.dataset), config,
+            st, transport, open_data_source(config.dataset), config,
             address=serve_address(values), checkpoints=open_checkpoint_files(config.checkpoint_url),
+            on_window=hooks, before_job=None if before is None else lambda: run_before_job(st, config, before),
         )  # fmt: skip
         metrics.watch(master_reading(master))
         shutdown = Shutdown(values["grace"], on_request=master.stop)
@@ -247,6 +253,8 @@ def run_master(values: Mapping[str, Any]) -> int:
                     if not st.range(keys.trainers) or time.monotonic() - done_at > values["linger"]:
                         log.info("job %r is done after %d passes", config.name, config.passes)
                         break
+            if hooks is not None:
+                hooks.close()  # the last window's export is whole before the master says it is done
             master.stop()
             return 0
     finally:

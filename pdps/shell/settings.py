@@ -151,6 +151,17 @@ SETTINGS: tuple[Setting, ...] = (
     _job("checkpoint_orphan_grace", float, "seconds a temporary file of a checkpoint write must go unmodified before a commit deletes it as a killed writer's leftover"),
     _job("restore", str, "when a pserver restarts: roll the whole job back (job), or async only, reload just its slots (lost)", choices=("job", "lost")),
     _job("keep_rounds", int, "sync: closed rounds kept in the store (their contributions: the audit of which gradients each step applied)"),
+    _job("window_records", int, "streaming job: a window closes after this many records; 0: not by count"),
+    _job("window_seconds", float, "streaming job: a window closes after this many seconds open; 0: not by time"),
+    _job("windows", int, "streaming job: the job ends after this many windows; 0: it runs until stopped"),
+    _job("task_records", int, "streaming job: records per task cut from a stream, at most (a Parquet row group is one task)"),
+    _job("stream_max_tasks", int, "streaming job: the master cuts no new task while this many are todo or pending (backpressure)"),
+    _job("stream_linger", float, "streaming job: seconds arrived data waits for a full task before a partial one is cut"),
+    _job("export_url", str, "streaming job: export the model (safetensors + manifest) after windows to this storage URL; empty: no exports"),
+    _job("export_every", int, "streaming job: export after every this many windows"),
+    _job("export_keep", int, "exports kept under export_url (older ones are deleted); 0: keep every export"),
+    _job("before_job", str, "a function (module:function or path/to/file.py:function) the master runs once before the job's first task"),
+    _job("evaluate", str, "a function (module:function) given the parameters after each window, returning a number or a dict of numbers, recorded for pdps status"),
     _job("overlap", str, "trainers push each parameter's slots while backward still runs, and in async mode pull while the next forward runs: on, off, or auto (on where it pays: CUDA, in-process pservers, or CPU cores to spare)", choices=("auto", "on", "off")),
 )
 

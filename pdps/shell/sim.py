@@ -35,6 +35,7 @@ from pdps.roles.trainer import Killed, StepRecord, TrainerContext
 from pdps.roles.trainer.pserver_client import PserverGroup
 from pdps.runtime.resizing import read_desired
 from pdps.shell.faults import Faults, Injected, Injector
+from pdps.shell.hooks import WindowHooks, run_before_job, user_function
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +96,9 @@ def simulate(
     master mid-pass at seeded moments; ``SimulationResult.faults`` says what struck when.
     ``progress`` is called about once a second with the current pass's queue counts
     and each trainer's ``ctx.metrics``, and once more when the trainers are done.
+    Hooks (docs/online.md): ``before_job`` and ``evaluate`` may be given as functions
+    here, or as ``"module:function"`` settings; ``export_url`` exports the model after
+    windows of a streaming job, and the last export is whole before ``simulate`` returns.
     ``_role_adapters`` (private, for :func:`pdps.simulate_control_plane`) gives each role
     ``("master"``, ``"pserver"``, ``"trainer")`` the store and transport it is built on,
     from the job's shared ones: per-role counting wraps them.
@@ -103,6 +107,7 @@ def simulate(
     from pdps.runtime.resilient import ResilientStore
 
     _check_arguments(train, dataset, kill, store, transport, compute, timeout, progress, faults)
+    hook_fns = {name: settings.pop(name) for name in ("before_job", "evaluate") if callable(settings.get(name))}
     settings.setdefault("name", f"sim-{uuid.uuid4().hex[:8]}")
     settings.setdefault("lease_ttl", 2.0)
     config = JobConfig(dataset=dataset if isinstance(dataset, str) else dataset.url, **settings)
@@ -129,8 +134,15 @@ def simulate(
     st = ResilientStore(st, deadline=config.store_outage_deadline)  # roles ride out outages up to the deadline
     adapters = _role_adapters or (lambda role, store, transport: (store, transport))
 
+    before = hook_fns.get("before_job") or (user_function(config.before_job, "before_job") if config.before_job else None)
+    evaluate = hook_fns.get("evaluate") or (user_function(config.evaluate, "evaluate") if config.evaluate else None)
+    hooks = WindowHooks(st, tr, config, evaluate) if config.export_url or evaluate else None
+
     def new_master(via: CoordinationStore) -> Master:
-        return Master(*adapters("master", via, tr), source, config, checkpoints=open_checkpoint_files(config.checkpoint_url))
+        return Master(
+            *adapters("master", via, tr), source, config, checkpoints=open_checkpoint_files(config.checkpoint_url),
+            on_window=hooks, before_job=None if before is None else lambda: run_before_job(via, config, before),
+        )  # fmt: skip
 
     def new_pserver(index: int | None) -> Pserver:
         # a replacement at a killed one's index waits for the old claim to run out with its lease
@@ -228,6 +240,8 @@ def simulate(
         master, pservers = roles.master, roles.pservers
         if not master.done.is_set():
             raise PdpsError(f"all trainers returned but job {config.name!r} is not done: {roles.counts() or 'no master serves'}")
+        if hooks is not None:
+            hooks.close()  # the last window's export is whole before the job's outcome is told
         params = fetch_parameters(st, tr, config)
         done, failed = pass_totals(st, config)
         return SimulationResult(
@@ -245,6 +259,8 @@ def simulate(
             faults=tuple(roles.struck),
         )
     finally:
+        if hooks is not None:
+            hooks.close()
         for ctx in contexts:
             if ctx.trainer_id not in killed:
                 ctx.leave()

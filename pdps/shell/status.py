@@ -7,11 +7,13 @@ would serve.
 
 ``pdps status --pass N`` reads the audit of one pass instead (:func:`pass_audit`):
 every attempt at every task, its trainer and outcome, and how many of the dataset's
-records were trained, and how many more than once.
+records were trained, and how many more than once; ``pdps status --window N`` the
+same for one window of a streaming job (:func:`window_audit`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -23,6 +25,8 @@ from pdps.core.errors import CorruptRecord, NoSuchJob, NoSuchPass
 from pdps.core.headcount import parse_count
 from pdps.core.job import JobConfig, Keys, decode_as, decode_json
 from pdps.core.slots import Layout, ParamSpec, SlotMap
+from pdps.core.tasks import TaskSpec
+from pdps.core.windows import Window
 from pdps.ports.coordination import CoordinationStore
 from pdps.roles.master import decode_record
 from pdps.runtime.resizing import read_resize, resizes_got
@@ -74,6 +78,9 @@ def job_status(store: CoordinationStore, job: str, *, now: float | None = None) 
     state = job_state(store, keys)
     queue_kv = store.get(keys.queue)
     total = decode_as(queue_kv.value, keys.queue, QueueHeader.from_json).tasks if queue_kv else None
+    stream = stream_status(store, keys)
+    if stream is not None:
+        total = stream["tasks"]  # the tasks cut so far
 
     counts = {"pending": 0, "done": 0, "failed": 0}
     corrupt: list[str] = []
@@ -134,6 +141,7 @@ def job_status(store: CoordinationStore, job: str, *, now: float | None = None) 
         },
         "layout": None if layout is None else layout_status(layout),
         "resize": resize_status(store, keys, layout),
+        "stream": stream,
     }
 
 
@@ -261,6 +269,9 @@ def format_status(status: dict[str, Any], url: str) -> str:
         f"  epoch       {epoch_text(s.get('epoch'))}",
         f"  layout      {layout_text(s.get('layout'))}",
     ]
+    if s.get("stream"):
+        lines[0] = f"job {s['job']} on {url}: {s['state']}, streaming"
+        lines.insert(2, f"  stream      {stream_text(s['stream'])}")
     if s.get("resize"):
         lines.append(f"  resize      {resize_text(s['resize'], s['slot_map']['version'] if s.get('slot_map') else None)}")
     if s.get("layout") and s["layout"]["warning"]:
@@ -273,6 +284,25 @@ def format_status(status: dict[str, Any], url: str) -> str:
         lines.append("  waiting:")
         lines += [f"    {wait_text(w)}" for w in s["waits"]]
     return "\n".join(lines)
+
+
+def stream_text(st: dict[str, Any]) -> str:
+    """``windows 3 closed of 4; lag: 120 records untasked, 2 tasks (96 records) untrained``."""
+    untasked = "?" if st["records_untasked"] is None else st["records_untasked"]
+    text = (
+        f"windows {st['windows_closed']} closed of {st['windows']}; {st['records']} records in {st['tasks']} tasks; "
+        f"lag: {untasked} records untasked, {st['tasks_untrained'] or 0} tasks ({st['records_untrained'] or 0} records) untrained"
+    )
+    if st.get("ended"):
+        text += "; last window sealed"
+    if st.get("backpressure"):
+        text += "; BACKPRESSURE (stream_max_tasks unfinished tasks)"
+    if st.get("stalled"):
+        text += f"; stalled: {st['stalled']}"
+    if st.get("evaluation"):
+        e = st["evaluation"]
+        text += f"; evaluation after window {e['window']}: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in e["metrics"].items())
+    return text
 
 
 def _wanted(s: dict[str, Any]) -> str:
@@ -445,10 +475,26 @@ def pass_audit(store: CoordinationStore, job: str, pass_no: int) -> dict[str, An
         ids = set(range(total)) if total is not None else set()
     ids |= set(attempts)
     outcomes = _final_outcomes(store, keys, pass_no, current, ids)
+    entries, summary = _audited(ids, attempts, records, outcomes, finished=pass_no < current)
+    return {
+        "job": job,
+        "pass": pass_no,
+        "tasks": len(entries),
+        "records": sum(records.values()) if records is not None else None,
+        "entries": entries,
+        "summary": summary,
+        "corrupt": corrupt,
+    }
+
+
+def _audited(
+    ids: set[int], attempts: dict[int, tuple[Attempt, ...]], records: dict[int, int] | None, outcomes: dict[int, str], *, finished: bool
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The audit ``entries`` of tasks ``ids`` and their ``summary`` (see :func:`pass_audit`)."""
     entries = []
     for tid in sorted(ids):
         tried = attempts.get(tid, ())
-        outcome = outcomes.get(tid) or _outcome_of(tried, finished=pass_no < current)
+        outcome = outcomes.get(tid) or _outcome_of(tried, finished=finished)
         n = None if records is None else records.get(tid)
         entries.append(
             {
@@ -466,18 +512,116 @@ def pass_audit(store: CoordinationStore, job: str, pass_no: int) -> dict[str, An
     def records_counted(at_least: int) -> int | None:
         return sum(length for e in entries for count, length in e["record_counts"] or () if count >= at_least) if known else None
 
-    summary["records_trained"] = records_counted(1)
-    summary["records_trained_more_than_once"] = records_counted(2)
+    once, more = records_counted(1), records_counted(2)
+    summary["records_trained"] = once
+    summary["records_trained_more_than_once"] = more
+    summary["records_trained_exactly_once"] = None if once is None or more is None else once - more
     summary["attempts_total"] = sum(len(e["attempts"]) for e in entries)
+    return entries, summary
+
+
+def window_audit(store: CoordinationStore, job: str, window_no: int) -> dict[str, Any]:
+    """The audit of window ``window_no`` of a streaming job as one JSON-safe object (the
+    ``pdps status --window N --json`` contract): ``job``, ``window``, ``state`` (open,
+    sealed or closed), ``first_task``/``last_task`` (its task ids), ``tasks``,
+    ``records``, ``opened_at``/``sealed_at``/``closed_at`` (Unix seconds or null),
+    ``entries`` and ``summary`` as :func:`pass_audit` gives them (the summary also has
+    ``records_trained_exactly_once``), and ``corrupt``.
+
+    Raises :class:`NoSuchJob` for an unknown job and :class:`NoSuchPass` for a window
+    the job has not opened (or a job that is not streaming).
+    """
+    keys = Keys(job)
+    config = job_config(store, job)
+    kv = store.get(keys.window(window_no)) if window_no >= 0 else None
+    if kv is None:
+        opened = len(store.range(keys.windows))
+        if store.get(keys.stream) is None:
+            raise NoSuchPass(f"job {job!r} reads no stream ({config.dataset}): it has passes, not windows (pdps status --pass N)")
+        raise NoSuchPass(f"job {job!r} has no window {window_no}: windows 0..{opened - 1} exist so far" if opened else f"job {job!r} has opened no window yet")
+    window = decode_as(kv.value, kv.key, Window.from_json)
+    attempts: dict[int, tuple[Attempt, ...]] = {}
+    records: dict[int, int] = {}
+    corrupt: list[str] = []
+    outcomes: dict[int, str] = {}
+    for tid in window.tasks:
+        for key, into in ((keys.audit_entry(0, tid), "audit"), (keys.spec(tid), "spec"), (keys.task(tid), "task")):
+            got = store.get(key)
+            if got is None:
+                continue
+            try:
+                if into == "audit":
+                    attempts[tid] = decode_attempts(got.value, key)
+                elif into == "spec":
+                    records[tid] = decode_as(got.value, key, TaskSpec.from_json).records
+                else:
+                    rec = decode_record(got, keys, 0)
+                    outcomes[tid] = rec.state.value
+            except (CorruptRecord, ValueError):
+                corrupt.append(key)
+    entries, summary = _audited(set(window.tasks), attempts, records, outcomes, finished=window.state == "closed")
     return {
         "job": job,
-        "pass": pass_no,
-        "tasks": len(entries),
-        "records": sum(records.values()) if known else None,
+        "window": window.no,
+        "state": window.state,
+        "first_task": window.first,
+        "last_task": window.end - 1,
+        "tasks": len(window.tasks),
+        "records": window.records,
+        "opened_at": window.opened_at,
+        "sealed_at": window.sealed_at,
+        "closed_at": window.closed_at,
         "entries": entries,
         "summary": summary,
         "corrupt": corrupt,
     }
+
+
+def stream_status(store: CoordinationStore, keys: Keys) -> dict[str, Any] | None:
+    """A streaming job's ``stream`` in ``pdps status --json`` (null for a job with passes):
+    ``cursor``, ``tasks`` (cut so far), ``records`` (tasked so far), ``ended`` (the job's
+    last window is sealed: no more tasks are cut), ``windows`` (opened so far),
+    ``windows_closed``, ``records_untasked`` (arrived, not cut into tasks yet; null if
+    the source cannot tell), ``tasks_untrained`` and ``records_untrained`` (tasked,
+    not trained yet), ``backpressure`` (the master holds ``stream_max_tasks``
+    unfinished tasks and cuts no more), ``stalled`` (why arrived data is not cut, or
+    null), ``lag_at`` (when the master measured this, Unix seconds) and ``evaluation``
+    (the newest evaluation: ``window``, ``metrics``, ``at``; or null)."""
+    kv = store.get(keys.stream)
+    if kv is None:
+        return None
+    pos = decode_json(kv.value, kv.key)
+    lag_kv = store.get(keys.stream_lag)
+    lag = decode_json(lag_kv.value, lag_kv.key) if lag_kv else {}
+    windows = store.range(keys.windows)
+    closed = 0
+    for w in windows:
+        with contextlib.suppress(CorruptRecord):
+            closed += decode_json(w.value, w.key).get("closed_at") is not None
+    evals = store.range(keys.evals)
+    return {
+        "cursor": pos.get("cursor"),
+        "tasks": pos.get("next_id"),
+        "records": pos.get("records"),
+        "ended": pos.get("ended"),
+        "windows": len(windows),
+        "windows_closed": closed,
+        "records_untasked": lag.get("records_untasked"),
+        "tasks_untrained": lag.get("tasks_untrained"),
+        "records_untrained": lag.get("records_untrained"),
+        "backpressure": lag.get("backpressure"),
+        "stalled": lag.get("stalled"),
+        "lag_at": lag.get("at"),
+        "evaluation": decode_json(evals[-1].value, evals[-1].key) if evals else None,
+    }
+
+
+def format_window_audit(audit: dict[str, Any], url: str) -> str:
+    """The human-readable form ``pdps status --window N`` prints."""
+    text = format_pass_audit(dict(audit, **{"pass": audit["window"]}), url)
+    head, _, rest = text.partition("\n")
+    head = f"job {audit['job']} on {url}: audit of window {audit['window']} ({audit['state']}; tasks {audit['first_task']}..{audit['last_task']})"
+    return head + "\n" + rest
 
 
 def _final_outcomes(store: CoordinationStore, keys: Keys, pass_no: int, current: int, ids: set[int]) -> dict[int, str]:

@@ -53,7 +53,7 @@ def test_a_wrong_type_or_range_is_a_config_error_naming_setting_value_and_expect
         ({"trainer": 3}, r"unknown setting trainer=3; did you mean 'trainers'\?"),
         ({"batchsize": 8}, r"unknown setting batchsize=8; did you mean 'batch_size'\?"),
         ({"lr": 0.1}, r"unknown setting lr=0.1; an optimizer's arguments go in optimizer_args, e.g. optimizer_args=\{'lr': 0.1\}"),
-        ({"colour": "red"}, r"unknown setting colour='red'; the settings are: batch_size, checkpoint_every"),
+        ({"colour": "red"}, r"unknown setting colour='red'; the settings are: batch_size, before_job, checkpoint_every"),
     ],
 )
 def test_an_unknown_setting_is_a_config_error_with_a_suggestion(settings, expect):

@@ -135,12 +135,12 @@ def test_the_audit_in_the_store_is_what_happened_and_every_task_of_every_pass_is
     assert [e["record_counts"] for e in first["entries"]] == [[[0, 10]], [[1, 11]], [[1, 12]], [[1, 13]]]
     assert first["summary"] == {
         "done": 3, "failed": 1, "pending": 0, "todo": 0,
-        "records_trained": 11 + 12 + 13, "records_trained_more_than_once": 0, "attempts_total": 7,
+        "records_trained": 11 + 12 + 13, "records_trained_more_than_once": 0, "records_trained_exactly_once": 36, "attempts_total": 7,
     }  # fmt: skip
     second = pass_audit(store, "job", 1)
     assert second["summary"] == {
         "done": 4, "failed": 0, "pending": 0, "todo": 0,
-        "records_trained": 46, "records_trained_more_than_once": 0, "attempts_total": 4,
+        "records_trained": 46, "records_trained_more_than_once": 0, "records_trained_exactly_once": 46, "attempts_total": 4,
     }  # fmt: skip
     for audit in (first, second):  # every task of every pass, done or failed
         assert [e["task"] for e in audit["entries"]] == [0, 1, 2, 3]

@@ -37,6 +37,8 @@ _REGISTRY: dict[str, dict[str, tuple[str, str | None]]] = {
         "file": ("pdps.adapters.parquet:ParquetSource", "parquet"),
         "memory": ("pdps.adapters.parquet:ParquetSource", "parquet"),
         "s3": ("pdps.adapters.parquet:ParquetSource", "parquet"),
+        "redis-stream": ("pdps.adapters.redis_stream:RedisStreamSource", "redis"),
+        "memory-stream": ("pdps.adapters.memory_stream:MemoryStreamSource", None),
     },
 }
 

@@ -70,6 +70,9 @@ def _parse(url: str) -> tuple[RedisTarget, str, str, str | None]:
     if not stream:
         raise ConfigError(f"Redis stream URL {url!r} names no stream; write redis-stream://host:port/DB/STREAM")
     query = parse_qs(parts.query, keep_blank_values=True)
+    unknown = set(query) - {"schema", "timeout"}
+    if unknown:
+        raise ConfigError(f"unknown option(s) {sorted(unknown)} in a redis-stream:// URL; known: ['schema', 'timeout']")
     schema = query.pop("schema", [None])[-1]
     rest = "&".join(f"{k}={quote(v[-1])}" for k, v in query.items())
     target = parse_redis_url(f"redis://{parts.netloc}/{db}" + (f"?{rest}" if rest else ""))

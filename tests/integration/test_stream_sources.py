@@ -232,3 +232,19 @@ def test_follow_is_chosen_by_the_url(tmp_path):
     for bad in ("?follow=0", "?follow=1&poll_seconds=-1", "?follow=1&every=2"):
         with pytest.raises(ConfigError):
             open_data_source(url + bad)
+
+
+@pytest.mark.parametrize(
+    ("url", "match"),
+    [
+        ("redis-stream://127.0.0.1:6390/0", "names no stream"),
+        ("redis-stream://127.0.0.1:6390/0/s?from=now", r"unknown option\(s\) \['from'\]"),
+        ("redis-stream://127.0.0.1:6390/x/s", "database number"),
+        ("redis-stream://127.0.0.1:6390/0/s?schema=x:str", "dtype 'str'"),
+    ],
+)
+def test_a_bad_stream_url_is_refused_before_connecting(url, match):
+    from pdps.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=match):
+        RedisStreamSource(url)

@@ -50,3 +50,27 @@ def test_a_bad_url_is_refused(url):
 def test_a_bad_cursor_is_refused():
     with pytest.raises(ConfigError, match="'1-0'"):
         MemoryStreamSource("memory-stream://cursor").poll("1-0", task_records=1, max_tasks=1, flush=True)
+
+
+def test_a_url_schema_reads_like_numpy_shapes():
+    from pdps.adapters.entry_stream import parse_schema
+
+    schema = parse_schema("x:float32[4,4], y:int64,ok:bool[2]", where="u")
+    assert {n: (c.dtype.name, c.shape, c.nbytes) for n, c in schema.items()} == {
+        "x": ("float32", (4, 4), 64),
+        "y": ("int64", (), 8),
+        "ok": ("bool", (2,), 2),
+    }
+
+
+@pytest.mark.parametrize("text", ["", "x", "x:float32[0]", "x:complex64", "x:int64,x:int64", "x:int64;y:int64"])
+def test_a_bad_url_schema_is_refused_naming_it(text):
+    with pytest.raises(ConfigError):
+        MemoryStreamSource(f"memory-stream://s?schema={text}")
+
+
+def test_append_refuses_a_source_that_is_not_a_stream(tmp_path):
+    from pdps import streams
+
+    with pytest.raises(ConfigError, match="not a stream"):
+        streams.append(f"file://{tmp_path}", {"y": [1]})

@@ -34,9 +34,11 @@ _REGISTRY: dict[str, dict[str, tuple[str, str | None]]] = {
         "torch": ("pdps.adapters.torch_compute:TorchCompute", None),
     },
     "data": {
-        "file": ("pdps.adapters.parquet:ParquetSource", "parquet"),
-        "memory": ("pdps.adapters.parquet:ParquetSource", "parquet"),
-        "s3": ("pdps.adapters.parquet:ParquetSource", "parquet"),
+        "file": ("pdps.adapters.parquet:open_parquet_source", "parquet"),
+        "memory": ("pdps.adapters.parquet:open_parquet_source", "parquet"),
+        "s3": ("pdps.adapters.parquet:open_parquet_source", "parquet"),
+        "redis-stream": ("pdps.adapters.redis_stream:RedisStreamSource", "redis"),
+        "memory-stream": ("pdps.adapters.memory_stream:MemoryStreamSource", None),
     },
 }
 

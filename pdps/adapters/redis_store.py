@@ -421,7 +421,7 @@ class RedisStore:
         self.url = target.url
         self.target = target
         self._ns = namespace
-        self._redis = redis.Redis(connection_pool=redis.ConnectionPool(**_connection_kwargs(target)))
+        self._redis = redis.Redis(connection_pool=redis.ConnectionPool(**connection_kwargs(target)))
         self._scripts = {
             name: self._redis.register_script(src)
             for name, src in (
@@ -582,7 +582,8 @@ class RedisStore:
             )
 
 
-def _connection_kwargs(t: RedisTarget) -> dict[str, Any]:
+def connection_kwargs(t: RedisTarget) -> dict[str, Any]:
+    """redis-py connection-pool arguments for ``t`` (the stream source connects alike)."""
     kwargs: dict[str, Any] = dict(
         host=t.host,
         port=t.port,
@@ -714,7 +715,7 @@ class _Watcher:
         self._channel = (store._ns + "events").encode()
         self._expired = f"__keyevent@{store.target.db}__:expired".encode()
         self._kv_prefix = (store._ns + "kv:").encode()
-        kwargs = _connection_kwargs(store.target)
+        kwargs = connection_kwargs(store.target)
         kwargs["health_check_interval"] = max(1, int(store.target.timeout))
         self._client = redis.Redis(connection_pool=redis.ConnectionPool(**kwargs))
         self._queue: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()

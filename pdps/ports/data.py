@@ -79,7 +79,15 @@ class StreamingSource(DataSource, Protocol):
       the returned cursor. Polling the same cursor again may cut differently (nothing
       was persisted), but data once cut never changes, so ``read`` of a cut gives the
       same records on every call, in any process.
-    * ``tasks()`` is not used for a streaming source; ``read`` is as for any source.
+    * ``backlog`` is a count the source can give without reading the backlog itself
+      (None where it cannot); ``stalled`` says why data that exists is held back
+      (a file still being written), None when nothing is.
+    * ``tasks()`` is not used for a streaming source (the shipped ones raise
+      DatasetError: a stream has no fixed task list); ``read`` is as for any source.
+
+    Shipped: ``redis-stream://`` (:mod:`pdps.adapters.redis_stream`), Parquet
+    directories with ``?follow=1`` (:class:`pdps.adapters.parquet.ParquetFollowSource`),
+    and the in-process fake ``memory-stream://``; all pass tests/unit/contract_stream.py.
     """
 
     def start_cursor(self) -> str: ...

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from pdps.adapters.parquet import ParquetSource, write_parquet_shards
+from pdps.core.tasks import TaskSpec
 from pdps.ports.data import DataSource, read_whole
 from pdps.shell.control_plane import Records
 
@@ -32,7 +33,13 @@ def test_is_a_data_source(source):
 @pytest.mark.parametrize("batch_size", [1, 3, 4, ROWS, ROWS + 5])
 @pytest.mark.parametrize("start", [0, 2, 3, ROWS - 1, ROWS])
 def test_batches_cover_start_to_the_end_in_steps_of_batch_size(source, start, batch_size):
-    task = source.tasks()[0]
+    check_batches(source, source.tasks()[0], start, batch_size)
+
+
+def check_batches(source: DataSource, task: TaskSpec, start: int, batch_size: int) -> None:
+    """``read(task, start=, batch_size=)`` yields ``[start, records)`` in batches whose
+    bounds depend only on ``(start, batch_size)``, the same on a second call (the
+    streaming contract runs it on cuts too)."""
     whole = read_whole(source, task)
     assert {len(v) for v in whole.values()} == {task.records}
     got = list(source.read(task, start=start, batch_size=batch_size))

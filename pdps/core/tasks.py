@@ -288,6 +288,7 @@ class TaskQueue:
         now: float | None = None,
         next_id: int | None = None,
         stream_ended: bool = False,
+        forgotten: tuple[int, int] = (0, 0),
     ) -> TaskQueue:
         """Rebuild a queue from persisted records; a task without a record, or with a
         record from an older pass, is todo.
@@ -298,7 +299,8 @@ class TaskQueue:
 
         ``next_id`` makes the queue open-ended: ``specs`` are its tasks still in memory
         (those of ids below ``next_id`` not among them are finished and forgotten), and
-        ``stream_ended`` says whether tasks may still be added.
+        ``stream_ended`` says whether tasks may still be added; ``forgotten`` is how many
+        of the forgotten ones are (done, failed), for the counts.
         """
         _check_config(failure_max, timeout, max_in_flight)
         if not specs and next_id is None:
@@ -321,7 +323,7 @@ class TaskQueue:
             if beyond:
                 raise ConfigError(f"task ids {beyond[:10]} are not below the stream's next id {next_id}")
             q._open_ended, q._next_id, q._stream_ended = True, next_id, stream_ended
-            q._forgotten = Counts(pass_no, 0, 0, 0, 0)
+            q._forgotten = Counts(pass_no, 0, 0, *forgotten)
         seen = {r.id: r for r in records}
         unknown = set(seen) - set(by_id)
         if unknown:

@@ -387,8 +387,11 @@ class Master:
         state = self._stored_state()
         self._stream_pos = self._stored_stream()
         next_id = self._stream_pos["next_id"]
-        self._windows = Windows.restore(self._stored_windows().values(), records=cfg.window_records, seconds=cfg.window_seconds)
+        stored = self._stored_windows()
+        self._windows = Windows.restore(stored.values(), records=cfg.window_records, seconds=cfg.window_seconds)
         first = self._windows.first_live_task(next_id)
+        closed = [w for w in stored.values() if w.no < self._windows.closed]
+        forgotten = (sum(w.done for w in closed), sum(len(w.failed) for w in closed))
         specs = self._stored_specs(range(first, next_id))
         ids = {s.id for s in specs}
         records = []
@@ -399,8 +402,9 @@ class Master:
             except (CorruptRecord, ValueError) as exc:
                 self._quarantine(rec_kv, exc if isinstance(exc, CorruptRecord) else CorruptRecord(str(exc), rec_kv.key))
         queue = TaskQueue.restore(
-            specs, records, pass_no=pass_no, now=self._clock(), next_id=next_id, stream_ended=bool(self._stream_pos["ended"]), **limits
-        )
+            specs, records, pass_no=pass_no, now=self._clock(), next_id=next_id, stream_ended=bool(self._stream_pos["ended"]),
+            forgotten=forgotten, **limits,
+        )  # fmt: skip
         self.restored = queue.records()
         self._audit = self._restore_audit(pass_no, ids, below=first)
         self.passes_completed = len(self._store.range(self._keys.passes))
@@ -910,8 +914,8 @@ class Master:
         self.done.clear()
         c = queue.counts()
         log.warning(
-            "master rolled the stream back to %s (epoch %d): windows from %d open again, %d todo, %d pending",
-            epoch.checkpoint or "the start", epoch.epoch, closed_then, c.todo, c.pending,
+            "master rolled the stream back to %s (epoch %d): closed windows re-opened: %s; %d todo, %d pending",
+            epoch.checkpoint or "the start", epoch.epoch, [ch.window.no for ch in reopened], c.todo, c.pending,
         )  # fmt: skip
 
     def _on_epoch_event(self, event: WatchEvent) -> None:
@@ -1043,8 +1047,14 @@ class Master:
         becomes exactly one task; seal windows by time; write the lag about once a second."""
         partial_since: float | None = None  # since when a partial task has been waiting
         lag_due = 0.0
-        while not self._stopped.wait(FEED_EVERY):
+        arrivals = None
+        more = False  # the last poll cut all it was allowed to: poll again at once
+        while not self._stopped.wait(0 if more else FEED_EVERY):
+            more = False
             try:
+                if self.done.is_set() and lag_due:
+                    lag_due = 0.0
+                    self._write_lag(arrivals, False)  # the job's last word on its lag: nothing untrained
                 if self.done.is_set() or not self.leading.is_set():
                     continue
                 with self._locked():
@@ -1055,7 +1065,6 @@ class Master:
                         self._guarded_ops(self._windows.seal(self._wall()))
                     budget = self.config.stream_max_tasks - self._queue.unfinished()
                     cursor, room = self._stream_pos["cursor"], self._windows.room()
-                arrivals = None
                 if budget > 0 and self._queue.open:
                     k = self.config.task_records
                     size, most = (k, budget) if room is None else ((room, 1) if room < k else (k, min(budget, room // k)))
@@ -1065,6 +1074,7 @@ class Master:
                         if self._stream_pos["cursor"] != cursor or self._stopped.is_set():
                             continue  # a rollback or another master moved it meanwhile: poll again
                         self._add_tasks(arrivals)
+                    more = len(arrivals.cuts) == most
                     waiting = not arrivals.cuts and bool(arrivals.backlog)
                     partial_since = (partial_since or self._clock()) if waiting else None
                 if self._clock() >= lag_due:

@@ -213,7 +213,7 @@ class Injector:
     def strike(self, counts: Counts, seconds: float) -> None:
         """Strike every fault whose moment ``counts`` (the serving master's) has reached."""
         total = counts.todo + counts.pending + counts.done + counts.failed
-        while self._plan and (counts.pass_no > self._pass_no or (counts.pass_no == self._pass_no and counts.done >= self._plan[0].at * total)):
+        while total and self._plan and (counts.pass_no > self._pass_no or (counts.pass_no == self._pass_no and counts.done >= self._plan[0].at * total)):
             fault = self._plan.pop(0)
             log.warning("simulate kills %s (%d of %d tasks of pass %d done)", fault.target, counts.done, total, counts.pass_no)
             {TRAINER: self._kill_trainer, PSERVER: self._kill_pserver, MASTER: self._kill_master}[fault.role](fault.index)

@@ -20,6 +20,11 @@ Rules, in a few lines:
   checkpoint: those attempts (done, pending, or finished late) become ``rolled_back``
   (:meth:`AuditLog.roll_back`, :func:`roll_back_attempts`).
 * A new pass starts every log empty; the logs of earlier passes stay as persisted.
+* Speculation: a backup attempt is an attempt of its task like any other (opened by
+  ``speculate``, from the record it starts at). Of two racers, the one that lost gets
+  ``beaten``, and an attempt that ended while the other goes on gets its outcome, each
+  with what it trained: up to the record the backup started at (the race's first
+  commit fenced the loser), so the counts stay exact.
 
 The log is derived only from the changes :class:`~pdps.core.tasks.TaskQueue` returns,
 so it never disagrees with the queue when the shell persists both in one
@@ -40,6 +45,7 @@ import attrs
 from pdps.core.errors import CorruptRecord
 from pdps.core.job import Keys, decode_as, decode_json
 from pdps.core.progress import count_records
+from pdps.core.speculation import AttemptEnded
 from pdps.core.tasks import Change, Event, Ignored, PassStarted, State, TaskChanged, TaskRecord, TaskSpec
 
 
@@ -51,6 +57,7 @@ class Outcome(str, enum.Enum):
     TRAINER_LOST = "trainer_lost"
     GIVEN_BACK = "given_back"
     ROLLED_BACK = "rolled_back"  # a checkpoint rollback undid it
+    BEATEN = "beaten"  # a racing attempt committed its records first
 
     def __str__(self) -> str:
         return self.value
@@ -63,6 +70,7 @@ ENDED_BY: Mapping[Event, Outcome] = {
     Event.TIMEOUT: Outcome.TIMEOUT,
     Event.TRAINER_LOST: Outcome.TRAINER_LOST,
     Event.GIVE_BACK: Outcome.GIVEN_BACK,
+    Event.BEATEN: Outcome.BEATEN,
 }
 
 #: Outcomes after which a late finish report still means the records were trained.
@@ -227,6 +235,9 @@ class AuditLog:
             if isinstance(ch, TaskChanged):
                 self._follow(ch.record, ch.event, ch.applied)
                 out[self.pass_no, ch.record.id] = self._entry(ch.record.id)
+            elif isinstance(ch, AttemptEnded):
+                self._end(ch.task_id, ch.attempt, ENDED_BY[ch.event], ch.applied)
+                out[self.pass_no, ch.task_id] = self._entry(ch.task_id)
             elif isinstance(ch, Ignored):
                 if ch.event is Event.FINISH and self._late_finish(ch.task_id, ch.attempt):
                     out[self.pass_no, ch.task_id] = self._entry(ch.task_id)
@@ -281,14 +292,24 @@ class AuditLog:
         if event is Event.DISPATCH:
             self._logs[rec.id] = (*log, Attempt(attempt=rec.attempt, trainer=rec.trainer, outcome=Outcome.PENDING, offset=rec.offset))
             return
+        if event is Event.SPECULATE and rec.backup is not None:
+            b = rec.backup
+            self._logs[rec.id] = (*log, Attempt(attempt=b.attempt, trainer=b.trainer, outcome=Outcome.PENDING, offset=b.offset))
+            return
         outcome = ENDED_BY.get(event)
-        if outcome is None:
-            return  # NEW_PASS is not a TaskChanged event
-        i = _find(log, rec.attempt)
+        if outcome is None or rec.state is State.PENDING:
+            # NEW_PASS is not a TaskChanged event; a task still pending after an ending
+            # event goes on with the other racer: the AttemptEnded beside it names the one that ended
+            return
+        self._end(rec.id, rec.attempt, outcome, applied)
+
+    def _end(self, task_id: int, attempt: int, outcome: Outcome, applied: int | None) -> None:
+        log = self._logs.get(task_id, ())
+        i = _find(log, attempt)
         if i is None:  # its dispatch was not audited (a log started afresh): keep what is known
-            self._logs[rec.id] = (*log, Attempt(attempt=rec.attempt, trainer=None, outcome=outcome, applied=applied))
+            self._logs[task_id] = (*log, Attempt(attempt=attempt, trainer=None, outcome=outcome, applied=applied))
         else:
-            self._logs[rec.id] = _replaced(log, i, outcome=outcome, applied=applied)
+            self._logs[task_id] = _replaced(log, i, outcome=outcome, applied=applied)
 
     def _late_finish(self, task_id: int, attempt: int) -> bool:
         log = self._logs.get(task_id, ())

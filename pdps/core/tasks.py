@@ -19,7 +19,10 @@ Rules, in a few lines:
 * A pass is complete when todo and pending are both empty, however many tasks failed.
   The next pass puts every task, failed ones included, back into todo with zero
   failures.
-* A trainer holds at most ``max_in_flight`` pending tasks.
+* A trainer holds at most ``max_in_flight`` pending tasks, backups included.
+* Speculation (:mod:`pdps.core.speculation`): a pending task may hold one backup
+  attempt beside its own; the first finish of either makes it done and the other
+  beaten, a failure of one leaves it pending with the other.
 
 An *open-ended* queue (a streaming dataset, :meth:`TaskQueue.open_ended`) starts
 empty: :meth:`TaskQueue.add_tasks` appends tasks with the next ids as data arrives
@@ -46,6 +49,7 @@ import attrs
 
 from pdps.core.errors import ConfigError, InvalidTransition, UnknownTaskError
 from pdps.core.machine import move
+from pdps.core.speculation import AttemptEnded, Racer, Speculation
 
 
 class State(str, enum.Enum):
@@ -66,6 +70,8 @@ class Event(str, enum.Enum):
     TRAINER_LOST = "trainer_lost"  # the owning trainer's lease expired
     GIVE_BACK = "give_back"  # graceful shutdown: not a failure
     NEW_PASS = "new_pass"
+    SPECULATE = "speculate"  # a backup attempt races the pending one
+    BEATEN = "beaten"  # the other racer committed first: this attempt is over
 
     def __str__(self) -> str:
         return self.value
@@ -74,15 +80,18 @@ class Event(str, enum.Enum):
 _FAILURES = frozenset({Event.FAIL, Event.TIMEOUT, Event.TRAINER_LOST})
 
 #: The legal transitions. A failure event leads to TODO, or to FAILED once the
-#: failure count exceeds ``failure_max``; the queue picks which.
+#: failure count exceeds ``failure_max``; the queue picks which. An event that ends one
+#: of two racing attempts leaves the task PENDING with the other.
 TRANSITIONS: Mapping[tuple[State, Event], frozenset[State]] = {
     (State.TODO, Event.DISPATCH): frozenset({State.PENDING}),
     (State.PENDING, Event.FINISH): frozenset({State.DONE}),
     # ... or DONE when the ended attempt had applied every record of the task
-    (State.PENDING, Event.FAIL): frozenset({State.TODO, State.FAILED, State.DONE}),
-    (State.PENDING, Event.TIMEOUT): frozenset({State.TODO, State.FAILED, State.DONE}),
-    (State.PENDING, Event.TRAINER_LOST): frozenset({State.TODO, State.FAILED, State.DONE}),
-    (State.PENDING, Event.GIVE_BACK): frozenset({State.TODO, State.DONE}),
+    (State.PENDING, Event.FAIL): frozenset({State.TODO, State.FAILED, State.DONE, State.PENDING}),
+    (State.PENDING, Event.TIMEOUT): frozenset({State.TODO, State.FAILED, State.DONE, State.PENDING}),
+    (State.PENDING, Event.TRAINER_LOST): frozenset({State.TODO, State.FAILED, State.DONE, State.PENDING}),
+    (State.PENDING, Event.GIVE_BACK): frozenset({State.TODO, State.DONE, State.PENDING}),
+    (State.PENDING, Event.SPECULATE): frozenset({State.PENDING}),
+    (State.PENDING, Event.BEATEN): frozenset({State.PENDING}),
     (State.DONE, Event.NEW_PASS): frozenset({State.TODO}),
     (State.FAILED, Event.NEW_PASS): frozenset({State.TODO}),
 }
@@ -117,6 +126,11 @@ class TaskRecord:
     trainer: str | None = None
     deadline: float | None = None
     offset: int = 0  # records already trained into the parameters (a checkpoint restore resumes here)
+    #: a backup attempt racing this one (pending only)
+    backup: Racer | None = None
+    #: the highest attempt number ever handed out for the task (a beaten backup's, too):
+    #: the next attempt is ``issued + 1``
+    issued: int = attrs.field(default=attrs.Factory(lambda rec: rec.attempt, takes_self=True))
 
     def to_json(self) -> dict:
         # attrs.asdict's dict, spelled out (it is on every transition), with the state's value
@@ -131,6 +145,10 @@ class TaskRecord:
         }
         if self.offset:
             d["offset"] = self.offset  # records written before offsets existed read the same
+        if self.backup is not None:  # and those written before speculation
+            d["backup"] = self.backup.to_json()
+        if self.issued != self.attempt:
+            d["issued"] = self.issued
         return d
 
     @classmethod
@@ -144,6 +162,8 @@ class TaskRecord:
             trainer=d.get("trainer"),
             deadline=None if d.get("deadline") is None else float(d["deadline"]),
             offset=int(d.get("offset", 0)),
+            backup=None if d.get("backup") is None else Racer.from_json(d["backup"]),
+            issued=int(d.get("issued", d["attempt"])),
         )
 
 
@@ -196,7 +216,7 @@ class Ignored:
     reason: str
 
 
-Change = Union[TaskChanged, PassStarted, PassCompleted, TasksAdded, Ignored]
+Change = Union[TaskChanged, PassStarted, PassCompleted, TasksAdded, Ignored, AttemptEnded]
 
 
 @attrs.frozen
@@ -249,6 +269,7 @@ class TaskQueue:
     _pending: dict[int, None] = attrs.field(factory=dict)
     _by_trainer: dict[str, set[int]] = attrs.field(factory=dict)
     _completion_announced: bool = False
+    speculation: Speculation = attrs.field(factory=Speculation)
     #: open-ended (streaming) queues only: the id the next added task gets, whether the
     #: stream has ended (completion may be announced), and the finished tasks forgotten
     _open_ended: bool = False
@@ -266,14 +287,19 @@ class TaskQueue:
         failure_max: int = 3,
         timeout: float = 60.0,
         max_in_flight: int = 1,
+        speculation: Speculation | None = None,
     ) -> TaskQueue:
         """A new job at pass 0 with every task in todo (in the order given)."""
-        return cls.restore(specs, (), pass_no=0, failure_max=failure_max, timeout=timeout, max_in_flight=max_in_flight)
+        return cls.restore(specs, (), pass_no=0, failure_max=failure_max, timeout=timeout, max_in_flight=max_in_flight, speculation=speculation)
 
     @classmethod
-    def open_ended(cls, *, failure_max: int = 3, timeout: float = 60.0, max_in_flight: int = 1) -> TaskQueue:
+    def open_ended(
+        cls, *, failure_max: int = 3, timeout: float = 60.0, max_in_flight: int = 1, speculation: Speculation | None = None
+    ) -> TaskQueue:
         """A new streaming job's queue: empty, at pass 0, filled by :meth:`add_tasks`."""
-        return cls.restore((), (), pass_no=0, failure_max=failure_max, timeout=timeout, max_in_flight=max_in_flight, next_id=0)
+        return cls.restore(
+            (), (), pass_no=0, failure_max=failure_max, timeout=timeout, max_in_flight=max_in_flight, next_id=0, speculation=speculation
+        )
 
     @classmethod
     def restore(
@@ -289,6 +315,7 @@ class TaskQueue:
         next_id: int | None = None,
         stream_ended: bool = False,
         forgotten: tuple[int, int] = (0, 0),
+        speculation: Speculation | None = None,
     ) -> TaskQueue:
         """Rebuild a queue from persisted records; a task without a record, or with a
         record from an older pass, is todo.
@@ -317,6 +344,7 @@ class TaskQueue:
             specs=by_id,
             records={},
             pass_no=pass_no,
+            speculation=speculation or Speculation(),
         )
         if next_id is not None:
             beyond = [s.id for s in specs if not 0 <= s.id < next_id]
@@ -333,11 +361,12 @@ class TaskQueue:
             if rec is None:
                 rec = TaskRecord(id=tid, pass_no=pass_no, state=State.TODO)
             elif rec.pass_no < pass_no:
-                rec = TaskRecord(id=tid, pass_no=pass_no, state=State.TODO, attempt=rec.attempt)
+                rec = TaskRecord(id=tid, pass_no=pass_no, state=State.TODO, attempt=rec.attempt, issued=rec.issued)
             elif rec.pass_no > pass_no:
                 raise ConfigError(f"task {tid} has a record for pass {rec.pass_no}, beyond the job's pass {pass_no}")
             elif rec.state is State.PENDING and now is not None:
-                rec = attrs.evolve(rec, deadline=now + timeout)
+                backup = None if rec.backup is None else attrs.evolve(rec.backup, deadline=now + timeout)
+                rec = attrs.evolve(rec, deadline=now + timeout, backup=backup)
             q._index(rec)
         q._completion_announced = False
         return q
@@ -412,7 +441,7 @@ class TaskQueue:
 
     def next_deadline(self) -> float | None:
         """The earliest deadline among pending tasks, for the shell's timer."""
-        deadlines = [self._records[t].deadline for t in self._pending]
+        deadlines = [r.deadline for t in self._pending for r in self.racers(t)]
         return min((d for d in deadlines if d is not None), default=None)
 
     # --- events -----------------------------------------------------------------------
@@ -474,7 +503,7 @@ class TaskQueue:
         # one string per trainer, not one per dispatch: the audit keeps the name of every attempt
         trainer = sys.intern(trainer)
         new = self._move(
-            rec, Event.DISPATCH, State.PENDING, attempt=rec.attempt + 1, trainer=trainer, deadline=now + self.timeout
+            rec, Event.DISPATCH, State.PENDING, attempt=rec.issued + 1, issued=rec.issued + 1, trainer=trainer, deadline=now + self.timeout
         )
         assignment = Assignment(
             task=self._specs[tid], attempt=new.attempt, pass_no=self._pass_no, deadline=now + self.timeout, offset=rec.offset
@@ -493,20 +522,29 @@ class TaskQueue:
         held = self._by_trainer.get(trainer, set()) - set(holding)
         if not held:
             return None
-        rec = self._records[min(held, key=lambda t: self._records[t].attempt)]
-        return Assignment(self._specs[rec.id], rec.attempt, self._pass_no, rec.deadline or 0.0, rec.offset)
+        tid, mine = min(((t, self._held_by(t, trainer)) for t in held), key=lambda h: h[1].attempt)
+        return Assignment(self._specs[tid], mine.attempt, self._pass_no, mine.deadline, mine.offset)
 
-    def finish(self, task_id: int, attempt: int) -> list[Change]:
-        """The trainer of ``attempt`` trained the task."""
+    def finish(self, task_id: int, attempt: int, now: float | None = None) -> list[Change]:
+        """The trainer of ``attempt`` trained the task. ``now``: when, for the median
+        speculation compares attempts with. The first finish of a raced task makes it
+        done and returns the other attempt :class:`AttemptEnded` (BEATEN)."""
+        if self._racing(task_id, attempt):
+            return self._race_won(task_id, attempt)
         rec, ignored = self._current(task_id, attempt, Event.FINISH)
         if ignored:
             return [ignored]
+        if now is not None and rec.deadline is not None:
+            self.speculation.finished(now - (rec.deadline - self.timeout), self._specs[task_id].records - rec.offset)
         new = self._move(rec, Event.FINISH, State.DONE, trainer=None, deadline=None, offset=0)
         return [TaskChanged(new, Event.FINISH), *self._completion()]
 
     def fail(self, task_id: int, attempt: int, applied: int | None = None) -> list[Change]:
         """The trainer of ``attempt`` could not train the task (counts as a failure).
-        ``applied``: how far the attempt had trained (the next one resumes there)."""
+        ``applied``: how far the attempt had trained (the next one resumes there). One of
+        two racing attempts leaves the task to the other (``applied`` unused)."""
+        if self._racing(task_id, attempt):
+            return self._racer_ends(task_id, attempt, Event.FAIL)
         rec, ignored = self._current(task_id, attempt, Event.FAIL)
         if ignored:
             return [ignored]
@@ -514,7 +552,10 @@ class TaskQueue:
 
     def give_back(self, task_id: int, attempt: int, applied: int | None = None) -> list[Change]:
         """Graceful shutdown: the task goes back to the front of todo, not counted as a
-        failure, resuming at ``applied`` (or done, if that was every record)."""
+        failure, resuming at ``applied`` (or done, if that was every record). One of two
+        racing attempts leaves the task to the other (``applied`` unused)."""
+        if self._racing(task_id, attempt):
+            return self._racer_ends(task_id, attempt, Event.GIVE_BACK)
         rec, ignored = self._current(task_id, attempt, Event.GIVE_BACK)
         if ignored:
             return [ignored]
@@ -532,9 +573,11 @@ class TaskQueue:
 
     def expire(self, now: float, applied: Mapping[int, int] | None = None) -> list[Change]:
         """Send every pending task whose deadline has passed back to todo (a failure),
-        each resuming at ``applied[task]`` where given."""
+        each resuming at ``applied[task]`` where given. Of two racing attempts, one
+        whose deadline passed leaves the task to the other."""
         applied = applied or {}
-        changes: list[Change] = [self._failure(rec, Event.TIMEOUT, applied.get(rec.id)) for rec in self.expired(now)]
+        changes = self._racers_expire(now, applied)
+        changes += [self._failure(rec, Event.TIMEOUT, applied.get(rec.id)) for rec in self.expired(now)]
         return changes + self._completion() if changes else changes
 
     def trainer_lost(self, trainer: str, applied: Mapping[int, int] | None = None) -> list[Change]:
@@ -542,7 +585,12 @@ class TaskQueue:
         each), each resuming at ``applied[task]`` where given."""
         applied = applied or {}
         tids = sorted(self._by_trainer.get(trainer, ()))
-        changes: list[Change] = [self._failure(self._records[t], Event.TRAINER_LOST, applied.get(t)) for t in tids]
+        changes: list[Change] = []
+        for t in tids:
+            if self._records[t].backup is not None:  # one of two racers: the other goes on
+                changes += self._racer_ends(t, self._held_by(t, trainer).attempt, Event.TRAINER_LOST)
+            else:
+                changes.append(self._failure(self._records[t], Event.TRAINER_LOST, applied.get(t)))
         return changes + self._completion() if changes else changes
 
     def check_completion(self) -> list[Change]:
@@ -567,7 +615,7 @@ class TaskQueue:
         for rec in list(self._records.values()):
             _check(rec, Event.NEW_PASS, State.TODO)
             self._drop(rec)
-            self._index(TaskRecord(id=rec.id, pass_no=self._pass_no, state=State.TODO, attempt=rec.attempt))
+            self._index(TaskRecord(id=rec.id, pass_no=self._pass_no, state=State.TODO, attempt=rec.attempt, issued=rec.issued))
         self._completion_announced = False
         return [PassStarted(self._pass_no)]
 
@@ -616,12 +664,12 @@ class TaskQueue:
         if rec.state is State.TODO:
             self._todo.remove(rec.id)  # the head (see _todo): found at the first look
         self._pending.pop(rec.id, None)
-        if rec.trainer is not None:
-            held = self._by_trainer.get(rec.trainer)
+        for trainer in (rec.trainer, None if rec.backup is None else rec.backup.trainer):
+            held = None if trainer is None else self._by_trainer.get(trainer)
             if held is not None:
                 held.discard(rec.id)
                 if not held:
-                    del self._by_trainer[rec.trainer]
+                    del self._by_trainer[trainer]  # type: ignore[arg-type]
 
     def _index(self, rec: TaskRecord) -> None:
         self._records[rec.id] = rec
@@ -632,7 +680,125 @@ class TaskQueue:
             if rec.trainer is None:
                 raise InvalidTransition(f"task {rec.id}", rec.state, "restore", "a pending record must name its trainer")
             self._by_trainer.setdefault(rec.trainer, set()).add(rec.id)
+            if rec.backup is not None:
+                self._by_trainer.setdefault(rec.backup.trainer, set()).add(rec.id)
 
+
+    # --- speculation (pdps.core.speculation) ------------------------------------------
+
+    def racers(self, task_id: int) -> tuple[Racer, ...]:
+        """The attempts a pending task's trainers hold, its own first, then its backup's."""
+        rec = self.record(task_id)
+        if rec.state is not State.PENDING or rec.trainer is None:
+            return ()
+        own = Racer(rec.attempt, rec.trainer, rec.deadline or 0.0, rec.offset)
+        return (own,) if rec.backup is None else (own, rec.backup)
+
+    def expired_racers(self, now: float) -> list[tuple[int, Racer]]:
+        """(task, attempt) of every pending attempt, backups included, whose deadline has
+        passed: what :meth:`expire` ends, for the shell to fence first. Changes nothing."""
+        return [(t, r) for t in self._pending for r in self.racers(t) if r.deadline <= now]
+
+    def straggler(self, trainer: str, now: float) -> TaskRecord | None:
+        """The pending task a backup attempt by ``trainer`` should race, or None: the one
+        furthest past its expected time (:meth:`Speculation.overdue`), among those with no
+        backup that ``trainer`` does not hold, while ``trainer`` has room. Changes nothing."""
+        if not self.speculation.enabled or len(self._by_trainer.get(trainer, ())) >= self.max_in_flight:
+            return None
+        best: tuple[float, int] | None = None
+        for t in self._pending:
+            rec = self._records[t]
+            if rec.backup is not None or rec.trainer == trainer or rec.deadline is None:
+                continue
+            late = self.speculation.overdue(now - (rec.deadline - self.timeout), self._specs[t].records - rec.offset)
+            if late is not None and (best is None or (late, -t) > (best[0], -best[1])):
+                best = (late, t)
+        return None if best is None else self._records[best[1]]
+
+    def speculate(self, task_id: int, trainer: str, attempt: int, offset: int, now: float) -> list[Change]:
+        """Start backup attempt ``attempt`` (the task's ``issued + 1``) of a pending task
+        for ``trainer``, reading from record ``offset`` (where the progress record stood
+        when the master opened the race). The trainer is answered as for a dispatch:
+        ``Assignment(spec, attempt, pass_no, deadline, offset)`` from the changed record's
+        ``backup``. Raises :class:`InvalidTransition` (nothing changed) for a task that
+        is not pending, races already, is held by ``trainer``, or for a ``trainer`` at
+        its cap, an attempt that is not the next one, or an offset outside the task."""
+        rec = self.record(task_id)
+
+        def refuse(why: str) -> InvalidTransition:
+            return InvalidTransition(f"task {task_id}", rec.state, Event.SPECULATE, why)
+
+        if not trainer:
+            raise ConfigError("a trainer id must be a non-empty string")
+        if rec.state is not State.PENDING:
+            raise refuse("only a pending task can race")
+        if rec.backup is not None:
+            raise refuse(f"attempt {rec.backup.attempt} races it already (one backup at a time)")
+        if rec.trainer == trainer:
+            raise refuse(f"trainer {trainer!r} holds its attempt {rec.attempt}")
+        if len(self._by_trainer.get(trainer, ())) >= self.max_in_flight:
+            raise refuse(f"trainer {trainer!r} holds {self.max_in_flight} tasks already (max_in_flight)")
+        if attempt != rec.issued + 1:
+            raise refuse(f"a backup takes attempt {rec.issued + 1}, not {attempt}")
+        if not rec.offset <= offset < self._specs[task_id].records:
+            raise refuse(f"offset {offset} is outside records [{rec.offset}, {self._specs[task_id].records}) of the running attempt")
+        backup = Racer(attempt, sys.intern(trainer), now + self.timeout, offset)
+        new = self._move(rec, Event.SPECULATE, State.PENDING, backup=backup, issued=attempt)
+        return [TaskChanged(new, Event.SPECULATE)]
+
+    def beaten(self, task_id: int, attempt: int) -> list[Change]:
+        """The task's progress record shows that racing attempt ``attempt`` lost: the
+        other committed first. It is over; the other holds the task alone. The shell
+        calls it when a fence's read of the progress record finds it so, before ending
+        the other attempt (:meth:`TaskProgress.allows`)."""
+        if not self._racing(task_id, attempt):
+            return [Ignored(task_id, attempt, Event.BEATEN, f"attempt {attempt} is not one of two racing for the task")]
+        return self._racer_ends(task_id, attempt, Event.BEATEN)
+
+    def _racing(self, task_id: int, attempt: int) -> bool:
+        rec = self._records.get(task_id)
+        if rec is None:
+            return False  # finished and forgotten, or unknown: _current says which
+        return rec.backup is not None and attempt in (rec.attempt, rec.backup.attempt)
+
+    def _held_by(self, task_id: int, trainer: str) -> Racer:
+        return next(r for r in self.racers(task_id) if r.trainer == trainer)
+
+    def _racer_ends(self, task_id: int, attempt: int, event: Event) -> list[Change]:
+        """One of two racers ends: the other holds the task alone (a backup left alone
+        becomes the task's attempt). The ended one trained nothing from the race on."""
+        rec = self._records[task_id]
+        own, backup = self.racers(task_id)
+        ended, other = (backup, own) if attempt == backup.attempt else (own, backup)
+        new = self._move(
+            rec, event, State.PENDING, attempt=other.attempt, trainer=other.trainer, deadline=other.deadline, offset=other.offset, backup=None
+        )
+        return [TaskChanged(new, event), AttemptEnded(task_id, ended.attempt, ended.trainer, event, backup.offset)]
+
+    def _race_won(self, task_id: int, attempt: int) -> list[Change]:
+        rec = self._records[task_id]
+        own, backup = self.racers(task_id)
+        loser = own if attempt == backup.attempt else backup
+        new = self._move(rec, Event.FINISH, State.DONE, attempt=attempt, trainer=None, deadline=None, offset=0, backup=None)
+        won = TaskChanged(new, Event.FINISH)
+        return [won, AttemptEnded(task_id, loser.attempt, loser.trainer, Event.BEATEN, backup.offset), *self._completion()]
+
+    def _racers_expire(self, now: float, applied: Mapping[int, int]) -> list[Change]:
+        """The raced tasks one of whose attempts expired: that one leaves the task to
+        the other; where both expired, the backup leaves and the task's own attempt
+        fails as any expired attempt does."""
+        changes: list[Change] = []
+        for t in [t for t in self._pending if self._records[t].backup is not None]:
+            late = [r for r in self.racers(t) if r.deadline <= now]
+            if len(late) == 1:
+                changes += self._racer_ends(t, late[0].attempt, Event.TIMEOUT)
+            elif late:
+                rec = self._records[t]
+                b = rec.backup
+                assert b is not None
+                alone = self._move(rec, Event.TIMEOUT, State.PENDING, backup=None)
+                changes += [self._failure(alone, Event.TIMEOUT, applied.get(t)), AttemptEnded(t, b.attempt, b.trainer, Event.TIMEOUT, b.offset)]
+        return changes
 
 def _check(rec: TaskRecord, event: Event, target: State) -> None:
     move(TRANSITIONS, f"task {rec.id}", rec.state, event, target)
@@ -664,25 +830,26 @@ def rolled_back(
     so; a pending one goes back to todo, resuming at the records its attempt had
     trained (or done, if that was all of them); everything else is todo as saved.
     """
-    attempts = {r.id: r.attempt for r in current}
+    attempts = {r.id: r.issued for r in current}
     out = []
     for rec in snapshot:
         attempt = max(rec.attempt, attempts.get(rec.id, 0))
+        issued = max(rec.issued, attempt)
         if rec.pass_no < pass_no:
-            out.append(TaskRecord(id=rec.id, pass_no=pass_no, state=State.TODO, attempt=attempt))
+            out.append(TaskRecord(id=rec.id, pass_no=pass_no, state=State.TODO, attempt=attempt, issued=issued))
             continue
         if rec.state in (State.DONE, State.FAILED):
-            out.append(attrs.evolve(rec, attempt=attempt, trainer=None, deadline=None))
+            out.append(attrs.evolve(rec, attempt=attempt, issued=issued, trainer=None, deadline=None, backup=None))
             continue
         offset = rec.offset
         if rec.state is State.PENDING:
             seen = progress.get(rec.id)
-            if seen is not None and seen[0] == rec.attempt:
+            if seen is not None and seen[0] in (rec.attempt, None if rec.backup is None else rec.backup.attempt):
                 if seen[2]:
-                    out.append(attrs.evolve(rec, state=State.DONE, attempt=attempt, trainer=None, deadline=None, offset=0))
+                    out.append(attrs.evolve(rec, state=State.DONE, attempt=attempt, issued=issued, trainer=None, deadline=None, offset=0, backup=None))
                     continue
                 offset = seen[1]
-        out.append(attrs.evolve(rec, state=State.TODO, attempt=attempt, trainer=None, deadline=None, offset=offset))
+        out.append(attrs.evolve(rec, state=State.TODO, attempt=attempt, issued=issued, trainer=None, deadline=None, offset=offset, backup=None))
     return out
 
 

@@ -311,3 +311,40 @@ def test_a_pserver_remembers_the_records_of_its_newest_tasks_only(dataset, monke
         assert job.ps.version == 4
     finally:
         job.close()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_trainer_whose_attempt_lost_its_race_drops_the_task_and_gives_it_back(dataset, mode):
+    """Speculation (issue 18): a backup attempt of the trainer's task committed the
+    records after the trainer's first step. The trainer's next step of its attempt is
+    refused (in sync it applies nothing), and the trainer gives the task back at once:
+    no finish, no wait for the task to time out, no third batch read; then it trains on."""
+    from pdps.adapters.parquet import ParquetSource
+    from pdps.core.job import Keys
+    from pdps.core.progress import TaskProgress
+    from tests.integration.jobkit import start_job
+
+    job = start_job(ParquetSource(dataset), mode=mode, pservers=1, batch_size=BATCH, task_timeout=5.0)
+    try:
+        ctx = job.trainer("t")
+        model = ctx.attach(make_model())
+        raced = None  # (task, attempt) that lost
+        read: Counter = Counter()  # batches read per (task, attempt)
+        for batch in ctx.batches():
+            read[batch.task.id, batch.attempt] += 1
+            ctx.step(F.mse_loss(model(batch["x"]), batch["y"]))
+            if raced is None:
+                raced = (batch.task.id, batch.attempt)
+                key = Keys(job.config.name).task_progress(batch.task.id)
+                progress = TaskProgress.decode(job.store.get(key).value, key)
+                end = batch.start + batch.size
+                won = progress.open_race(batch.attempt, batch.attempt + 1).advance(batch.attempt + 1, end, end + BATCH)
+                job.store.put(key, won.encode())
+        assert read[raced] == 2  # the step after the race was refused; nothing more was read
+        assert [(s.start, s.end) for s in ctx.history if (s.task, s.attempt) == raced] == [(0, BATCH)]
+        audit = pass_audit(job.store, job.config.name, 0)
+        attempts = next(e["attempts"] for e in audit["entries"] if e["task"] == raced[0])
+        assert [a["outcome"] for a in attempts if a["attempt"] == raced[1]] == ["given_back"]
+        assert audit["summary"]["done"] == ROWS // ROW_GROUP
+    finally:
+        job.close()

@@ -26,6 +26,7 @@ from pdps.core.audit import (
 )
 from pdps.core.errors import CorruptRecord
 from pdps.core.job import Keys, decode_as
+from pdps.core.speculation import AttemptEnded
 from pdps.core.tasks import Event, PassStarted, State, TaskChanged, TaskQueue, TaskRecord, TaskSpec
 from tests.unit.test_tasks_stateful import TaskQueueMachine
 
@@ -444,11 +445,16 @@ class AuditMachine(TaskQueueMachine):
             self.log = AuditLog()
             self.stored: dict[tuple[int, int], tuple[Attempt, ...]] = {}
             self.first_attempt = dict.fromkeys(self.ids, 0)
+            self.racer_failures = dict.fromkeys(self.ids, 0)  # failed racers: the task was not re-queued
         for e in self.log.record(changes):
             assert e.pass_no == self.q.pass_no
             self.stored[e.pass_no, e.task_id] = e.attempts
+        for c in changes:
+            if isinstance(c, AttemptEnded) and c.event in (Event.FAIL, Event.TIMEOUT, Event.TRAINER_LOST):
+                self.racer_failures[c.task_id] += 1
         if any(isinstance(c, PassStarted) for c in changes):
-            self.first_attempt = {r.id: r.attempt for r in self.q.records()}
+            self.first_attempt = {r.id: r.issued for r in self.q.records()}
+            self.racer_failures = dict.fromkeys(self.ids, 0)
 
     @rule()
     def crash_and_restore(self):
@@ -464,15 +470,17 @@ class AuditMachine(TaskQueueMachine):
         assert self.log.pass_no == self.q.pass_no
         for rec in self.q.records():
             log = self.log.attempts(rec.id)
-            assert [a.attempt for a in log] == list(range(self.first_attempt[rec.id] + 1, rec.attempt + 1))
-            assert sum(a.outcome in FAILURE_OUTCOMES for a in log) == rec.failures
-            assert sum(a.outcome is Outcome.PENDING for a in log) == (rec.state is State.PENDING)
+            assert [a.attempt for a in log] == list(range(self.first_attempt[rec.id] + 1, rec.issued + 1))
+            assert sum(a.outcome in FAILURE_OUTCOMES for a in log) == rec.failures + self.racer_failures[rec.id]
+            racers = self.q.racers(rec.id)
+            assert [(a.attempt, a.trainer) for a in log if a.outcome is Outcome.PENDING] == sorted((r.attempt, r.trainer) for r in racers)
+            own = next((a for a in log if a.attempt == rec.attempt), None)
             if rec.state is State.PENDING:
-                assert log[-1] == A(rec.attempt, rec.trainer, "pending")
+                assert own == A(rec.attempt, rec.trainer, "pending", offset=rec.offset)
             elif rec.state is State.DONE:
-                assert log[-1].outcome is Outcome.DONE and sum(a.outcome is Outcome.DONE for a in log) == 1
+                assert own.outcome is Outcome.DONE and sum(a.outcome is Outcome.DONE for a in log) == 1
             elif rec.state is State.FAILED:
-                assert log[-1].outcome in FAILURE_OUTCOMES
+                assert own.outcome in FAILURE_OUTCOMES
             elif log:
                 assert log[-1].outcome not in (Outcome.PENDING, Outcome.DONE)
             assert all(a.outcome in (Outcome.TIMEOUT, Outcome.TRAINER_LOST) for a in log if a.late_finish)

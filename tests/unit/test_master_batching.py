@@ -19,6 +19,7 @@ from pdps.adapters.memory_store import MemoryStore
 from pdps.core.audit import Outcome, decode_attempts
 from pdps.core.errors import FencingError, StoreError, TransportError
 from pdps.core.job import JobConfig, Keys
+from pdps.core.speculation import Racer
 from pdps.core.tasks import State, TaskRecord, TaskSpec
 from pdps.ports.coordination import Put
 from pdps.ports.transport import Message
@@ -316,9 +317,9 @@ def test_the_default_cap_is_etcds():
 
 def test_record_encoding_spells_out_every_field():
     # TaskRecord/TaskSpec.to_json are written out by hand for speed: a new field must be added there
-    assert [f.name for f in attrs.fields(TaskRecord)] == ["id", "pass_no", "state", "attempt", "failures", "trainer", "deadline", "offset"]
+    assert [f.name for f in attrs.fields(TaskRecord)] == ["id", "pass_no", "state", "attempt", "failures", "trainer", "deadline", "offset", "backup", "issued"]
     assert [f.name for f in attrs.fields(TaskSpec)] == ["id", "location", "part", "records"]
-    rec = TaskRecord(id=3, pass_no=1, state=State.PENDING, attempt=2, failures=1, trainer="t", deadline=9.5, offset=4)
+    rec = TaskRecord(id=3, pass_no=1, state=State.PENDING, attempt=2, failures=1, trainer="t", deadline=9.5, offset=4, backup=Racer(3, "u", 10.0, 6), issued=3)
     expected = attrs.asdict(rec)
     expected["state"] = "pending"
     assert rec.to_json() == expected and list(rec.to_json()) == list(expected)

@@ -11,6 +11,9 @@ import hypothesis.strategies as st
 from hypothesis import given, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from pdps.core.audit import AuditLog, Outcome, record_counts
+from pdps.core.errors import InvalidTransition
+from pdps.core.speculation import AttemptEnded
 from pdps.core.tasks import (
     Assignment,
     Event,
@@ -51,10 +54,12 @@ class TaskQueueMachine(RuleBasedStateMachine):
         self.shadow_pass = 0
         self.announced: dict[int, int] = {}  # pass -> PassCompleted count
         self.old_reports: set[tuple[int, int]] = set()  # (task, attempt) ever handed out
+        self.audit = AuditLog()
 
     # --- helpers ----------------------------------------------------------------------
 
     def apply(self, changes) -> None:
+        self.audit.record(changes)
         for c in changes:
             if isinstance(c, TaskChanged):
                 self.shadow[c.record.id] = c.record
@@ -79,6 +84,9 @@ class TaskQueueMachine(RuleBasedStateMachine):
             timeout=self.q.timeout,
             max_in_flight=self.q.max_in_flight,
         )
+
+    def raced(self) -> list[int]:
+        return sorted(t for t in self.q.ids_in(State.PENDING) if self.q.record(t).backup is not None)
 
     def report(self, method, event: Event, task: int, target: State | None) -> None:
         before = by_id(self.q.records())
@@ -111,7 +119,7 @@ class TaskQueueMachine(RuleBasedStateMachine):
             tid = result.task.id
             assert len(held) < self.q.max_in_flight
             assert tid in todo_before
-            assert result.attempt == before[tid].attempt + 1
+            assert result.attempt == before[tid].issued + 1  # a beaten backup's number is never reused
             assert result.deadline == self.now + self.q.timeout
             assert result.pass_no == self.q.pass_no
             assert changes == [TaskChanged(self.q.record(tid), Event.DISPATCH)]
@@ -126,10 +134,10 @@ class TaskQueueMachine(RuleBasedStateMachine):
             else:
                 raise AssertionError(f"{trainer} waits ({result}) while todo holds {todo_before}")
 
-    @precondition(lambda self: self.q.ids_in(State.PENDING))
+    @precondition(lambda self: self.q.ids_in(State.PENDING) - set(self.raced()))
     @rule(data=st.data(), event=st.sampled_from([Event.FINISH, Event.FAIL, Event.GIVE_BACK]))
     def report_current(self, data, event):
-        task = data.draw(st.sampled_from(sorted(self.q.ids_in(State.PENDING))))
+        task = data.draw(st.sampled_from(sorted(self.q.ids_in(State.PENDING) - set(self.raced()))))
         if event is Event.FINISH:
             self.report("finish", event, task, State.DONE)
         elif event is Event.FAIL:
@@ -137,13 +145,62 @@ class TaskQueueMachine(RuleBasedStateMachine):
         else:
             self.report("give_back", event, task, State.TODO)
 
+    @rule(trainer=st.sampled_from(TRAINERS), dt=st.integers(0, 3), data=st.data())
+    def speculate(self, trainer, dt, data):
+        """A backup attempt for some pending task (the straggler rule aside: any task)."""
+        self.now += dt
+        free = [t for t in self.q.ids_in(State.PENDING) if self.q.record(t).backup is None and self.q.record(t).trainer != trainer]
+        if not free:
+            return
+        task = data.draw(st.sampled_from(sorted(free)))
+        rec = self.q.record(task)
+        held = self.q.in_flight(trainer)
+        if len(held) >= self.q.max_in_flight:
+            before = self.q.records()
+            try:
+                self.q.speculate(task, trainer, rec.issued + 1, rec.offset, self.now)
+            except InvalidTransition:
+                assert self.q.records() == before
+                return
+            raise AssertionError(f"{trainer} at its cap got a backup of task {task}")
+        changes = self.q.speculate(task, trainer, rec.issued + 1, rec.offset, self.now)
+        self.apply(changes)
+        new = self.q.record(task)
+        assert changes == [TaskChanged(new, Event.SPECULATE)]
+        assert (new.attempt, new.trainer, new.issued) == (rec.attempt, rec.trainer, rec.issued + 1)
+        assert new.backup.attempt == rec.issued + 1 and new.backup.trainer == trainer
+        assert self.q.in_flight(trainer) == held | {task}
+        self.old_reports.add((task, new.backup.attempt))
+
+    @precondition(lambda self: self.raced())
+    @rule(data=st.data(), method=st.sampled_from(["finish", "fail", "give_back", "beaten"]), which=st.sampled_from([0, 1]))
+    def report_racer(self, data, method, which):
+        task = data.draw(st.sampled_from(self.raced()))
+        rec = self.q.record(task)
+        ended, other = (rec.backup.attempt, rec.attempt)[:: 1 if which else -1]
+        trainers = {rec.attempt: rec.trainer, rec.backup.attempt: rec.backup.trainer}
+        changes = getattr(self.q, method)(task, ended)
+        self.apply(changes)
+        new = self.q.record(task)
+        if method == "finish":  # the first finish wins; the other is beaten
+            assert new.state is State.DONE and new.attempt == ended and new.issued == rec.issued
+            loser = other
+            assert AttemptEnded(task, loser, trainers[loser], Event.BEATEN, rec.backup.offset) in changes
+        else:  # the other racer holds the task alone, with its own deadline and offset
+            assert new.state is State.PENDING and new.backup is None
+            assert (new.attempt, new.trainer, new.failures) == (other, trainers[other], rec.failures)
+            event = Event.BEATEN if method == "beaten" else Event(method)
+            assert AttemptEnded(task, ended, trainers[ended], event, rec.backup.offset) in changes
+        assert task not in self.q.in_flight(trainers[ended]) or trainers[ended] == new.trainer
+
     @precondition(lambda self: self.old_reports)
     @rule(data=st.data(), method=st.sampled_from(["finish", "fail", "give_back"]))
     def report_stale(self, data, method):
         task, attempt = data.draw(st.sampled_from(sorted(self.old_reports)))
         rec = self.q.record(task)
-        if attempt == rec.attempt and rec.state is State.PENDING:
-            attempt = data.draw(st.sampled_from([attempt - 1, attempt + 1]))
+        live = {r.attempt for r in self.q.racers(task)}
+        while attempt in live:
+            attempt = data.draw(st.sampled_from([attempt - 1, attempt + 1, attempt + 2]))
         before = self.q.records()
         counts = self.q.counts()
         changes = getattr(self.q, method)(task, attempt)
@@ -156,7 +213,8 @@ class TaskQueueMachine(RuleBasedStateMachine):
     @rule(jump=st.sampled_from([0.0, 0.5, 1.0, 3.0, 10.0]))
     def expire(self, jump):
         self.now += jump
-        late = {t for t in self.q.ids_in(State.PENDING) if self.q.record(t).deadline <= self.now}
+        late = {t for t, _ in self.q.expired_racers(self.now)}
+        survives = {t for t in late if any(r.deadline > self.now for r in self.q.racers(t))}
         before = by_id(self.q.records())
         changes = self.q.expire(self.now)
         self.apply(changes)
@@ -164,9 +222,12 @@ class TaskQueueMachine(RuleBasedStateMachine):
         assert {c.record.id for c in got} == late
         for c in got:
             assert c.event is Event.TIMEOUT
-            assert c.record.failures == before[c.record.id].failures + 1
-            assert c.record.state in (State.TODO, State.FAILED)
-        assert all(self.q.record(t).deadline > self.now for t in self.q.ids_in(State.PENDING))
+            if c.record.id in survives:
+                assert c.record.state is State.PENDING and c.record.deadline > self.now
+            else:
+                assert c.record.failures == before[c.record.id].failures + 1
+                assert c.record.state in (State.TODO, State.FAILED)
+        assert self.q.expired_racers(self.now) == []
 
     @rule(trainer=st.sampled_from(TRAINERS))
     def trainer_lost(self, trainer):
@@ -177,6 +238,7 @@ class TaskQueueMachine(RuleBasedStateMachine):
         assert {c.record.id for c in got} == held
         assert all(c.event is Event.TRAINER_LOST for c in got)
         assert self.q.in_flight(trainer) == set()
+        assert trainer not in self.q.holders()
 
     @precondition(lambda self: self.q.pass_complete)
     @rule()
@@ -222,9 +284,23 @@ class TaskQueueMachine(RuleBasedStateMachine):
         for t in TRAINERS:
             mine = self.q.in_flight(t)
             assert len(mine) <= self.q.max_in_flight
-            assert all(self.q.record(i).trainer == t for i in mine)
+            assert all(t in {r.trainer for r in self.q.racers(i)} for i in mine)
             held |= mine
         assert held == pending
+        for i in pending:  # two racers are two trainers, and no attempt is newer than issued
+            racers = self.q.racers(i)
+            assert len({r.trainer for r in racers}) == len(racers)
+            assert self.q.record(i).issued >= max(r.attempt for r in racers)
+
+    @invariant()
+    def the_audit_follows_every_racer_and_counts_each_record_once(self):
+        if self.audit.pass_no != self.q.pass_no:
+            return  # the machine started its pass with a restored queue's pass
+        for t in self.ids:
+            attempts = self.audit.attempts(t)
+            assert {a.attempt for a in attempts if a.outcome is Outcome.PENDING} == {r.attempt for r in self.q.racers(t)}
+            if self.q.record(t).state is State.DONE:
+                assert record_counts(attempts, 1) == [[1, 1]]
 
     @invariant()
     def failure_counts_respect_failure_max(self):

@@ -141,6 +141,7 @@ class TrainerContext(SyncRound, AsyncCadence):
         self._kill_after: int | None = None
         self._epoch = 0
         self._abandon = False  # a rollback or a fence voided the current task: batches() drops it
+        self._refused = False  # ... the task's progress record refused the attempt: batches() gives it back
         self._attempt: Attempt | None = None  # the task attempt being trained
         self._acc: tuple[int, int] | None = None  # async: records [start, end) summed since the last push
         #: every step of this trainer that was applied, in order (:class:`StepRecord`)
@@ -411,16 +412,18 @@ class TrainerContext(SyncRound, AsyncCadence):
                 self._attempt = Attempt.read(self._store, self._keys, task.id, attempt, pass_no)
                 try:
                     self._attempt.progress.check(attempt)
-                except StalePush as exc:  # the master ended this attempt before we began
+                except StalePush as exc:  # the master ended this attempt, or a racing one beat it, before we began
                     log.warning("trainer %s drops task %d attempt %d: %s", self.trainer_id, task.id, attempt, exc)
-                    held = self._attempt = None
+                    self._attempt = None
+                    self._give_up(held)
+                    held = None
                     continue
                 if self._attempt.progress.attempt == attempt:
                     offset = max(offset, self._attempt.progress.applied)  # handed to us again: go on
                 n = task.records
                 if offset:
                     log.info("trainer %s resumes task %d at record %d of %d (trained that far before: a checkpoint restored, or a task given back)", self.trainer_id, task.id, offset, n)
-                self._abandon = False
+                self._abandon = self._refused = False
                 device = "cpu" if self._replica is None else self._replica.device
                 reader: Iterator[Columns] | None = None  # one batch held at a time, never the task
                 start = min(offset, n)
@@ -456,8 +459,10 @@ class TrainerContext(SyncRound, AsyncCadence):
                     # where the checkpoint had it), or the master fenced this attempt
                     # (it gave up on it and re-queued the task): the attempt is void.
                     log.warning("trainer %s drops task %d attempt %d: the job rolled back or the master re-queued it", self.trainer_id, task.id, attempt)
+                    if self._refused:
+                        self._give_up(held)
                     held = None
-                    self._abandon = False
+                    self._abandon = self._refused = False
                 self._attempt = None
             self._flush()
             if self._pipeline is not None:
@@ -477,6 +482,18 @@ class TrainerContext(SyncRound, AsyncCadence):
                 except PdpsError as exc:
                     log.warning("trainer %s could not report task %d: %s", self.trainer_id, held[0], exc)
             self._batch = None
+
+    def _give_up(self, held: tuple[int, int] | None) -> None:
+        """The task's progress record refused our attempt: the master ended it (it
+        ignores the give-back), or a racing attempt of the task committed first (the
+        master still counts the task against us and would hand the attempt to us again):
+        give it back, never finish it."""
+        if held is None:
+            return
+        try:
+            self._report("give_back", held)
+        except PdpsError as exc:
+            log.warning("trainer %s could not give back task %d: %s", self.trainer_id, held[0], exc)
 
     def _report(self, method: str, held: tuple[int, int], **extra: Any) -> None:
         task, attempt = held
@@ -550,11 +567,11 @@ class TrainerContext(SyncRound, AsyncCadence):
         self._resync()
 
     def _lose_task(self, why: BaseException) -> None:
-        """The master gave up on our attempt and fenced it: nothing more of it is
-        applied; batches() drops the task."""
+        """The master gave up on our attempt and fenced it, or a racing attempt committed
+        first: nothing more of it is applied; batches() drops the task and gives it back."""
         if not self._abandon:
-            log.warning("trainer %s: the master re-queued its task (%s); dropping it", self.trainer_id, why)
-        self._abandon = True
+            log.warning("trainer %s: its attempt at the task is over (%s); dropping it", self.trainer_id, why)
+        self._abandon = self._refused = True
 
     def _into(self, part: Part) -> Sequence[Any]:
         """Where a pull from ``part`` may land: the model's own memory (no copy after)."""

@@ -86,10 +86,11 @@ class Attempt:
         self.raw = None if kv is None else kv.value
         self.progress = TaskProgress.decode(self.raw, self.key)
 
-    def advance(self, end: int) -> tuple[Compare, Put, TaskProgress]:
-        """The compare and write that move the record to ``end``; StalePush once the
-        master has fenced this attempt (or a later one took the task)."""
-        new = self.progress.advance(self.attempt, end)
+    def advance(self, start: int, end: int) -> tuple[Compare, Put, TaskProgress]:
+        """The compare and write that record records ``[start, end)`` as trained;
+        StalePush once the master has fenced this attempt, a later one took the task,
+        or a racing attempt committed those records first."""
+        new = self.progress.advance(self.attempt, start, end)
         guard = Compare.absent(self.key) if self.raw is None else Compare.value(self.key, Op.EQ, self.raw)
         return guard, Put(self.key, new.encode()), new
 
@@ -202,7 +203,7 @@ class SyncRound:
             advanced = None
             if held is not None:
                 try:
-                    guard, put, advanced = held.advance(contribution.offset)
+                    guard, put, advanced = held.advance(contribution.start, contribution.offset)
                 except StalePush as exc:  # the master fenced our attempt: contribute nothing
                     self._lose_task(exc)
                     held, contribution = None, Contribution(0)
@@ -390,7 +391,7 @@ class AsyncCadence:
         fence are the pservers' to ignore (they apply each task's records once)."""
         def advance(_: object) -> Decision:
             try:
-                guard, put, new = held.advance(records[1])
+                guard, put, new = held.advance(records[0], records[1])
             except StalePush as exc:
                 self._lose_task(exc)
                 return Done(None)

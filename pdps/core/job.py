@@ -142,6 +142,11 @@ class JobConfig:
     export_url: str = attrs.field(default="", validator=_text)
     export_every: int = attrs.field(default=1, validator=_whole_number(1))
     export_keep: int = attrs.field(default=0, validator=_whole_number(0))  # 0: keep every export
+    # speculative execution: a backup attempt races a task running speculation_multiplier x
+    # the median time per record (after speculation_min_finished finishes); first commit wins
+    speculation: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+    speculation_multiplier: float = attrs.field(default=1.5, validator=_seconds())
+    speculation_min_finished: int = attrs.field(default=8, validator=_whole_number(1))
     # user functions as "module:function": run once before the first task; run after each window
     before_job: str = attrs.field(default="", validator=_text)
     evaluate: str = attrs.field(default="", validator=_text)

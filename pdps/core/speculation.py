@@ -35,6 +35,8 @@ if TYPE_CHECKING:
 
 #: Unraced finishes the median is taken over (soft state: a restarted master starts empty).
 RING = 64
+#: Backups one attempt may beat before it is raced no more.
+MAX_BACKUPS = 3
 
 
 @attrs.frozen

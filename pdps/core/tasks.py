@@ -49,7 +49,7 @@ import attrs
 
 from pdps.core.errors import ConfigError, InvalidTransition, UnknownTaskError
 from pdps.core.machine import move
-from pdps.core.speculation import AttemptEnded, Racer, Speculation
+from pdps.core.speculation import MAX_BACKUPS, AttemptEnded, Racer, Speculation
 
 
 class State(str, enum.Enum):
@@ -702,13 +702,16 @@ class TaskQueue:
     def straggler(self, trainer: str, now: float) -> TaskRecord | None:
         """The pending task a backup attempt by ``trainer`` should race, or None: the one
         furthest past its expected time (:meth:`Speculation.overdue`), among those with no
-        backup that ``trainer`` does not hold, while ``trainer`` has room. Changes nothing."""
+        backup that ``trainer`` does not hold and whose attempt has beaten fewer than
+        :data:`MAX_BACKUPS` backups, while ``trainer`` has room. Changes nothing."""
         if not self.speculation.enabled or len(self._by_trainer.get(trainer, ())) >= self.max_in_flight:
             return None
         best: tuple[float, int] | None = None
         for t in self._pending:
             rec = self._records[t]
-            if rec.backup is not None or rec.trainer == trainer or rec.deadline is None:
+            # a primary mid-step often commits the range a fresh backup starts at, and wins: it
+            # may be raced again, by MAX_BACKUPS at most (a primary that is not slow is not raced forever)
+            if rec.backup is not None or rec.issued - rec.attempt >= MAX_BACKUPS or rec.trainer == trainer or rec.deadline is None:
                 continue
             late = self.speculation.overdue(now - (rec.deadline - self.timeout), self._specs[t].records - rec.offset)
             if late is not None and (best is None or (late, -t) > (best[0], -best[1])):

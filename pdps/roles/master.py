@@ -62,6 +62,7 @@ from pdps.core.errors import ConfigError, CorruptRecord, FencingError, LeaseExpi
 from pdps.core.job import JobConfig, Keys, decode_as, decode_json
 from pdps.core.progress import TaskProgress
 from pdps.core.sgd import Mode
+from pdps.core.speculation import Racer, Speculation
 from pdps.core.slots import SlotMap
 from pdps.core.tasks import (
     Assignment,
@@ -169,6 +170,8 @@ class Master:
         self._on_window = on_window  # told of each window closed, once durable (post-window hooks)
         self._before_job = before_job  # run once the lock is held, before the first task is served
         self._windows: Windows | None = None
+        # one for the master's life: its ring of finish times survives a queue rebuilt from the store
+        self._speculation = Speculation(config.speculation, config.speculation_multiplier, config.speculation_min_finished)
         self._stream_pos: dict = {}  # {cursor, next_id, records, ended} as in the store's `stream`
         self._lag: dict = {}
         self._files = recovery.files_for(config, checkpoints)
@@ -313,7 +316,7 @@ class Master:
 
     def _load_queue(self, specs: list[TaskSpec]) -> TaskQueue:
         cfg = self.config
-        limits = {"failure_max": cfg.failure_max, "timeout": cfg.task_timeout, "max_in_flight": cfg.max_in_flight}
+        limits = self._limits()
         if self._streaming:
             return self._load_stream_queue(limits)
         kv = self._store.get(self._keys.pass_no)
@@ -366,6 +369,10 @@ class Master:
         if state.get("state") == "done":
             self.done.set()
         return queue
+
+    def _limits(self) -> dict:
+        cfg = self.config
+        return {"failure_max": cfg.failure_max, "timeout": cfg.task_timeout, "max_in_flight": cfg.max_in_flight, "speculation": self._speculation}
 
     def _load_stream_queue(self, limits: dict) -> TaskQueue:
         """A streaming job's queue: new, or its windows not closed yet as stored."""
@@ -723,6 +730,9 @@ class Master:
                 result, changes = again, []
             else:
                 result, changes = self._queue.dispatch(trainer, self._clock())
+                if result is WaitReason.DRAINED and (late := self._queue.straggler(trainer, self._clock())) is not None:
+                    result, changes = self._speculate(late, trainer)
+                    result = result or WaitReason.DRAINED
             durable = self._stage(changes)
             epoch_now = self._epoch
         self._store.wait(durable)  # the lock is free for the transitions that join this one's transaction
@@ -738,9 +748,9 @@ class Master:
             assert self._queue is not None
             self._check_leading()
             if ends_attempt:
-                rec = self._queue.record(task)
-                current = rec.state is TaskState.PENDING and rec.attempt == attempt
-                changes = event(task, attempt, self._fence_attempts([rec])[task] if current else None)
+                racer = None if self._queue.forgotten(task) else next((r for r in self._queue.racers(task) if r.attempt == attempt), None)
+                changes, applied = self._fence_attempts([] if racer is None else [(task, racer)])
+                changes += event(task, attempt, applied.get(task))
             else:
                 changes = event(task, attempt)
             durable = self._stage(changes)
@@ -750,7 +760,8 @@ class Master:
 
     def _finish_task(self, req: FinishTaskRequest) -> ReportReply:
         assert self._queue is not None
-        return self._report(req, self._queue.finish)
+        queue = self._queue
+        return self._report(req, lambda task, attempt: queue.finish(task, attempt, self._clock()))  # timed: speculation's median
 
     def _fail_task(self, req: FailTaskRequest) -> ReportReply:
         assert self._queue is not None
@@ -761,25 +772,65 @@ class Master:
         assert self._queue is not None
         return self._report(req, self._queue.give_back, ends_attempt=True)
 
-    def _fence_attempts(self, records: Iterable[TaskRecord]) -> dict[int, int]:
+    def _fence_attempts(self, ending: Iterable[tuple[int, Racer]]) -> tuple[list[Change], dict[int, int]]:
         """End these pending attempts in their tasks' progress records (lock held), before
         their tasks are re-queued: from then on no step of theirs can be applied. Returns
-        how far each had trained, where the next attempt resumes (exactly once per record)."""
-        applied = {}
-        for rec in records:
-            key = self._keys.task_progress(rec.id)
+        how far each had trained, where the next attempt resumes (exactly once per record).
 
-            def fence(kv: KeyValue | None, key: str = key, rec: TaskRecord = rec) -> Decision:
+        An attempt racing another (speculation) may have lost the race without the queue
+        knowing yet: the progress record read here says so, and the returned changes end
+        the loser first (``beaten``), so the ending attempt is credited its own records."""
+        assert self._queue is not None
+        applied: dict[int, int] = {}
+        changes: list[Change] = []
+        for task, racer in ending:
+            key = self._keys.task_progress(task)
+            read: list[TaskProgress] = []
+
+            def fence(kv: KeyValue | None, key: str = key, racer: Racer = racer) -> Decision:
                 progress = TaskProgress.decode(None if kv is None else kv.value, key)
-                fenced = progress.fence(rec.attempt, rec.offset)
+                read[:] = [progress]
+                fenced = progress.fence(racer.attempt, racer.offset)
                 if fenced == progress:  # fenced already (a master before this one got this far)
                     return Done(fenced)
                 # a lost race means the attempt's trainer advanced it meanwhile: read again
                 return Write((Compare.unchanged(key, kv),), (Put(key, fenced.encode()),), result=fenced)
 
-            fenced = read_modify_write(self._store, key, fence, what=f"fence task {rec.id} attempt {rec.attempt}", fence=self._fence)
-            applied[rec.id] = fenced.applied
-        return applied
+            fenced = read_modify_write(self._store, key, fence, what=f"fence task {task} attempt {racer.attempt}", fence=self._fence)
+            racers = self._queue.racers(task)
+            for loser in [r for r in racers if len(racers) > 1 and read and not read[0].allows(r.attempt)]:
+                changes += self._queue.beaten(task, loser.attempt)  # (the ending one itself: its event is then ignored)
+            applied[task] = fenced.applied
+        return changes, applied
+
+    def _speculate(self, rec: TaskRecord, trainer: str) -> tuple[Assignment | None, list[Change]]:
+        """Open a race for straggler ``rec`` with a backup attempt by ``trainer`` (lock
+        held): first in the task's progress record (the backup reads from where it
+        stands; the first of the two to commit a range wins), then in the queue."""
+        assert self._queue is not None
+        backup = rec.issued + 1
+        key = self._keys.task_progress(rec.id)
+        records = self._queue.spec(rec.id).records
+
+        def open_race(kv: KeyValue | None) -> Decision:
+            progress = TaskProgress.decode(None if kv is None else kv.value, key)
+            if progress.applied >= records or not progress.allows(rec.attempt):
+                return Done(None)  # nothing left to race for, or the attempt is over already
+            raced = progress.open_race(rec.attempt, backup)
+            return Write((Compare.unchanged(key, kv),), (Put(key, raced.encode()),), result=raced)
+
+        raced = read_modify_write(self._store, key, open_race, what=f"race task {rec.id} attempt {rec.attempt}", fence=self._fence)
+        if raced is None or raced.applied < rec.offset:
+            return None, []
+        now = self._clock()
+        changes = self._queue.speculate(rec.id, trainer, backup, raced.applied, now)
+        log.warning(
+            "task %d attempt %d by %s is a straggler: backup attempt %d by %s races it from record %d",
+            rec.id, rec.attempt, rec.trainer, backup, trainer, raced.applied,
+        )  # fmt: skip
+        new = next(c.record for c in changes if isinstance(c, TaskChanged))
+        assert new.backup is not None
+        return Assignment(self._queue.spec(rec.id), backup, self._queue.pass_no, new.backup.deadline, raced.applied), changes
 
     # --- checkpoints and rollbacks ----------------------------------------------------
 
@@ -890,11 +941,7 @@ class Master:
                 with contextlib.suppress(CorruptRecord):
                     current[tid] = decode_record(kv, self._keys, 0)
         records = rolled_back_stream(snapshot, current.values(), progress, first=first, snapshot_next=snapshot_next, next_id=next_id)
-        cfg = self.config
-        queue = TaskQueue.restore(
-            specs, records, pass_no=0, failure_max=cfg.failure_max, timeout=cfg.task_timeout, max_in_flight=cfg.max_in_flight,
-            next_id=next_id, stream_ended=not self._queue.open,
-        )  # fmt: skip
+        queue = TaskQueue.restore(specs, records, pass_no=0, next_id=next_id, stream_ended=not self._queue.open, **self._limits())
         ops: list[TxnOp] = [Put(self._keys.task(r.id), json.dumps(r.to_json()).encode()) for r in records]
         ops += [Put(self._keys.window(ch.window.no), ch.window.encode()) for ch in reopened]
         ops.extend(Delete(kv.key) for kv in self._store.range(self._keys.passes))
@@ -962,10 +1009,7 @@ class Master:
             progress = {int(k): (int(v[0]), int(v[1]), bool(v[2])) for k, v in state["progress"].items()}
             pass_no, completed = int(state["pass"]), int(state["passes_completed"])
         records = rolled_back(snapshot, self._queue.records(), progress, pass_no=pass_no)
-        cfg = self.config
-        queue = TaskQueue.restore(
-            specs, records, pass_no=pass_no, failure_max=cfg.failure_max, timeout=cfg.task_timeout, max_in_flight=cfg.max_in_flight
-        )
+        queue = TaskQueue.restore(specs, records, pass_no=pass_no, **self._limits())
         ops: list[TxnOp] = [Put(self._keys.task(r.id), json.dumps(r.to_json()).encode()) for r in queue.records()]
         ops.append(Put(self._keys.pass_no, str(pass_no).encode()))
         ops.extend(Delete(kv.key) for kv in self._store.range(self._keys.passes) if int(kv.key.rsplit("/", 1)[1]) >= pass_no)
@@ -1002,7 +1046,9 @@ class Master:
         with self._locked():
             assert self._queue is not None
             self._departures += 1  # a get_task that read the trainer's key before this reads it again
-            changes = self._queue.trainer_lost(trainer, self._fence_attempts(self._queue.record(t) for t in sorted(self._queue.in_flight(trainer))))
+            held = [(t, r) for t in sorted(self._queue.in_flight(trainer)) for r in self._queue.racers(t) if r.trainer == trainer]
+            changes, applied = self._fence_attempts(held)
+            changes += self._queue.trainer_lost(trainer, applied)
             if changes:
                 log.warning("trainer %s is gone; re-queued its tasks %s", trainer, [c.record.id for c in changes if isinstance(c, TaskChanged)])
             self._guarded(changes)
@@ -1029,7 +1075,8 @@ class Master:
                     deadline = self._queue.next_deadline()
                     if deadline is not None and deadline <= self._clock():
                         now = self._clock()
-                        self._guarded(self._queue.expire(now, self._fence_attempts(self._queue.expired(now))))
+                        changes, applied = self._fence_attempts(self._queue.expired_racers(now))
+                        self._guarded(changes + self._queue.expire(now, applied))
                 if self._clock() >= next_reconcile and not self._stopped.is_set():
                     next_reconcile = self._clock() + every
                     self._reconcile()

@@ -75,6 +75,7 @@ def simulate(
     *,
     dataset: str | DataSource,
     kill: Mapping[int, int] | None = None,
+    slow: Mapping[int, float] | None = None,
     store: str | CoordinationStore = "memory://",
     transport: str | Transport = "inproc://",
     compute: Compute | None = None,
@@ -91,7 +92,9 @@ def simulate(
     ``pservers``, ``mode``, ``optimizer``, ``optimizer_args``, ``batch_size``,
     ``passes``, ...). ``kill={i: k}`` crashes trainer ``i`` after ``k`` steps: it
     reports nothing, its lease runs out (``lease_ttl``), the master re-queues its
-    tasks as failures and the remaining trainers finish the job.
+    tasks as failures and the remaining trainers finish the job. ``slow={i: f}`` makes
+    trainer ``i`` a straggler: each of its steps takes ``f`` times as long (it sleeps
+    the difference), for trying ``speculation``.
     ``faults`` (:class:`~pdps.shell.faults.Faults`) kills trainers, pservers and the
     master mid-pass at seeded moments; ``SimulationResult.faults`` says what struck when.
     ``progress`` is called about once a second with the current pass's queue counts
@@ -169,6 +172,10 @@ def simulate(
             ctx.register()
         for i, steps in kill.items():
             contexts[i].kill_after(steps)
+        for i, factor in (slow or {}).items():
+            if not (isinstance(i, int) and 0 <= i < config.trainers):
+                raise ConfigError(f"slow names trainer {i!r}, but the job has trainers 0..{config.trainers - 1}")
+            contexts[i].slow_down(factor)
         if roles.pending:
             roles.time_the_looks()
 

@@ -139,6 +139,8 @@ class TrainerContext(SyncRound, AsyncCadence):
         self._batch_no = 0
         self._stop = threading.Event()
         self._kill_after: int | None = None
+        self._slow: float = 1.0  # a test hook: each step takes this many times as long (slow_down)
+        self._last_step: float | None = None
         self._epoch = 0
         self._abandon = False  # a rollback or a fence voided the current task: batches() drops it
         self._refused = False  # ... the task's progress record refused the attempt: batches() gives it back
@@ -286,6 +288,13 @@ class TrainerContext(SyncRound, AsyncCadence):
     def kill_after(self, steps: int) -> None:
         """Make :meth:`step` raise :class:`Killed` once ``steps`` batches have been stepped."""
         self._kill_after = steps
+
+    def slow_down(self, factor: float) -> None:
+        """A test hook making a straggler: each step, with the work before it since the
+        step before, takes ``factor`` times as long (the trainer sleeps the difference)."""
+        if not factor >= 1:
+            raise ConfigError(f"slow_down factor must be >= 1, got {factor!r}")
+        self._slow = float(factor)
 
     # --- the model --------------------------------------------------------------------
 
@@ -554,6 +563,11 @@ class TrainerContext(SyncRound, AsyncCadence):
                 log.warning("trainer %s: %s", self.trainer_id, exc)
                 self._resync()
         finally:
+            if self._slow > 1:
+                now = time.perf_counter()
+                if self._last_step is not None:
+                    time.sleep((self._slow - 1) * (now - self._last_step))
+                self._last_step = time.perf_counter()
             self._back_to_user()
 
     def _pull_failed(self, exc: BaseException) -> None:

@@ -287,10 +287,10 @@ def format_status(status: dict[str, Any], url: str) -> str:
 
 
 def stream_text(st: dict[str, Any]) -> str:
-    """``windows 3 closed of 4; lag: 120 records untasked, 2 tasks (96 records) untrained``."""
+    """``windows: 3 closed, 4 opened; 900 records in 18 tasks; lag: 120 records untasked, 2 tasks (96 records) untrained``."""
     untasked = "?" if st["records_untasked"] is None else st["records_untasked"]
     text = (
-        f"windows {st['windows_closed']} closed of {st['windows']}; {st['records']} records in {st['tasks']} tasks; "
+        f"windows: {st['windows_closed']} closed, {st['windows']} opened; {st['records']} records in {st['tasks']} tasks; "
         f"lag: {untasked} records untasked, {st['tasks_untrained'] or 0} tasks ({st['records_untrained'] or 0} records) untrained"
     )
     if st.get("ended"):
@@ -444,6 +444,8 @@ def pass_audit(store: CoordinationStore, job: str, pass_no: int) -> dict[str, An
     config = job_config(store, job)
     pass_kv = store.get(keys.pass_no)
     current = decode_as(pass_kv.value, keys.pass_no, int) if pass_kv is not None else None
+    if store.get(keys.stream) is not None:
+        raise NoSuchPass(f"job {job!r} reads a stream: it has windows, not passes (pdps status --window N)")
     if current is None:
         raise NoSuchPass(f"job {job!r} has not started its first pass (pass 0) yet")
     if not 0 <= pass_no <= current:
@@ -586,13 +588,19 @@ def stream_status(store: CoordinationStore, keys: Keys) -> dict[str, Any] | None
     not trained yet), ``backpressure`` (the master holds ``stream_max_tasks``
     unfinished tasks and cuts no more), ``stalled`` (why arrived data is not cut, or
     null), ``lag_at`` (when the master measured this, Unix seconds) and ``evaluation``
-    (the newest evaluation: ``window``, ``metrics``, ``at``; or null)."""
+    (the newest evaluation: ``window``, ``metrics``, ``updates``, ``at``; or null).
+
+    A job that is done has nothing tasked left to train, whatever the master measured
+    last (it measures about once a second, and may stop between the last tasks' end
+    and its next measure)."""
     kv = store.get(keys.stream)
     if kv is None:
         return None
     pos = decode_json(kv.value, kv.key)
     lag_kv = store.get(keys.stream_lag)
     lag = decode_json(lag_kv.value, lag_kv.key) if lag_kv else {}
+    if job_state(store, keys) == "done":
+        lag = dict(lag, tasks_untrained=0, records_untrained=0, backpressure=False)
     windows = store.range(keys.windows)
     closed = 0
     for w in windows:

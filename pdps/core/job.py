@@ -130,6 +130,8 @@ class JobConfig:
     # a window closes after this many records (0: not by count) / seconds open (0: not by time)
     window_records: int = attrs.field(default=0, validator=_whole_number(0))
     window_seconds: float = attrs.field(default=0.0, validator=_seconds(zero=True))
+    # streaming: a checkpoint after every this many windows close (needs checkpoint_url); 0: not by windows
+    checkpoint_windows: int = attrs.field(default=0, validator=_whole_number(0))
     # the job ends after this many windows; 0: it runs until stopped
     windows: int = attrs.field(default=0, validator=_whole_number(0))
     # records per task cut from a stream (at most; a Parquet row group is one task whatever its size)
@@ -169,8 +171,8 @@ class JobConfig:
             raise ConfigError(f"restore must be 'job' or 'lost', got {self.restore!r}")
         if self.restore == "lost" and self.mode is Mode.SYNC:
             raise ConfigError("restore='lost' is for async mode; a sync job rolls back as a whole so every step stays atomic")
-        if (self.checkpoint_every or self.checkpoint_seconds) and not self.checkpoint_url:
-            raise ConfigError("checkpoint_every/checkpoint_seconds need a checkpoint_url to write to")
+        if (self.checkpoint_every or self.checkpoint_seconds or self.checkpoint_windows) and not self.checkpoint_url:
+            raise ConfigError("checkpoint_every/checkpoint_seconds/checkpoint_windows need a checkpoint_url to write to")
         if self.num_slots < self.pservers:
             raise ConfigError(f"num_slots ({self.num_slots}) must be at least the number of pservers ({self.pservers})")
         if self.replicas > self.pservers:
@@ -192,7 +194,7 @@ class JobConfig:
     @property
     def checkpoints(self) -> bool:
         """Checkpoints are taken (a storage URL and at least one trigger)."""
-        return bool(self.checkpoint_url) and bool(self.checkpoint_every or self.checkpoint_seconds)
+        return bool(self.checkpoint_url) and bool(self.checkpoint_every or self.checkpoint_seconds or self.checkpoint_windows)
 
     @property
     def cadence(self) -> Cadence:
@@ -325,6 +327,8 @@ class Keys:
     ``specs/<id>``        a streaming job's task spec, written when the task is added
     ``windows/<no>``      a window of a streaming job (:class:`pdps.core.windows.Window`)
     ``evals/<no>``        the user's evaluation of the model after window ``<no>``
+    ``checkpoint_wanted`` {window}: window ``<window>`` closed and ``checkpoint_windows`` asks for a
+                          checkpoint after it (the pservers take it at the next round or update)
     ``hooks/before``      the before-job function ran (it runs once per job)
     """
 
@@ -435,6 +439,10 @@ class Keys:
 
     def window(self, no: int) -> str:
         return f"{self.windows}{no:08d}"
+
+    @property
+    def checkpoint_wanted(self) -> str:
+        return self.root + "checkpoint_wanted"
 
     @property
     def evals(self) -> str:

@@ -225,6 +225,12 @@ class Master:
                     f"the dataset {self.config.dataset!r} is a stream: give the job windows (window_records and/or window_seconds)"
                 )
         else:
+            streaming_only = [n for n in ("window_records", "window_seconds", "windows", "export_url", "evaluate") if getattr(self.config, n)]
+            if streaming_only:
+                raise ConfigError(
+                    f"{', '.join(streaming_only)} are for a streaming dataset (redis-stream://, memory-stream://, a Parquet "
+                    f"directory with ?follow=1), but {self.config.dataset!r} is a finite one: it is trained in passes"
+                )
             specs = self._source.tasks()  # a bad dataset fails here, before any task is created
         publish_job(self._store, self.config)
         self._keeper = LeaseKeeper(self._store, self.config.lease_ttl, name="master", on_lost=self._lease_lost)
@@ -569,6 +575,9 @@ class Master:
                 self._transition_ops(self._queue.start_next_pass(), ops, after)
             else:
                 ops.append(Put(self._keys.state, json.dumps({"state": "done", "passes": self.passes_completed}).encode()))
+                if self._windows is not None:  # the lag's last word, with the job's: nothing is left untrained
+                    self._lag = dict(self._lag, tasks_untrained=0, records_untrained=0, backpressure=False, at=self._wall())
+                    ops.append(Put(self._keys.stream_lag, json.dumps(self._lag).encode()))
                 after.append(self.done.set)  # "done" is said only once it is durable
 
     def _close_windows(self, ops: list[TxnOp], after: list[Callable[[], None]]) -> None:
@@ -583,6 +592,8 @@ class Master:
         for closed in self._windows.settle(state_of, self._wall()):
             w = closed.window
             ops.append(Put(self._keys.window(w.no), w.encode()))
+            if self.config.checkpoint_windows and (w.no + 1) % self.config.checkpoint_windows == 0:
+                ops.append(Put(self._keys.checkpoint_wanted, json.dumps({"window": w.no}).encode()))
             queue.forget(w.tasks)
             self._audit.forget(w.tasks)
             log.info("window %d closed: tasks %d..%d, %d records, %d failed", w.no, w.first, w.end - 1, w.records, len(w.failed))

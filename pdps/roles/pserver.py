@@ -369,6 +369,7 @@ class Pserver:
         self._writers: list[threading.Thread] = []
         self._seen_checkpoints: set[str] = set()
         self._last_checkpoint = time.monotonic()
+        self._window_wanted: bytes | None = None  # a window's checkpoint_wanted, not yet taken
         self.checkpoint_parts = 0  # parts of checkpoints written, and the seconds it took
         self.checkpoint_seconds = 0.0
 
@@ -415,6 +416,8 @@ class Pserver:
             self._watches.append(self._store.watch(self._keys.epoch, self._on_epoch_event))
             self._watches.append(self._store.watch(self._keys.resize, self._on_resize_event))
             self._watches.append(self._store.watch(self._keys.slotmap, self._on_slotmap_event))
+            if self.config.checkpoint_windows:
+                self._watches.append(self._store.watch(self._keys.checkpoint_wanted, self._on_checkpoint_wanted))
             if self.config.mode is Mode.SYNC:
                 self._watches.append(self._store.watch(self._keys.state, self._on_state_event))
                 self._watches.append(self._store.watch(self._keys.rounds, self._on_round_event))
@@ -1174,6 +1177,7 @@ class Pserver:
         self._marked = {r for r in self._marked if r > record.round_no}
         if record.checkpoint is not None:
             self._round_checkpoint = (record.round_no, record.checkpoint)
+            self._window_wanted = None  # whoever closed the round took the checkpoint a window asked for
             self._snapshot(record.checkpoint)
         self._frozen = None  # a round applied after a switch: the frozen shard is past
         if record.map_version is not None and self._slot_map is not None and record.map_version > self._slot_map.version:
@@ -1232,6 +1236,13 @@ class Pserver:
 
     # --- checkpoints ------------------------------------------------------------------
 
+    def _on_checkpoint_wanted(self, event: WatchEvent) -> None:
+        """A streaming job's window closed and ``checkpoint_windows`` wants a checkpoint
+        after it: due at the next round closed (sync) or update (async, pserver 0)."""
+        if event.type is EventType.PUT:
+            with self._cond:
+                self._window_wanted = event.value
+
     def _checkpoint_due(self, round_no: int) -> str | None:
         """Sync: the id of a checkpoint to take right after ``round_no``, if one is due."""
         cfg = self.config
@@ -1239,7 +1250,7 @@ class Pserver:
             return None
         by_count = cfg.checkpoint_every and (round_no + 1) % cfg.checkpoint_every == 0
         by_time = cfg.checkpoint_seconds and time.monotonic() - self._last_checkpoint >= cfg.checkpoint_seconds
-        if not (by_count or by_time) or self._writing():
+        if not (by_count or by_time or self._window_wanted) or self._writing():
             return None
         return recovery.new_checkpoint_id(self.epoch, round_no + 1)
 
@@ -1253,9 +1264,9 @@ class Pserver:
             return  # a resize moves slots: a checkpoint waits, so no slot is in it twice or not at all
         by_count = cfg.checkpoint_every and self.version % cfg.checkpoint_every == 0
         by_time = cfg.checkpoint_seconds and time.monotonic() - self._last_checkpoint >= cfg.checkpoint_seconds
-        if not (by_count or by_time) or self._writing():
+        if not (by_count or by_time or self._window_wanted) or self._writing():
             return
-        self._last_checkpoint = time.monotonic()
+        self._last_checkpoint, self._window_wanted = time.monotonic(), None
         ckpt = recovery.new_checkpoint_id(self.epoch, self.version)
         try:
             self._store.commit((Compare.absent(self._keys.checkpoint_info(ckpt)),), (recovery.announce(self._keys, ckpt, self.epoch, self.version, "async"),))

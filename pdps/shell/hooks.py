@@ -33,10 +33,7 @@ def user_function(spec: str, what: str) -> Callable[..., Any]:
     """The function ``spec`` names (``module:function`` or ``path/to/file.py:function``)."""
     from pdps.shell.process import load_target
 
-    try:
-        return load_target(spec)[0]
-    except ConfigError as exc:
-        raise ConfigError(f"{what} {spec!r}: {exc}") from exc
+    return load_target(spec, what)[0]
 
 
 def run_before_job(store: CoordinationStore, config: JobConfig, before: Callable[[], Any] | None) -> None:

@@ -43,15 +43,16 @@ log = logging.getLogger(__name__)
 EXIT_LOST = 3
 
 
-def load_target(spec: str) -> tuple[Callable[..., Any], ModuleType]:
-    """The training function named by ``module:function`` or ``path/to/file.py:function``."""
+def load_target(spec: str, what: str = "training target") -> tuple[Callable[..., Any], ModuleType]:
+    """The training function (or, as ``what`` says, another of the user's functions) named
+    by ``module:function`` or ``path/to/file.py:function``."""
     where, sep, name = spec.rpartition(":")
     if not sep or not where or not name:
-        raise ConfigError(f"training target {spec!r} must look like module:function or path/to/file.py:function")
+        raise ConfigError(f"{what} {spec!r} must look like module:function or path/to/file.py:function")
     if where.endswith(".py") or os.sep in where:
         path = Path(where)
         if not path.is_file():
-            raise ConfigError(f"training target {spec!r}: no file {path}")
+            raise ConfigError(f"{what} {spec!r}: no file {path}")
         module_name = f"pdps_target_{path.stem}"
         loaded = sys.modules.get(module_name)
         if loaded is not None and Path(getattr(loaded, "__file__", "")).resolve() == path.resolve():
@@ -66,10 +67,10 @@ def load_target(spec: str) -> tuple[Callable[..., Any], ModuleType]:
         try:
             module = importlib.import_module(where)
         except ImportError as exc:
-            raise ConfigError(f"training target {spec!r}: cannot import {where!r}: {exc}") from exc
+            raise ConfigError(f"{what} {spec!r}: cannot import {where!r}: {exc}") from exc
     fn = getattr(module, name, None)
     if not callable(fn):
-        raise ConfigError(f"training target {spec!r}: {where} has no function {name!r}")
+        raise ConfigError(f"{what} {spec!r}: {where} has no function {name!r}")
     return fn, module
 
 

@@ -153,6 +153,7 @@ SETTINGS: tuple[Setting, ...] = (
     _job("keep_rounds", int, "sync: closed rounds kept in the store (their contributions: the audit of which gradients each step applied)"),
     _job("window_records", int, "streaming job: a window closes after this many records; 0: not by count"),
     _job("window_seconds", float, "streaming job: a window closes after this many seconds open; 0: not by time"),
+    _job("checkpoint_windows", int, "streaming job: take a checkpoint after every this many windows close (needs checkpoint_url); 0: not by windows"),
     _job("windows", int, "streaming job: the job ends after this many windows; 0: it runs until stopped"),
     _job("task_records", int, "streaming job: records per task cut from a stream, at most (a Parquet row group is one task)"),
     _job("stream_max_tasks", int, "streaming job: the master cuts no new task while this many are todo or pending (backpressure)"),

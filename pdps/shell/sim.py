@@ -27,7 +27,7 @@ from pdps.core.slots import ParamSpec
 from pdps.core.wire import PullRequest
 from pdps.ports.compute import Compute
 from pdps.ports.coordination import CoordinationStore
-from pdps.ports.data import DataSource
+from pdps.ports.data import DataSource, StreamingSource
 from pdps.ports.transport import Transport
 from pdps.roles.master import Master
 from pdps.roles.pserver import Pserver
@@ -121,6 +121,10 @@ def simulate(
     faults = faults or Faults()
     plan = faults.plan(config)
     source = open_data_source(dataset) if isinstance(dataset, str) else dataset
+    if "evaluate" in hook_fns and not isinstance(source, StreamingSource):
+        raise ConfigError(f"evaluate runs after each window of a streaming job, but {config.dataset!r} is a finite dataset (trained in passes)")
+    if isinstance(source, StreamingSource) and not config.windows:
+        raise ConfigError(f"simulate runs a job to its end, and a job reading the stream {config.dataset!r} ends after `windows` windows: give windows=N")
     if compute is None:
         compute = open_compute("torch")
     compute.check_optimizer(config.optimizer, config.optimizer_args)  # refuse a bad rule before anything starts

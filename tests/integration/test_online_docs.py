@@ -38,6 +38,7 @@ def test_the_page_has_the_examples_it_promises():
         "Before the job: `before_job`",
         "Model exports",
         "Loading with the reference safetensors loader",
+        "Speculative execution",
     ]
 
 

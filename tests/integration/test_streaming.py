@@ -201,3 +201,46 @@ def test_a_stream_job_rolls_back_across_a_window_close_and_survives_a_master_fai
     again = [e["task"] for w in reopened for e in audits[w]["entries"] if "rolled_back" in [a["outcome"] for a in e["attempts"]]]
     assert again, [audits[w]["entries"] for w in reopened]
     assert all(e["attempts"][-1]["outcome"] == "done" for w in reopened for e in audits[w]["entries"])
+
+
+def test_window_settings_on_a_finite_dataset_and_an_endless_simulated_stream_are_refused(tmp_path):
+    url = (tmp_path / "d").as_uri()
+    write_parquet_shards({"x": np.zeros((8, 3)), "y": np.zeros(8)}, url, shards=1, row_group_size=8)
+    for settings in ({"window_records": 10, "windows": 2}, {"export_url": (tmp_path / "m").as_uri()}):
+        with pytest.raises(pdps.ConfigError, match="are for a streaming dataset .* is a finite one"):
+            pdps.simulate(follow_train, dataset=url, timeout=60, **settings)
+    with pytest.raises(pdps.ConfigError, match="evaluate runs after each window of a streaming job"):
+        pdps.simulate(follow_train, dataset=url, evaluate=lambda params: 1.0, timeout=60)
+    stream = stream_url("memory-stream:/")
+    streams.append(stream, {"x": np.zeros((8, 3)), "y": np.zeros(8)})
+    with pytest.raises(pdps.ConfigError, match="give windows=N"):
+        pdps.simulate(follow_train, dataset=stream, window_records=4, timeout=60)
+    with pytest.raises(pdps.ConfigError, match="is a stream: give the job windows"):
+        pdps.simulate(follow_train, dataset=stream, windows=2, timeout=60)
+    with pytest.raises(pdps.ConfigError, match="^evaluate 'no_such_module:fn': cannot import"):
+        pdps.simulate(follow_train, dataset=stream, windows=2, window_records=4, evaluate="no_such_module:fn", timeout=60)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_checkpoint_windows_takes_a_checkpoint_after_every_kth_window(tmp_path, mode):
+    """checkpoint_windows=2 and no other trigger: the job's checkpoints are taken after
+    windows 1, 3, ... close (the master's part of each says how many had closed)."""
+    from pdps.registry import open_checkpoint_files
+
+    url = stream_url("memory-stream:/")
+    streams.append(url, {"x": np.random.default_rng(2).normal(size=(480, 3)), "y": np.zeros(480)})
+    ck = (tmp_path / "ck").as_uri()
+    store = MemoryStore()
+    result = pdps.simulate(
+        follow_train, dataset=url, store=store, trainers=2, pservers=2, mode=mode, batch_size=8, window_records=80,
+        windows=6, task_records=40, checkpoint_url=ck, checkpoint_windows=2, checkpoint_keep=10, timeout=120,
+    )  # fmt: skip
+    pointer = job_status(store, result.config.name)["checkpoint"]
+    assert pointer is not None, "no checkpoint was taken"
+    files = open_checkpoint_files(ck)
+    closed = []
+    for ckpt in pointer["history"]:
+        manifest = files.read_manifest(ckpt)
+        closed.append(files.read_json_part(manifest.parts["master"])["windows_closed"])
+    assert closed and all(n >= 2 for n in closed), closed  # none before window 1 closed
+    assert len(closed) <= 3  # one per two windows at most

@@ -439,7 +439,11 @@ class Master:
         return decode_as(kv.value, kv.key, parse)
 
     def _stored_windows(self) -> dict[int, Window]:
-        return {w.no: w for kv in self._store.range(self._keys.windows) for w in [decode_as(kv.value, kv.key, Window.from_json)]}
+        windows = {w.no: w for kv in self._store.range(self._keys.windows) for w in [decode_as(kv.value, kv.key, Window.from_json)]}
+        missing = sorted(set(range(len(windows))) - set(windows))
+        if missing:
+            raise CorruptRecord(f"{self._keys.window(missing[0])} is missing, but later windows are stored", self._keys.window(missing[0]))
+        return windows
 
     def _stored_specs(self, ids: range) -> list[TaskSpec]:
         """The specs of a streaming job's tasks ``ids`` (memory's where it has them)."""
@@ -1123,9 +1127,12 @@ class Master:
                         self._guarded_ops(self._windows.seal(self._wall()))
                     budget = self.config.stream_max_tasks - self._queue.unfinished()
                     cursor, room = self._stream_pos["cursor"], self._windows.room()
+                    last_window = bool(self.config.windows) and self._windows.sealed == self.config.windows - 1
                 if budget > 0 and self._queue.open:
                     k = self.config.task_records
                     size, most = (k, budget) if room is None else ((room, 1) if room < k else (k, min(budget, room // k)))
+                    if last_window and room is not None:
+                        most = 1  # a cut may hold more than the room (a row group): none may spill past the job's last window
                     flush = partial_since is not None and self._clock() - partial_since >= self.config.stream_linger
                     arrivals = self._source.poll(cursor, task_records=size, max_tasks=most, flush=flush)
                     with self._locked():

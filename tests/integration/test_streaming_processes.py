@@ -110,3 +110,52 @@ def test_a_trainer_sigkilled_mid_task_on_a_stream_leaves_every_record_once(etcd_
     resumed = attempts[task][attempts[task].index(killed[0]) + 1]
     assert resumed["outcome"] == "done" and resumed["offset"] == killed[0]["applied"] > 0, attempts[task]
     check_stream_by_cli(etcd_server.url, job, W * N)
+
+
+def test_launch_runs_a_streaming_job_and_sums_it_up_in_windows(etcd_server, redis_server):
+    """``pdps launch --dataset redis-stream://... --window-records N --windows W``: the
+    roles as processes train the stream's records to the job's end; the progress lines
+    and the summary count windows (the summary keeps the fields of a job with passes and
+    adds ``windows`` and ``records``), and every window's audit shows each record once."""
+    job = job_name()
+    url = fill_stream(redis_server, job, W * N, seed=12)
+    proc = run_pdps(
+        "launch", "--job", job, "--store", etcd_server.url, "--dataset", url, "--window-records", str(N), "--windows", str(W),
+        "--task-records", str(K), "--batch-size", str(B), "--trainers", "2", "--pservers", "1", "--restart", "never", "--json", TARGET,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = last_json(proc.stdout)
+    assert set(summary) == {"mode", "trainers", "pservers", "passes", "tasks_done", "tasks_failed", "steps", "seconds", "windows", "records"}
+    assert (summary["windows"], summary["records"], summary["passes"]) == (W, W * N, 1), summary
+    assert (summary["tasks_done"], summary["tasks_failed"]) == (W * N // K, 0) and summary["steps"] > 0, summary
+    assert f"window {W}/{W}" in proc.stderr and "pass 1/1" not in proc.stderr
+    assert f"done after {W} windows ({W * N} records), " in proc.stderr
+    assert f"job {job!r} is done after {W} windows" in proc.stderr  # the master's log, relayed
+    check_windows_by_cli(etcd_server.url, job, W)
+    check_stream_by_cli(etcd_server.url, job, W * N)
+
+
+def test_an_in_process_launch_of_a_stream_sums_it_up_in_windows(monkeypatch):
+    """``--transport inproc`` runs the same streaming job in this process: the same summary."""
+    import io
+
+    from pdps.shell.launch import launch
+    from pdps.shell.settings import resolve
+
+    url = f"memory-stream://s-{job_name()}"
+    rng = np.random.default_rng(13)
+    streams.append(url, {"x": rng.normal(size=(W * N, 3)), "y": rng.normal(size=W * N)})
+    flags = {
+        "store": "memory://", "transport": "inproc", "trainers": 2, "pservers": 1, "json": True, "target": TARGET, "job": job_name(),
+        "dataset": url, "window_records": N, "windows": W, "task_records": K, "batch_size": B,
+    }  # fmt: skip
+    values = resolve("launch", flags, env={})
+    out, err = io.StringIO(), io.StringIO()
+    previous = signal.getsignal(signal.SIGTERM)  # launch() handles SIGTERM in the main thread
+    try:
+        assert launch(values, out=out, err=err) == 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    summary = last_json(out.getvalue())
+    assert (summary["windows"], summary["records"], summary["passes"], summary["tasks_done"]) == (W, W * N, 1, W * N // K), summary
+    assert f"window {W}/{W}" in err.getvalue() and f"done after {W} windows ({W * N} records), " in err.getvalue()

@@ -1,8 +1,9 @@
 """What ``pdps launch`` shows on stderr while a job runs.
 
 On a terminal, a live table (:class:`LiveView`, drawn with rich): the pass (a
-streaming job's window), a bar of the pass's tasks, samples/s over the trainers, and a row per role with its state,
-restarts, steps, samples/s and metrics address; the roles' log lines scroll above it.
+streaming job's window), a bar of the pass's tasks, samples/s over the trainers, and a
+row per role with its state, restarts, steps, samples/s and metrics address; the
+roles' log lines scroll above it.
 Anywhere else (a pipe, a file, a CI log), plain lines (:class:`PlainView`): the log
 lines as they come and ``pass 2/5  tasks 31/40`` (a streaming job: ``window 2/4  tasks
 31/40``, the tasks cut so far) whenever that changes.

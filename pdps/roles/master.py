@@ -1121,9 +1121,10 @@ class Master:
                     continue
                 with self._locked():
                     assert self._queue is not None and self._windows is not None
-                    if self._stopped.is_set() or not self._queue.open:
+                    if self._stopped.is_set():
                         continue
-                    if self._windows.due(self._wall()):
+                    # once the stream has ended nothing more is cut, but the lag still drains
+                    if self._queue.open and self._windows.due(self._wall()):
                         self._guarded_ops(self._windows.seal(self._wall()))
                     budget = self.config.stream_max_tasks - self._queue.unfinished()
                     cursor, room = self._stream_pos["cursor"], self._windows.room()

@@ -81,7 +81,9 @@ class Role:
 
 
 def summary(result: Mapping[str, Any], evaluation: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The one-line JSON summary of ``pdps demo --json`` and ``pdps launch --json``."""
+    """The one-line JSON summary of ``pdps demo --json`` and ``pdps launch --json``; a
+    streaming job's (``result`` has ``windows``) adds ``windows`` (closed) and ``records``
+    (cut into tasks), its ``passes`` being 1."""
     out: dict[str, Any] = dict(evaluation or {})
     out.update(
         mode=result["mode"],
@@ -93,6 +95,8 @@ def summary(result: Mapping[str, Any], evaluation: Mapping[str, Any] | None = No
         steps=result["steps"],
         seconds=round(result["seconds"], 3),
     )
+    if "windows" in result:
+        out.update(windows=result["windows"], records=result["records"])
     if "accuracy" in out:
         out["accuracy"] = round(float(out["accuracy"]), 6)
     return out
@@ -100,7 +104,8 @@ def summary(result: Mapping[str, Any], evaluation: Mapping[str, Any] | None = No
 
 def describe(s: Mapping[str, Any]) -> str:
     acc = f"held-out accuracy {s['accuracy']:.4f} after " if "accuracy" in s else "done after "
-    return f"{acc}{s['passes']} passes, {s['steps']} updates, {s['tasks_done']} tasks done, {s['tasks_failed']} failed, in {s['seconds']:.1f}s"
+    trained = f"{s['windows']} windows ({s['records']} records)" if "windows" in s else f"{s['passes']} passes"
+    return f"{acc}{trained}, {s['steps']} updates, {s['tasks_done']} tasks done, {s['tasks_failed']} failed, in {s['seconds']:.1f}s"
 
 
 def prepare(values: dict[str, Any], module: ModuleType, workdir: Path) -> JobConfig:
@@ -182,9 +187,15 @@ def launch(values: dict[str, Any], *, out: IO[str] = sys.stdout, err: IO[str] = 
 def _run_inproc(fn: Any, values: Mapping[str, Any], config: JobConfig, view: PlainView | LiveView) -> dict[str, Any]:
     """The job in this process (:func:`pdps.simulate`); it serves no metrics."""
     import pdps
+    from pdps.registry import connect_store
+
+    keys = Keys(config.name)
+    # opened here, not by simulate: a streaming job's windows are read from it as it runs and after
+    store = connect_store(values["store"], timeout=values["connect_timeout"])
 
     def show(p: Mapping[str, Any]) -> None:
-        view.show(Snapshot(p["pass"], p["done"] + p["failed"], p["todo"] + p["pending"] + p["done"] + p["failed"], p.get("extra", "")))
+        closed = stream_totals(store, keys).get("windows", 0)
+        view.show(Snapshot(p["pass"], p["done"] + p["failed"], p["todo"] + p["pending"] + p["done"] + p["failed"], p.get("extra", ""), windows_closed=closed))
 
     fields = config.to_json()
     dataset = fields.pop("dataset")
@@ -192,18 +203,22 @@ def _run_inproc(fn: Any, values: Mapping[str, Any], config: JobConfig, view: Pla
         result = pdps.simulate(
             fn,
             dataset=dataset,
-            store=values["store"],
+            store=store,
             transport="inproc",
             progress=show,
             timeout=values["timeout"],
             **fields,
         )
+        streamed = stream_totals(store, keys)
     except PdpsError:
         raise
     except Exception as exc:
         # as with trainer processes: the traceback goes to the log, the job ends with an error naming it
         log.error("the training function %s raised", values["target"], exc_info=exc)
         raise PdpsError(f"the training function {values['target']} raised " + "".join(traceback.format_exception_only(exc)).strip()) from exc
+    finally:
+        if not values["store"].startswith("memory:"):  # a named memory store may be shared in this process; it holds no connection
+            store.close()
     return {
         "params": result.params,
         "mode": config.mode.value,
@@ -214,7 +229,17 @@ def _run_inproc(fn: Any, values: Mapping[str, Any], config: JobConfig, view: Pla
         "tasks_failed": result.tasks_failed,
         "steps": result.steps,
         "seconds": result.seconds,
+        **streamed,
     }
+
+
+def stream_totals(store: Any, keys: Keys) -> dict[str, int]:
+    """A streaming job's ``windows`` closed and ``records`` cut into tasks, for its
+    summary; empty for a job with passes."""
+    from pdps.shell.status import stream_status
+
+    stream = stream_status(store, keys)
+    return {} if stream is None else {"windows": stream["windows_closed"], "records": stream["records"]}
 
 
 class Launcher:
@@ -366,8 +391,9 @@ class Launcher:
         """The job's progress; on a live view also each role's state and each trainer's
         steps and samples/s, read from its metrics (``readings``: the last, kept across calls)."""
         done = st["done"] + st["failed"]
+        closed = (st["stream"] or {}).get("windows_closed", 0)
         if not self._view.live:
-            return Snapshot(st["pass"], done, st["tasks"])
+            return Snapshot(st["pass"], done, st["tasks"], windows_closed=closed)
         now = time.monotonic()
         counts = {r.name: self._trainer_counts(r) for r in self._roles if r.kind == "trainer" and r.metrics_url}
         samples = {name: c["pdps_trainer_samples_total"] for name, c in counts.items() if c}
@@ -378,7 +404,7 @@ class Launcher:
             c = counts.get(r.name)
             rows.append(RoleRow(r.name, self._state(r), r.restarts, None if not c else int(c["pdps_trainer_steps_total"]), per_second.get(r.name), r.metrics_url))
         total = sum(per_second.values()) if per_second else None
-        return Snapshot(st["pass"], done, st["tasks"], roles=rows, samples_per_second=total)
+        return Snapshot(st["pass"], done, st["tasks"], roles=rows, samples_per_second=total, windows_closed=closed)
 
     @staticmethod
     def _trainer_counts(role: Role) -> dict[str, float] | None:
@@ -530,5 +556,6 @@ class Launcher:
             "steps": steps,
             "seconds": seconds,
             "restarts": self.restarts,
+            **stream_totals(store, self._keys),
         }
 

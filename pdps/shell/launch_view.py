@@ -1,10 +1,12 @@
 """What ``pdps launch`` shows on stderr while a job runs.
 
-On a terminal, a live table (:class:`LiveView`, drawn with rich): the pass, a bar of
-the pass's tasks, samples/s over the trainers, and a row per role with its state,
-restarts, steps, samples/s and metrics address; the roles' log lines scroll above it.
+On a terminal, a live table (:class:`LiveView`, drawn with rich): the pass (a
+streaming job's window), a bar of the pass's tasks, samples/s over the trainers, and a
+row per role with its state, restarts, steps, samples/s and metrics address; the
+roles' log lines scroll above it.
 Anywhere else (a pipe, a file, a CI log), plain lines (:class:`PlainView`): the log
-lines as they come and ``pass 2/5  tasks 31/40`` whenever that changes.
+lines as they come and ``pass 2/5  tasks 31/40`` (a streaming job: ``window 2/4  tasks
+31/40``, the tasks cut so far) whenever that changes.
 """
 
 from __future__ import annotations
@@ -40,6 +42,16 @@ class Snapshot:
     extra: str = ""  # pdps.simulate's trainers' metrics, in process
     roles: Sequence[RoleRow] = ()
     samples_per_second: float | None = None  # over the trainers
+    windows_closed: int = 0  # a streaming job's
+
+
+def position(config: JobConfig, s: Snapshot) -> str:
+    """``pass 2/5``, or for a streaming job the window being trained: ``window 2/4``
+    (``window 7`` when the job has no end)."""
+    if config.window_records or config.window_seconds:  # a stream's job has windows, not passes
+        no = s.windows_closed + 1 if not config.windows else min(s.windows_closed + 1, config.windows)
+        return f"window {no}" + (f"/{config.windows}" if config.windows else "")
+    return f"pass {min(s.pass_no + 1, config.passes)}/{config.passes}"
 
 
 def open_view(config: JobConfig, err: IO[str]) -> PlainView | LiveView:
@@ -63,7 +75,7 @@ class PlainView:
         self._err.flush()
 
     def show(self, s: Snapshot) -> None:
-        line = f"pass {min(s.pass_no + 1, self._config.passes)}/{self._config.passes}  tasks {s.done}/{'?' if s.tasks is None else s.tasks}"
+        line = f"{position(self._config, s)}  tasks {s.done}/{'?' if s.tasks is None else s.tasks}"
         if s.extra:
             line += f"  {s.extra}"
         if line != self._last:
@@ -120,8 +132,8 @@ class LiveView:
         from rich.table import Table
         from rich.text import Text
 
-        s, passes = self._snapshot, self._config.passes
-        head = f"job {self._config.name}  pass {min(s.pass_no + 1, passes)}/{passes}  tasks {s.done}/{'?' if s.tasks is None else s.tasks}"
+        s = self._snapshot
+        head = f"job {self._config.name}  {position(self._config, s)}  tasks {s.done}/{'?' if s.tasks is None else s.tasks}"
         if s.samples_per_second is not None:
             head += f"  {s.samples_per_second:,.0f} samples/s"
         if s.extra:

@@ -206,6 +206,7 @@ def _join(values: Mapping[str, Any], metrics: RoleMetrics) -> tuple[Coordination
 def run_master(values: Mapping[str, Any]) -> int:
     """Serve the job's task queue until the job is done (or SIGTERM). Exit code."""
     from pdps.adapters.prometheus_metrics import master_reading
+    from pdps.ports.data import StreamingSource
     from pdps.registry import open_checkpoint_files, open_data_source
     from pdps.roles.master import Master
     from pdps.shell.hooks import WindowHooks, run_before_job, user_function
@@ -227,8 +228,9 @@ def run_master(values: Mapping[str, Any]) -> int:
         before = user_function(config.before_job, "before_job") if config.before_job else None
         evaluate = user_function(config.evaluate, "evaluate") if config.evaluate else None
         hooks = WindowHooks(st, transport, config, evaluate) if config.export_url or evaluate else None
+        source = open_data_source(config.dataset)
         master = Master(
-            st, transport, open_data_source(config.dataset), config,
+            st, transport, source, config,
             address=serve_address(values), checkpoints=open_checkpoint_files(config.checkpoint_url),
             on_window=hooks, before_job=None if before is None else lambda: run_before_job(st, config, before),
         )  # fmt: skip
@@ -252,7 +254,8 @@ def run_master(values: Mapping[str, Any]) -> int:
                 if master.done.is_set():
                     done_at = done_at or time.monotonic()
                     if not st.range(keys.trainers) or time.monotonic() - done_at > values["linger"]:
-                        log.info("job %r is done after %d passes", config.name, config.passes)
+                        trained = f"{config.windows} windows" if isinstance(source, StreamingSource) else f"{config.passes} passes"
+                        log.info("job %r is done after %s", config.name, trained)
                         break
             if hooks is not None:
                 hooks.close()  # the last window's export is whole before the master says it is done

@@ -167,6 +167,21 @@ def test_launch_shows_plain_lines_off_a_terminal():
     assert err.getvalue() == "[master] hello\npass 2/5  tasks 31/40\npass 5/5  tasks 40/40\n"
 
 
+def test_launch_shows_a_streaming_jobs_window_not_its_pass():
+    err = io.StringIO()
+    view = open_view(JobConfig(window_records=100, windows=3), err)
+    view.show(Snapshot(0, 2, 4, windows_closed=1))
+    view.show(Snapshot(0, 9, 9, windows_closed=3))  # the last window closed: still 3/3
+    endless = open_view(JobConfig(window_seconds=60.0), err)
+    endless.show(Snapshot(0, 5, 6, windows_closed=6))
+    assert err.getvalue() == "window 2/3  tasks 2/4\nwindow 3/3  tasks 9/9\nwindow 7  tasks 5/6\n"
+    terminal = Terminal()
+    live = open_view(JobConfig(window_records=100, windows=3), terminal)
+    live.show(Snapshot(0, 2, 4, windows_closed=1))
+    live.close()
+    assert "window 2/3" in terminal.getvalue()
+
+
 def test_launch_draws_a_live_table_on_a_terminal():
     err = Terminal()
     root = logging.getLogger()

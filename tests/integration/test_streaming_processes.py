@@ -1,4 +1,4 @@
-"""Streaming jobs with every role its own process (docs/online-processes.md): a Redis
+"""Streaming jobs with every role its own process (docs/operations.md "A streaming job as processes"): a Redis
 stream, etcd, gRPC; a trainer SIGKILLed in the middle of a task it has partly trained
 leaves every record of every window trained exactly once, and ``pdps launch`` runs a
 streaming job to its end with a summary in windows."""

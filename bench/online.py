@@ -48,7 +48,7 @@ Ratios
 
 Run
 ---
-    .venv/bin/python bench/online.py               # ~2 min on 2 cores
+    .venv/bin/python bench/online.py               # ~1.5 min on 2 cores
     .venv/bin/python bench/online.py --quick       # 1 repeat, 20,000 records, 20 steps per task: ~10 s
     .venv/bin/python bench/online.py --records 400000 --steps 150 --repeats 5
 

@@ -140,8 +140,26 @@ def replicas_json(r1=5.0, r2=2.2, sync=0.9, async_=0.85, ttl=2.0, async_refused=
     }
 
 
+def online_json(on=4.0, off=10.0, stream=30_000.0, parquet=80_000.0):
+    return {
+        "config": {"records": 200_000, "repeats": 3, "spec_tasks": 8, "spec_steps": 100},
+        "throughput": [
+            {"source": "parquet", "records": 200_000, "records_per_s": parquet, "records_per_s_each": [parquet] * 3, "records_exactly_once": 200_000},
+            {"source": "redis-stream", "records": 200_000, "records_per_s": stream, "records_per_s_each": [stream] * 3, "records_exactly_once": 200_000},
+        ],
+        "speculation": [
+            {"speculation": False, "records": 6400, "seconds": off, "seconds_each": [off] * 3, "records_exactly_once": 6400, "beaten_each": [0] * 3},
+            {"speculation": True, "records": 6400, "seconds": on, "seconds_each": [on] * 3, "records_exactly_once": 6400, "beaten_each": [1] * 3},
+        ],
+        "ratios": {
+            "stream_vs_parquet": {"value": stream / parquet, "stream_records_per_s": stream, "parquet_records_per_s": parquet},
+            "speculation_on_vs_off": {"value": on / off, "on_s": on, "off_s": off},
+        },
+    }
+
+
 FAKES = {"transport": transport_json, "master": master_json, "checkpoint": checkpoint_json, "end-to-end": e2e_json, "scale": scale_json,
-         "elastic": elastic_json, "replicas": replicas_json}
+         "elastic": elastic_json, "replicas": replicas_json, "online": online_json}
 MACHINE = {"cpu_count": 2, "cpu_model": "Fake CPU 9000", "memory_gib": 7.5, "python": "3.11.7", "torch": "2.13.0", "etcd": "etcd Version: 3.4.23"}
 
 
@@ -283,6 +301,19 @@ def test_a_configuration_the_suite_could_not_run_leaves_its_target_not_run_with_
     assert "async, replicas = 1" in names and "async, replicas = 2" not in names and "async_r2_vs_r1" not in names
 
 
+def test_the_online_target_is_the_job_time_with_speculation_over_without_at_most_0_6():
+    verdicts = by_id(tg.evaluate({"online": [online_json(on=6.0, off=10.0), online_json(on=6.1, off=10.0)]}))
+    v = verdicts["online.speculation_on_vs_off"]
+    assert v["values"] == [pytest.approx(0.6), pytest.approx(0.61)] and v["comparison"] == "<=" and v["status"] == tg.MISSED
+    assert "speculation on 6.10 s, off 10.00 s" in v["details"][1] and "6,400 and 6,400 of 6,400" in v["details"][1]
+    assert verdicts["stability.online.speculation_on_vs_off"]["status"] == tg.MET
+    assert {x["id"] for x in verdicts.values()} == {"online.speculation_on_vs_off", "stability.online.speculation_on_vs_off"}  # no target on the stream
+    figures = {name: (value, unit) for name, value, unit in tg.suite_figures("online", online_json())}
+    assert figures["Redis stream / Parquet, records/s"] == (pytest.approx(0.375), "x")
+    assert figures["speculation on: records trained exactly once"] == (6400.0, "records")
+    assert figures["speculation off: job time"] == (10.0, "s")
+
+
 def test_suites_not_run_have_no_verdicts():
     assert {v["suite"] for v in tg.evaluate({"checkpoint": [checkpoint_json()]})} == {"checkpoint"}
 
@@ -372,6 +403,7 @@ def full_results(**checkpoint):
         "scale": ran(scale_json(), scale_json()),
         "elastic": ran(elastic_json(), elastic_json()),
         "replicas": ran(replicas_json(), replicas_json()),
+        "online": ran(online_json(), online_json()),
     })
 
 

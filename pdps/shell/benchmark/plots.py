@@ -41,6 +41,8 @@ PLOTS: dict[str, PlotSpec] = {
                         "s", "seconds (log scale)", log=True),
     "replicas": PlotSpec("Replicas: SIGKILL of a pserver -> training resumed, replicas = 2 (failover) vs 1 (rollback)",
                          "s", "seconds after the kill", lines=("lease TTL",)),
+    "online": PlotSpec("Online: records/s from a Redis stream / from Parquet; job time with one 10x straggler, speculation on / off",
+                       "x", "ratio (target: speculation on / off <= 0.6)"),
 }
 
 

@@ -24,7 +24,7 @@ from pdps.core.errors import PdpsError
 
 MET, MISSED, ERROR, NOT_RUN, NOT_CHECKED = "MET", "MISSED", "ERROR", "NOT RUN", "NOT CHECKED"
 STABILITY = 0.15  # two consecutive runs agree on each ratio within 15%
-SUITES = ("transport", "master", "checkpoint", "end-to-end", "scale", "elastic", "replicas")
+SUITES = ("transport", "master", "checkpoint", "end-to-end", "scale", "elastic", "replicas", "online")
 
 
 class BenchError(PdpsError):
@@ -341,6 +341,27 @@ def _replicas(id: str, description: str, threshold: float, **kw: Any) -> Target:
     return Target(f"replicas.{id}", "replicas", description, threshold, replicas_ratio(id), replicas_detail(id), **kw)
 
 
+# online: {"throughput": [{"source", "records", "records_per_s", "records_exactly_once"}],
+#          "speculation": [{"speculation", "records", "seconds", "records_exactly_once"}],
+#          "ratios": {"stream_vs_parquet": {"value", ...}, "speculation_on_vs_off": {"value", "on_s", "off_s"}}}
+
+
+def online_ratio(name: str) -> Callable[[Report], float]:
+    def figure(report: Report) -> float:
+        return number(get(report, "ratios", name, "value", suite="online"), f"ratios.{name}.value", suite="online")
+
+    return figure
+
+
+def online_speculation_detail(report: Report) -> str:
+    rows = get(report, "speculation", suite="online")
+    off, on = (_one(rows, "speculation row", "online", speculation=s) for s in (False, True))
+    return (
+        f"one 10x straggler, median job time: speculation on {float(on['seconds']):.2f} s, off {float(off['seconds']):.2f} s; "
+        f"records trained exactly once: {on['records_exactly_once']:,} and {off['records_exactly_once']:,} of {on['records']:,}"
+    )
+
+
 # --- the table ---------------------------------------------------------------------------
 
 TARGETS: tuple[Target, ...] = (
@@ -384,6 +405,8 @@ TARGETS: tuple[Target, ...] = (
     _replicas("resumed_r1_vs_r2", "kill -> resumed with replicas = 1 (rollback to a checkpoint) / with replicas = 2 (failover)", 2.0),
     _replicas("sync_r2_vs_r1", "training samples/s with replicas = 2 / replicas = 1, sync, 10M-parameter MLP, 2 trainers + 2 pservers over gRPC", 0.8),
     _replicas("async_r2_vs_r1", "training samples/s with replicas = 2 / replicas = 1, async, 10M-parameter MLP, 2 trainers + 2 pservers over gRPC", 0.8),
+    Target("online.speculation_on_vs_off", "online", "job time with one trainer slowed 10x, speculation on / off, async, 3 trainers, "
+           "8 tasks, median of the repeats", 0.6, online_ratio("speculation_on_vs_off"), online_speculation_detail, at_most=True),
 )
 
 
@@ -459,6 +482,17 @@ def suite_figures(suite: str, report: Report) -> list[tuple[str, float, str]]:
                 out.append(("replicas = 2: resumed beyond the lease TTL", replicas_ratio(name)(report), "s"))
             elif not r.get("not_run"):
                 out.append((name, number(r.get("value"), f"ratios.{name}", suite=suite), "x"))
+    elif suite == "online":
+        for r in get(report, "throughput", suite=suite):
+            label = {"parquet": "Parquet", "redis-stream": "Redis stream"}.get(r.get("source"), str(r.get("source")))
+            out.append((f"{label}: records/s", number(r.get("records_per_s"), f"{label} records_per_s", suite=suite), "records/s"))
+        out.append(("Redis stream / Parquet, records/s", online_ratio("stream_vs_parquet")(report), "x"))
+        for r in get(report, "speculation", suite=suite):
+            label = f"speculation {'on' if r.get('speculation') else 'off'}"
+            out.append((f"{label}: job time", number(r.get("seconds"), f"{label} seconds", suite=suite), "s"))
+            once = number(r.get("records_exactly_once"), f"{label} records_exactly_once", suite=suite)
+            out.append((f"{label}: records trained exactly once", once, "records"))
+        out.append(("speculation on / off, job time", online_ratio("speculation_on_vs_off")(report), "x"))
     else:
         raise BenchError(f"unknown suite {suite!r}; choose from {', '.join(SUITES)}")
     return out

@@ -142,7 +142,8 @@ class JobConfig:
     stream_linger: float = attrs.field(default=1.0, validator=_seconds(zero=True))
     # post-window work: export the model to this storage URL every export_every windows
     export_url: str = attrs.field(default="", validator=_text)
-    export_every: int = attrs.field(default=1, validator=_whole_number(1))
+    export_every: int = attrs.field(default=1, validator=_whole_number(0))  # 0: not after windows
+    export_seconds: float = attrs.field(default=0.0, validator=_seconds(zero=True))  # also every this long; 0: not by time
     export_keep: int = attrs.field(default=0, validator=_whole_number(0))  # 0: keep every export
     # speculative execution: a backup attempt races a task running speculation_multiplier x
     # the median time per record (after speculation_min_finished finishes); first commit wins

@@ -57,7 +57,9 @@ def run_before_job(store: CoordinationStore, config: JobConfig, before: Callable
 class WindowHooks:
     """Post-window work: export every ``export_every`` windows to ``export_url`` and/or
     evaluate (``evaluate(params) -> metrics``) after each window; call it with each
-    closed window (it returns at once); :meth:`close` waits for the work under way."""
+    closed window (it returns at once); :meth:`close` waits for the work under way.
+    With ``export_seconds`` it also exports every that many seconds, windows or not
+    (counted from the last export of either kind)."""
 
     def __init__(self, store: CoordinationStore, transport: Transport, config: JobConfig, evaluate: Evaluate | None = None) -> None:
         self._store, self._transport, self._config = store, transport, config
@@ -66,6 +68,8 @@ class WindowHooks:
         self._wanted: Window | None = None
         self._cv = threading.Condition()
         self._closed = False
+        self._last: Window | None = None  # the newest window closed, for a timed export's meta
+        self._exported_at = time.monotonic()
         self.exports = 0  # exports written (for tests and logs)
         self._thread = threading.Thread(target=self._run, name="pdps-window-hooks", daemon=True)
         self._thread.start()
@@ -78,7 +82,7 @@ class WindowHooks:
         with self._cv:
             if self._wanted is not None:
                 log.warning("post-window work for window %d skipped: window %d closed before it started", self._wanted.no, window.no)
-            self._wanted = window
+            self._wanted = self._last = window
             self._cv.notify_all()
 
     def close(self, timeout: float = 60.0) -> None:
@@ -88,41 +92,64 @@ class WindowHooks:
             self._cv.notify_all()
         self._thread.join(timeout)
 
+    def _timed_due(self) -> float | None:
+        """Seconds until the next timed export (None: none are made)."""
+        every = self._config.export_seconds
+        return None if not (every and self._config.export_url) else max(0.0, self._exported_at + every - time.monotonic())
+
     def _run(self) -> None:
         while True:
             with self._cv:
                 while self._wanted is None and not self._closed:
-                    self._cv.wait()
+                    due = self._timed_due()
+                    if due == 0.0:
+                        break
+                    self._cv.wait(due)
                 window, self._wanted = self._wanted, None
-                if window is None:
+                if window is None and self._closed:
                     return
             try:
                 self.run(window)
-            except Exception:  # post-window work never stops the job: it is logged, the next window tries again
-                log.exception("post-window work for window %d failed", window.no)
+            except Exception:  # post-window work never stops the job: it is logged, the next one tries again
+                log.exception("post-window work for %s failed", "a timed export" if window is None else f"window {window.no}")
+                self._exported_at = time.monotonic()  # a timed export that failed waits its period again
 
-    def run(self, window: Window) -> None:
-        """Export and evaluate the model as it is after ``window`` closed."""
+    def run(self, window: Window | None) -> None:
+        """Export and evaluate the model as it is after ``window`` closed (None: a timed
+        export, every ``export_seconds``)."""
         from pdps.shell.sim import fetch_model
 
         cfg = self._config
-        export = bool(cfg.export_url) and (window.no + 1) % cfg.export_every == 0
-        if not (export or self._evaluate):
+        by_window = window is not None and bool(cfg.export_every) and (window.no + 1) % cfg.export_every == 0
+        export = bool(cfg.export_url) and (window is None or by_window)
+        evaluate = self._evaluate if window is not None else None
+        if not (export or evaluate):
+            return
+        if window is None and self._store.get(self._keys.model) is None:
+            self._exported_at = time.monotonic()  # no trainer has attached the model yet: nothing to export
             return
         params, updates = fetch_model(self._store, self._transport, cfg)
         if export:
             from pdps import exports
 
-            meta = {"job": cfg.name, "window": window.no, "tasks": [window.first, window.end - 1], "records": window.records, "updates": updates}
+            if window is not None:
+                meta = {"job": cfg.name, "window": window.no, "tasks": [window.first, window.end - 1], "records": window.records, "updates": updates}
+            else:  # timed: the newest window closed so far, if any
+                meta = {"job": cfg.name, "window": None if self._last is None else self._last.no, "updates": updates, "timed": True}
             done = exports.publish(cfg.export_url, params, meta=meta, keep=cfg.export_keep or None)
             self.exports += 1
-            log.info("window %d exported as %s (%d updates)", window.no, done.path, updates)
-        if self._evaluate is not None:
-            metrics = self._evaluate(params)
-            if isinstance(metrics, (int, float)) and not isinstance(metrics, bool):
-                metrics = {"metric": float(metrics)}
-            if not isinstance(metrics, dict):
-                raise ConfigError(f"the evaluate function returned {type(metrics).__name__}; return a number or a dict of numbers")
-            record = {"window": window.no, "metrics": metrics, "updates": updates, "at": time.time()}
-            self._store.put(self._keys.evaluation(window.no), json.dumps(record).encode())
-            log.info("window %d evaluated: %s", window.no, metrics)
+            self._exported_at = time.monotonic()
+            log.info("%s exported as %s (%d updates)", "the model" if window is None else f"window {window.no}", done.path, updates)
+        if evaluate is not None and window is not None:
+            self._evaluate_window(evaluate, params, updates, window)
+
+    def _evaluate_window(self, evaluate: Evaluate, params: dict[str, Any], updates: int, window: Window) -> None:
+        """Record ``evaluate(params)`` at ``evals/<window>``."""
+        metrics = evaluate(params)
+        if isinstance(metrics, (int, float)) and not isinstance(metrics, bool):
+            metrics = {"metric": float(metrics)}
+        if not isinstance(metrics, dict):
+            raise ConfigError(f"the evaluate function returned {type(metrics).__name__}; return a number or a dict of numbers")
+        record = {"window": window.no, "metrics": metrics, "updates": updates, "at": time.time()}
+        self._store.put(self._keys.evaluation(window.no), json.dumps(record).encode())
+        log.info("window %d evaluated: %s", window.no, metrics)

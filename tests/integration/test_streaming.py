@@ -245,3 +245,27 @@ def test_checkpoint_windows_takes_a_checkpoint_after_every_kth_window(tmp_path, 
         closed.append(files.read_json_part(manifest.parts["master"])["windows_closed"])
     assert closed and all(n >= 2 for n in closed), closed  # none before window 1 closed
     assert len(closed) <= 3  # one per two windows at most
+
+
+def test_export_seconds_exports_by_time_as_well(tmp_path):
+    """export_every=0 and export_seconds: exports are made while the job trains, by time
+    alone, each marked timed and whole."""
+    url = stream_url("memory-stream:/")
+    streams.append(url, {"x": np.random.default_rng(3).normal(size=(600, 3)), "y": np.zeros(600)})
+    export_url = (tmp_path / "m").as_uri()
+
+    def slow(ctx: pdps.TrainerContext) -> None:
+        model = ctx.attach(torch.nn.Linear(3, 1).double())
+        for batch in ctx.batches():
+            ctx.step(F.mse_loss(model(batch["x"]).squeeze(1), batch["y"]))
+            time.sleep(0.02)
+
+    pdps.simulate(
+        slow, dataset=url, trainers=1, pservers=1, batch_size=10, window_records=600, windows=1, task_records=100,
+        export_url=export_url, export_every=0, export_seconds=0.3, timeout=120,
+    )  # fmt: skip
+    made = exports.list_exports(export_url)
+    assert len(made) >= 2, made  # the job trains ~1.2 s
+    assert all(e.meta["timed"] is True for e in made) and sorted(e.meta["updates"] for e in made) == [e.meta["updates"] for e in made]
+    for e in made:
+        assert sorted(exports.load(export_url, e.seq)) == ["bias", "weight"]

@@ -946,8 +946,10 @@ class Master:
             progress = {int(k): (int(v[0]), int(v[1]), bool(v[2])) for k, v in state["progress"].items()}
             snapshot_next, closed_then = int(state["next_id"]), int(state["windows_closed"])
         next_id = self._queue.next_id
-        reopened = self._windows.rolled_back(closed_then, self._stored_windows())
+        stored = self._stored_windows()
+        reopened = self._windows.rolled_back(closed_then, stored)
         first = self._windows.first_live_task(next_id)
+        closed = [w for w in stored.values() if w.no < closed_then]
         specs = self._stored_specs(range(first, next_id))
         current = {r.id: r for r in self._queue.records()}
         for kv in self._store.range(self._keys.tasks):  # the attempts of tasks forgotten since
@@ -956,7 +958,10 @@ class Master:
                 with contextlib.suppress(CorruptRecord):
                     current[tid] = decode_record(kv, self._keys, 0)
         records = rolled_back_stream(snapshot, current.values(), progress, first=first, snapshot_next=snapshot_next, next_id=next_id)
-        queue = TaskQueue.restore(specs, records, pass_no=0, next_id=next_id, stream_ended=not self._queue.open, **self._limits())
+        queue = TaskQueue.restore(
+            specs, records, pass_no=0, next_id=next_id, stream_ended=not self._queue.open,
+            forgotten=(sum(w.done for w in closed), sum(len(w.failed) for w in closed)), **self._limits(),
+        )  # fmt: skip
         ops: list[TxnOp] = [Put(self._keys.task(r.id), json.dumps(r.to_json()).encode()) for r in records]
         ops += [Put(self._keys.window(ch.window.no), ch.window.encode()) for ch in reopened]
         ops.extend(Delete(kv.key) for kv in self._store.range(self._keys.passes))

@@ -130,7 +130,11 @@ def test_a_restarted_pserver_restores_and_the_job_finishes(source, tmp_path, mod
         epoch, _ = recovery.read_epoch(job.store, Keys("rollback"))
         if restore == "lost":
             assert epoch.epoch == 0 and job.master.epoch == 0 and replacement.epoch == 0
-            assert all(c.rollbacks == 0 for c in ctxs) and any(c.stale_pushes for c in ctxs)
+            assert all(c.rollbacks == 0 for c in ctxs)
+            # the replacement went on from its checkpoint's version, serving every trainer (a
+            # trainer whose push caught the crash gets one stale push and pulls; one whose pull
+            # caught it pulls from the replacement at once: which, depends on the moment)
+            assert replacement.version > committed["round"] + 3
         else:
             assert epoch.epoch == 1 and epoch.checkpoint is not None
             assert epoch.round >= committed["round"] and epoch.round % 5 == 0

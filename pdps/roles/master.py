@@ -931,6 +931,17 @@ class Master:
             with self._lock:
                 self._restore_epoch(epoch)
 
+    def _saved_queue(self, epoch: Epoch) -> tuple[list[TaskRecord], dict[int, tuple[int, int, bool]], dict] | None:
+        """The queue as the epoch's checkpoint saved it: its task records, the progress of
+        the round it followed, and the whole master part; None for a rollback to the start."""
+        if epoch.checkpoint is None or self._files is None:
+            return None
+        manifest = self._files.read_manifest(epoch.checkpoint)
+        state = self._files.read_json_part(manifest.parts[MASTER_PART])
+        snapshot = [TaskRecord.from_json(d) for d in state["records"]]
+        progress = {int(k): (int(v[0]), int(v[1]), bool(v[2])) for k, v in state["progress"].items()}
+        return snapshot, progress, state
+
     def _restore_stream_epoch(self, epoch: Epoch) -> None:
         """:meth:`_restore_epoch` for a streaming job (lock held): the windows closed since
         the checkpoint are sealed again, their tasks come back from the store, and every
@@ -939,11 +950,9 @@ class Master:
         snapshot: list[TaskRecord] = []
         progress: dict[int, tuple[int, int, bool]] = {}
         snapshot_next = closed_then = 0
-        if epoch.checkpoint is not None and self._files is not None:
-            manifest = self._files.read_manifest(epoch.checkpoint)
-            state = self._files.read_json_part(manifest.parts[MASTER_PART])
-            snapshot = [TaskRecord.from_json(d) for d in state["records"]]
-            progress = {int(k): (int(v[0]), int(v[1]), bool(v[2])) for k, v in state["progress"].items()}
+        saved = self._saved_queue(epoch)
+        if saved is not None:
+            snapshot, progress, state = saved
             snapshot_next, closed_then = int(state["next_id"]), int(state["windows_closed"])
         next_id = self._queue.next_id
         stored = self._stored_windows()
@@ -965,12 +974,7 @@ class Master:
         ops: list[TxnOp] = [Put(self._keys.task(r.id), json.dumps(r.to_json()).encode()) for r in records]
         ops += [Put(self._keys.window(ch.window.no), ch.window.encode()) for ch in reopened]
         ops.extend(Delete(kv.key) for kv in self._store.range(self._keys.passes))
-        in_snapshot = {r.id: r for r in snapshot}
-        finished = [t for t, r in in_snapshot.items() if r.state is TaskState.PENDING and t in progress and progress[t][0] == r.attempt and progress[t][2]]
-        kept = {
-            t: progress[t][1] for t, r in in_snapshot.items()
-            if r.state is TaskState.PENDING and t in progress and progress[t][0] == r.attempt and t not in finished
-        }  # fmt: skip
+        finished, kept = _pending_at(snapshot, progress)
         self._audit = self._restore_audit(0, set(range(first, next_id)), below=first)
         ops += [self._audit_put(e) for e in self._audit.roll_back([r for r in snapshot if r.id >= first], finished=finished, kept=kept)]
         for i in range(0, len(ops), 100):
@@ -1022,25 +1026,16 @@ class Master:
         specs = self._queue.specs()
         pass_no, completed, progress = 0, 0, {}
         snapshot = [TaskRecord(id=s.id, pass_no=0, state=TaskState.TODO) for s in specs]
-        if epoch.checkpoint is not None and self._files is not None:
-            manifest = self._files.read_manifest(epoch.checkpoint)
-            state = self._files.read_json_part(manifest.parts[MASTER_PART])
-            snapshot = [TaskRecord.from_json(d) for d in state["records"]]
-            progress = {int(k): (int(v[0]), int(v[1]), bool(v[2])) for k, v in state["progress"].items()}
+        saved = self._saved_queue(epoch)
+        if saved is not None:
+            snapshot, progress, state = saved
             pass_no, completed = int(state["pass"]), int(state["passes_completed"])
         records = rolled_back(snapshot, self._queue.records(), progress, pass_no=pass_no)
         queue = TaskQueue.restore(specs, records, pass_no=pass_no, **self._limits())
         ops: list[TxnOp] = [Put(self._keys.task(r.id), json.dumps(r.to_json()).encode()) for r in queue.records()]
         ops.append(Put(self._keys.pass_no, str(pass_no).encode()))
         ops.extend(Delete(kv.key) for kv in self._store.range(self._keys.passes) if int(kv.key.rsplit("/", 1)[1]) >= pass_no)
-        finished = [
-            r.id for r in snapshot
-            if r.state is TaskState.PENDING and r.id in progress and progress[r.id][0] == r.attempt and progress[r.id][2]
-        ]
-        kept = {
-            r.id: progress[r.id][1] for r in snapshot
-            if r.state is TaskState.PENDING and r.id in progress and progress[r.id][0] == r.attempt and r.id not in finished
-        }  # fmt: skip
+        finished, kept = _pending_at(snapshot, progress)
         ops.extend(self._roll_back_audit(snapshot, pass_no, finished, kept))
         for i in range(0, len(ops), 100):
             self._write(ops[i : i + 100])
@@ -1248,6 +1243,22 @@ class Master:
 
     def _lease_lost(self) -> None:
         self._step_down("its lease expired")
+
+
+def _pending_at(snapshot: Iterable[TaskRecord], progress: Mapping[int, tuple[int, int, bool]]) -> tuple[list[int], dict[int, int]]:
+    """Of the tasks pending in a checkpoint: those whose attempt had trained their last
+    record by then (the rollback counts them done), and the others with the record their
+    attempt had reached (kept: the task resumes after it)."""
+    finished: list[int] = []
+    kept: dict[int, int] = {}
+    for r in snapshot:
+        seen = progress.get(r.id)
+        if r.state is TaskState.PENDING and seen is not None and seen[0] == r.attempt:
+            if seen[2]:
+                finished.append(r.id)
+            else:
+                kept[r.id] = seen[1]
+    return finished, kept
 
 
 def decode_record(kv: KeyValue, keys: Keys, pass_no: int, ids: set[int] | range | None = None) -> TaskRecord:

@@ -9,30 +9,24 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.integration.benchkit import REPO, quick_suite
 
 pytestmark = pytest.mark.integration
 
 
 def test_the_elastic_suite_reports_each_resize_against_a_checkpoint_restart(tmp_path):
-    out = tmp_path / "results"
-    proc = subprocess.run(
-        [sys.executable, "-m", "pdps", "bench", "--suite", "elastic", "--quick", "--runs", "1", "--out", str(out), "--no-docs"],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc, results = quick_suite("elastic", tmp_path, timeout=300)
     assert "[elastic 1/1] pause: longest gap between a trainer's consecutive steps" in proc.stderr  # the definition, printed
-    suite = json.loads((out / "results.json").read_text())["suites"]["elastic"]
+    suite = results["suites"]["elastic"]
     (run,) = suite["runs"]
     report = run["report"]
     assert report["config"]["resizes"] == [2, 3, 4, 2] and report["config"]["transport"] == "grpc"
     assert report["config"]["roles"] == "in-process"  # --quick: the roles are threads, cheap to start
     check_resizes(report, [2, 3, 4, 2])
-    verdicts = {v["id"]: v for v in json.loads((out / "results.json").read_text())["targets"]}
+    verdicts = {v["id"]: v for v in results["targets"]}
     for target in ("elastic.pause_vs_restart", "elastic.bytes_vs_minimum"):
         assert verdicts[target]["status"] in ("MET", "MISSED") and f" {target} " in proc.stdout
     assert verdicts["elastic.bytes_vs_minimum"]["status"] == "MET"

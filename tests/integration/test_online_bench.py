@@ -6,26 +6,16 @@ record trained exactly once."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.integration.benchkit import quick_suite
 
 pytestmark = pytest.mark.integration
 
 
 def test_the_online_suite_reports_stream_against_parquet_and_speculation_on_against_off(tmp_path):
-    out = tmp_path / "results"
-    proc = subprocess.run(
-        [sys.executable, "-m", "pdps", "bench", "--suite", "online", "--quick", "--runs", "1", "--out", str(out), "--no-docs"],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads((out / "results.json").read_text())
+    proc, results = quick_suite("online", tmp_path, timeout=120)
     (run,) = results["suites"]["online"]["runs"]
     report = run["report"]
     config = report["config"]

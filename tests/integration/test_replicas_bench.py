@@ -5,26 +5,16 @@ asserted: only that the figures exist and agree with what each kill did."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.integration.benchkit import quick_suite
 
 pytestmark = pytest.mark.integration
 
 
 def test_the_replicas_suite_reports_failover_against_rollback_and_throughput(tmp_path):
-    out = tmp_path / "results"
-    proc = subprocess.run(
-        [sys.executable, "-m", "pdps", "bench", "--suite", "replicas", "--quick", "--runs", "1", "--out", str(out), "--no-docs"],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads((out / "results.json").read_text())
+    proc, results = quick_suite("replicas", tmp_path, timeout=300)
     (run,) = results["suites"]["replicas"]["runs"]
     report = run["report"]
     assert report["config"]["roles"] == "in-process" and report["config"]["repeats"] == 1  # --quick

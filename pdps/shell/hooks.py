@@ -74,10 +74,6 @@ class WindowHooks:
         self._thread = threading.Thread(target=self._run, name="pdps-window-hooks", daemon=True)
         self._thread.start()
 
-    @classmethod
-    def wanted(cls, config: JobConfig) -> bool:
-        return bool(config.export_url or config.evaluate)
-
     def __call__(self, window: Window) -> None:
         with self._cv:
             if self._wanted is not None:

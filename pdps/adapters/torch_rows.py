@@ -47,6 +47,7 @@ from pdps.core import rowpolicy
 from pdps.core.errors import BadRequest, ConfigError, GradientRejected
 from pdps.core.rowindex import IdIndex
 from pdps.core.tables import (
+    ROW_ENTRY_KINDS,
     ROW_RULES,
     TableSpec,
     check_row_rule,
@@ -63,7 +64,9 @@ CHUNK_ROWS = 1 << 16
 #: The job setting ``sparse_max_ids``'s default: ids in one section of a push or pull.
 DEFAULT_MAX_IDS = 1 << 20
 
-_TORCH_RULES = {"SGD": torch.optim.SGD, "Adagrad": torch.optim.Adagrad, "SparseAdam": torch.optim.SparseAdam}
+# The step of each pending id's last touch travels as its age where the core names
+# that entry; elsewhere a moved or restored pending id counts as touched at the move.
+_PENDING_AGE = "pending_age" in ROW_ENTRY_KINDS
 
 # (start chunk, positions into the gathered tensor or None for all of them in order, positions in the chunk)
 _Plan = list[tuple[int, "torch.Tensor | None", torch.Tensor]]
@@ -197,7 +200,7 @@ class _TorchRule:
         self._scratch = torch.nn.Parameter(torch.zeros((1, dim), dtype=dtype, device=device))
         self._empty = self._scratch.data
         try:
-            self._opt = _TORCH_RULES[name]([self._scratch], **args)
+            self._opt = getattr(torch.optim, ROW_RULES[name].torch_class)([self._scratch], **args)
         except (TypeError, ValueError, RuntimeError) as exc:
             raise ConfigError(f"row rule {name!r} refused its arguments {dict(args)}: {exc}") from exc
         self._opt.state.clear()  # Adagrad fills state at construction: the rows bring theirs
@@ -209,11 +212,12 @@ class _TorchRule:
         n = rows.shape[0]
         index = torch.arange(n, device=rows.device).unsqueeze(0)
         p.data = rows
-        p.grad = torch.sparse_coo_tensor(index, grads, tuple(rows.shape), is_coalesced=True)
+        p.grad = torch.sparse_coo_tensor(index, grads, tuple(rows.shape), is_coalesced=True, check_invariants=False)
         before: Any = torch.tensor(float(step - 1), dtype=self._step_dtype) if self.name == "Adagrad" else step - 1
         self._opt.state[p] = {**state, "step": before} if self.name != "SGD" else {}
         try:
-            self._opt.step()
+            with torch.sparse.check_sparse_tensor_invariants(enable=False):  # arange indices: coalesced by construction
+                self._opt.step()
         finally:
             p.grad = None
             live = self._opt.state.pop(p, {})
@@ -272,7 +276,7 @@ def _rule(name: str, args: dict[str, Any], dim: int, dtype: torch.dtype, device:
     if "betas" in torch_args:
         torch_args["betas"] = tuple(torch_args["betas"])
     fill = float(args.get("initial_accumulator_value", 0.0))
-    return _TorchRule(name, torch_args, dim, dtype, device), {k: (dim, dtype, fill) for k in ROW_RULES[name].state}
+    return _TorchRule(name, torch_args, dim, dtype, device), {k: (ROW_RULES[name].state_width(k, dim), dtype, fill) for k in ROW_RULES[name].state}
 
 
 # --- the store ------------------------------------------------------------------------------
@@ -330,7 +334,7 @@ class TorchRows:
         self._index = IdIndex()
         self._free = np.empty(0, dtype=np.int64)
         self._next = 0  # positions below this were handed out once
-        self._pending = _Pending(spec.pending_capacity or rowpolicy.DEFAULT_PENDING_CAPACITY) if spec.admit_after > 1 else None
+        self._pending = _Pending(spec.pending_limit) if spec.admit_after > 1 else None
         self._held = np.zeros(num_slots, dtype=bool)
         self._hold(slots)
         self.step = 0
@@ -345,6 +349,11 @@ class TorchRows:
     @property
     def slots(self) -> frozenset[int]:
         return frozenset(np.flatnonzero(self._held).tolist())
+
+    def hold(self, slots: Collection[int]) -> None:
+        """Hold ``slots`` from now on (a resize gave them here; their rows, if any, come
+        through :meth:`import_slots`): their ids pass :meth:`check`."""
+        self._hold(slots)
 
     def _hold(self, slots: Collection[int]) -> None:
         at = np.asarray(sorted(slots), dtype=np.int64)
@@ -502,7 +511,7 @@ class TorchRows:
         # mask. Overflow of finite values also gives inf, so only then is each row looked at.
         if bool(torch.isfinite(grads.sum())):
             return
-        bad_rows = torch.flatnonzero(~torch.isfinite(grads).all(dim=1))
+        bad_rows = torch.nonzero(~torch.isfinite(grads).all(dim=1)).flatten()
         if len(bad_rows):
             k = int(bad_rows[0])
             nan, inf = int(torch.isnan(grads).sum()), int(torch.isinf(grads).sum())
@@ -687,7 +696,7 @@ class TorchRows:
         lo = np.searchsorted(where, want, side="left")
         hi = np.searchsorted(where, want, side="right")
         for s, a, b in zip(want, lo.tolist(), hi.tolist()):
-            if b == a and offset > 0:
+            if b == a:  # a slot without rows has no entries: the slot map says who holds it
                 continue
             out[row_entry(name, s, "ids")] = torch.from_numpy(ids[a:b].copy())
             for kind, t in cols.items():
@@ -700,9 +709,12 @@ class TorchRows:
             lo = np.searchsorted(p_where, want, side="left")
             hi = np.searchsorted(p_where, want, side="right")
             for s, a, b in zip(want, lo.tolist(), hi.tolist()):
+                if b == a:
+                    continue
                 out[row_entry(name, s, "pending_ids")] = torch.from_numpy(p_ids[a:b].copy())
                 out[row_entry(name, s, "pending_counts")] = torch.from_numpy(p_counts[a:b].astype(np.int32))
-                out[row_entry(name, s, "pending_age")] = torch.from_numpy(self.step - p_seen[a:b])
+                if _PENDING_AGE:
+                    out[row_entry(name, s, "pending_age")] = torch.from_numpy(self.step - p_seen[a:b])
         return out, end < len(self._ordered(want)[0])
 
     def snapshot(self, slots: Collection[int]) -> dict[str, Any]:
@@ -714,7 +726,7 @@ class TorchRows:
         already are replaced, the others created; the table step becomes the larger of
         the two (ages are kept: ``last = step - last_age``). Entries of other tables
         are ignored. ConfigError, with nothing changed, if an entry does not fit."""
-        name, dim = self.spec.name, self.spec.dim
+        name = self.spec.name
         by_slot: dict[int, dict[str, Any]] = {}
         step = self.step
         for key, t in entries.items():

@@ -25,24 +25,13 @@ from __future__ import annotations
 import numpy as np
 
 from pdps.core.errors import ConfigError
-
-#: Pending ids kept by default when a table's ``pending_capacity`` is 0.
-DEFAULT_PENDING_CAPACITY = 1 << 20
-
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+from pdps.core.tables import splitmix64
 
 
 def tie_break(ids: np.ndarray) -> np.ndarray:
     """splitmix64 of each id (uint64): the order among rows that tie on what a rule
     ranks by. Unsalted and independent of the table, the slot and the pserver."""
-    z = np.asarray(ids, dtype=np.int64).astype(np.uint64)
-    with np.errstate(over="ignore"):
-        z = z + _GOLDEN
-        z = (z ^ (z >> np.uint64(30))) * _M1
-        z = (z ^ (z >> np.uint64(27))) * _M2
-    return z ^ (z >> np.uint64(31))
+    return splitmix64(np.ascontiguousarray(ids, dtype=np.int64).view(np.uint64))
 
 
 def shrink_target(capacity: int) -> int:

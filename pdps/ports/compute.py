@@ -30,12 +30,10 @@ sync mode pulls happen between rounds and see one version.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from pdps.core.slots import Block, ParamSpec
-
-if TYPE_CHECKING:
-    from pdps.core.tables import TableSpec
+from pdps.core.tables import TableSpec
 
 
 @runtime_checkable
@@ -241,19 +239,23 @@ class RowShard(Protocol):
 
     def export_slots(self, slots: Collection[int], offset: int = 0, limit: int | None = None) -> tuple[dict[str, Any], bool]:
         """The rows of ``slots`` in (slot, id) order from ``offset``, at most ``limit``,
-        with their state, as entries named by :func:`pdps.core.tables.row_entry` and
+        with their state (a slot without rows has no entries), as entries named by :func:`pdps.core.tables.row_entry` and
         :func:`~pdps.core.tables.table_entry` (copies), and whether rows remain past the
         page: what a migration sends and a checkpoint stores."""
         ...
 
     def import_slots(self, entries: Mapping[str, Any]) -> None:
-        """Load :meth:`export_slots` entries (of any pserver's cut); their slots are then
-        held here. Entries of other tables are ignored. ConfigError, with nothing
+        """Load :meth:`export_slots` entries (of any pserver's cut); the slots they hold
+        rows of are then held here (:meth:`hold` takes those without rows). Entries of other tables are ignored. ConfigError, with nothing
         changed, for an entry that does not fit."""
         ...
 
     def snapshot(self, slots: Collection[int]) -> dict[str, Any]:
         """Every row of ``slots`` with its state, copied now (for a checkpoint part)."""
+        ...
+
+    def hold(self, slots: Collection[int]) -> None:
+        """Hold ``slots`` from now on (given here by a resize, rows or none)."""
         ...
 
     def drop_slots(self, slots: Collection[int]) -> None:
@@ -293,12 +295,13 @@ class Compute(Protocol):
         num_slots: int,
         clock: Callable[[], float],
         *,
-        max_ids: int = ...,
+        max_ids: int | None = None,
     ) -> RowShard:
         """The row store of table ``spec`` on a pserver holding ``slots`` of
         ``num_slots``, stepped by row rule ``rule`` (a name of
         :data:`pdps.core.tables.ROW_RULES`) with ``args``; ``clock`` (seconds) times
-        ``ttl_seconds``; a push or pull of more than ``max_ids`` ids is refused."""
+        ``ttl_seconds``; a push or pull of more than ``max_ids`` ids is refused (None: the
+        default of the job setting ``sparse_max_ids``)."""
         ...
 
 

@@ -23,13 +23,18 @@ import importlib
 import inspect
 import json
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+import time
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from pdps.core.errors import ConfigError, GradientRejected, NotReady
 from pdps.core.slots import Block, ParamSpec, block_entry, parse_entry
+from pdps.core.tables import TableSpec
+
+if TYPE_CHECKING:
+    from pdps.adapters.torch_rows import TorchRows
 
 log = logging.getLogger(__name__)
 
@@ -252,6 +257,23 @@ class TorchCompute:
     def shard(self, blocks: Sequence[Block], optimizer: str, optimizer_args: Mapping[str, Any]) -> TorchShard:
         self.check_optimizer(optimizer, optimizer_args)
         return TorchShard(blocks, optimizer, optimizer_args, self.device)
+
+    def rows(
+        self,
+        spec: TableSpec,
+        rule: str,
+        args: Mapping[str, Any],
+        slots: Collection[int],
+        num_slots: int,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        max_ids: int | None = None,
+    ) -> TorchRows:
+        """The rows of table ``spec`` in ``slots`` on this device (:mod:`pdps.adapters.torch_rows`);
+        ``max_ids`` None: the default of ``sparse_max_ids``."""
+        from pdps.adapters.torch_rows import DEFAULT_MAX_IDS, TorchRows
+
+        return TorchRows(spec, rule, args, slots, num_slots, clock, device=self.device, max_ids=max_ids or DEFAULT_MAX_IDS)
 
 
 class TorchReplica:

@@ -11,9 +11,14 @@ Two holders:
   buffer, with the job's optimizer over it. Because pdps only runs *element-wise*
   optimizers, updating shards independently is exactly updating the whole model.
 
-Tensors crossing this port are shaped like their block (``Block.shape``). Validation
-(:meth:`ParameterShard.check`) happens before any state changes; ``stage`` and
-``apply`` trust their input, so the caller checks first.
+* :class:`RowShard` (pserver side) holds the rows of one embedding table that live in
+  the slots a pserver holds (design/sparse-embeddings.md): created when their first
+  gradient is applied, stepped by a row rule, evicted by the table's policy.
+
+Tensors crossing this port are shaped like their block (``Block.shape``), or ``[n,
+dim]`` for rows with their ids ``[n]`` int64, strictly ascending. Validation
+(:meth:`ParameterShard.check`, :meth:`RowShard.check`) happens before any state
+changes; ``stage`` and ``apply`` trust their input, so the caller checks first.
 
 Aliasing: ``grads`` and ``values`` hand out views, so a pushed gradient must be
 consumed (staged, i.e. copied, or applied) before the trainer's next ``zero_grad``,
@@ -24,10 +29,11 @@ sync mode pulls happen between rounds and see one version.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from pdps.core.slots import Block, ParamSpec
+from pdps.core.tables import TableSpec
 
 
 @runtime_checkable
@@ -180,6 +186,89 @@ class ParameterShard(Protocol):
 
 
 @runtime_checkable
+class RowShard(Protocol):
+    """The rows of one table in the slots a pserver holds, with the row rule's state.
+
+    A row exists once a gradient for its id was applied (and admitted); a pull of an
+    id with no row is answered with the table's init value, computed, never stored.
+    Every decision (creation, admission, eviction) depends only on the ids, the
+    gradients and replicated counters, so backups fed the same pushes stay equal. Not
+    thread-safe: the pserver calls it under its lock."""
+
+    step: int  # the table step: rounds (sync) or pushes (async) applied with a section of this table
+    slots: frozenset[int]  # the slots whose rows are held here
+
+    def check(self, ids: Any, grads: Any | None, trainer: str, *, finite: bool = True, slots: Collection[int] | None = None) -> None:
+        """Raise GradientRejected (a push: ``grads`` given) or BadRequest (a pull:
+        ``grads`` None) naming the table, the trainer and the field, unless ``ids`` are
+        int64, 1-D, strictly ascending, within a bounded table's range, at most the
+        job's ``sparse_max_ids``, all in ``slots`` (default: the slots held here), and
+        ``grads`` are ``[n, dim]`` of the table's dtype and (unless ``finite`` is False)
+        finite. Counts a refusal in ``stats()["refused"]``; changes nothing else."""
+        ...
+
+    def stage(self, key: str, ids: Any, grads: Any, *, keep: bool = False) -> None:
+        """Keep ``key``'s (a trainer's) section for the open sync round, replacing one
+        staged before (``keep``: hold the given tensors instead of a copy)."""
+        ...
+
+    def staged(self) -> set[str]:
+        """The keys with a section staged."""
+        ...
+
+    def unstage(self, key: str | None = None, *, forget: bool = False) -> None:
+        """Drop ``key``'s staged section (all if None); ``forget`` also frees its buffer."""
+        ...
+
+    def apply_staged(self, weights: Sequence[tuple[str, float]]) -> bool:
+        """Close a sync round: the union of the sections staged by the keys of
+        ``weights``, each id's gradient ``sum(w * g)`` in the given order, one step of
+        the rule (keys of ``weights`` that staged nothing did not use the table this
+        round). Then nothing is staged. False (nothing applied, the table step stays)
+        if none of them staged a section."""
+        ...
+
+    def apply(self, ids: Any, grads: Any) -> None:
+        """Async: one step of the rule with this section (checked before)."""
+        ...
+
+    def lookup(self, ids: Any) -> Any:
+        """``[n, dim]`` rows of ``ids`` (a new tensor): the stored rows, the init value
+        for ids with no row. Never creates a row."""
+        ...
+
+    def export_slots(self, slots: Collection[int], offset: int = 0, limit: int | None = None) -> tuple[dict[str, Any], bool]:
+        """The rows of ``slots`` in (slot, id) order from ``offset``, at most ``limit``,
+        with their state (a slot without rows has no entries), as entries named by :func:`pdps.core.tables.row_entry` and
+        :func:`~pdps.core.tables.table_entry` (copies), and whether rows remain past the
+        page: what a migration sends and a checkpoint stores."""
+        ...
+
+    def import_slots(self, entries: Mapping[str, Any]) -> None:
+        """Load :meth:`export_slots` entries (of any pserver's cut); the slots they hold
+        rows of are then held here (:meth:`hold` takes those without rows). Entries of other tables are ignored. ConfigError, with nothing
+        changed, for an entry that does not fit."""
+        ...
+
+    def snapshot(self, slots: Collection[int]) -> dict[str, Any]:
+        """Every row of ``slots`` with its state, copied now (for a checkpoint part)."""
+        ...
+
+    def hold(self, slots: Collection[int]) -> None:
+        """Hold ``slots`` from now on (given here by a resize, rows or none)."""
+        ...
+
+    def drop_slots(self, slots: Collection[int]) -> None:
+        """Forget the rows of ``slots`` (moved away) and stop holding them."""
+        ...
+
+    def stats(self) -> dict[str, int]:
+        """``rows, bytes`` (what the store holds now) and the counters ``created,
+        admitted, pending, pending_dropped, evicted_ttl, evicted_lfu, refused``."""
+        ...
+
+
+@runtime_checkable
 class Compute(Protocol):
     device: str
 
@@ -196,6 +285,24 @@ class Compute(Protocol):
         ...
 
     def shard(self, blocks: Sequence[Block], optimizer: str, optimizer_args: Mapping[str, Any]) -> ParameterShard: ...
+
+    def rows(
+        self,
+        spec: TableSpec,
+        rule: str,
+        args: Mapping[str, Any],
+        slots: Collection[int],
+        num_slots: int,
+        clock: Callable[[], float],
+        *,
+        max_ids: int | None = None,
+    ) -> RowShard:
+        """The row store of table ``spec`` on a pserver holding ``slots`` of
+        ``num_slots``, stepped by row rule ``rule`` (a name of
+        :data:`pdps.core.tables.ROW_RULES`) with ``args``; ``clock`` (seconds) times
+        ``ttl_seconds``; a push or pull of more than ``max_ids`` ids is refused (None: the
+        default of the job setting ``sparse_max_ids``)."""
+        ...
 
 
 @runtime_checkable

@@ -27,6 +27,10 @@ Rules:
   :class:`StorageError` (retry it; a corrupt part, fall back). Pieces are checked each
   on its own, so two threads can read one part; a part recorded without pieces (by an
   older pdps) is read in order and checked by its whole crc32.
+* A read of some entries (``read_part(..., wanted=)``: a pserver restoring its own
+  slots) reads the pieces that hold the header, then only the pieces that hold a
+  wanted byte, each once and checked by its crc32: a piece it does not read is not
+  checked (:func:`verify` reads them all). A part without pieces is read whole.
 * Tensors are safetensors files (8-byte little-endian header length, a JSON header
   of dtype/shape/data_offsets padded with spaces to 8 bytes, raw little-endian data):
   any safetensors reader loads them, and nothing is ever unpickled. The header is
@@ -141,8 +145,8 @@ class SafetensorsFiles:
     def write_part(self, path: str, tensors: Mapping[str, torch.Tensor], *, name: str | None = None) -> PartInfo:
         return write_part(self.storage, path, tensors, name=name)
 
-    def read_part(self, part: PartInfo) -> dict[str, torch.Tensor]:
-        return read_part(self.storage, part)
+    def read_part(self, part: PartInfo, *, wanted: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
+        return read_part(self.storage, part, wanted)
 
     def write_json_part(self, path: str, obj: Any, *, name: str | None = None) -> PartInfo:
         return write_json_part(self.storage, path, obj, name=name)
@@ -306,10 +310,10 @@ class _Range:
     at: int
 
 
-def _wanted_ranges(entries: Iterable[tuple[str, str, list[int], int, int]], data_start: int, wanted: Callable[[str], bool]) -> list[_Range]:
-    """The byte ranges of the part that the non-empty wanted ``entries`` (as
-    :func:`_parse_header` gives them) span, adjacent ones merged, in file order."""
-    spans = sorted((data_start + begin, data_start + end) for key, _, _, begin, end in entries if end > begin and wanted(key))
+def _wanted_ranges(entries: Iterable[tuple[str, str, list[int], int, int]], data_start: int) -> list[_Range]:
+    """The byte ranges of the part that the non-empty ``entries`` (some of those
+    :func:`_parse_header` gives) span, adjacent ones merged, in file order."""
+    spans = sorted((data_start + begin, data_start + end) for _, _, _, begin, end in entries if end > begin)
     merged: list[list[int]] = []
     for start, end in spans:
         if merged and merged[-1][1] == start:
@@ -329,9 +333,9 @@ def _read_wanted(storage: Storage, info: PartInfo, wanted: Callable[[str], bool]
     hold the header or a wanted byte, each piece once, in file order.
 
     Pieces that wanted bytes fill whole are read straight into the result's buffer (a
-    run of them as :func:`_read_part` reads a whole part: a helper thread hashes while
-    the next piece is read); a piece holding other bytes too is read into a scratch
-    piece and its wanted bytes copied out."""
+    run of them as :func:`_read_checked` reads a whole part: a helper thread hashes
+    while the next piece is read); a piece holding other bytes too is read into a
+    scratch piece and its wanted bytes copied out. Bytes read: at most the part's."""
     import bisect
     import contextlib
 
@@ -343,10 +347,10 @@ def _read_wanted(storage: Storage, info: PartInfo, wanted: Callable[[str], bool]
     opened = storage.open_reader(info.path) if isinstance(storage, OpensReaders) else contextlib.nullcontext(None)
     with opened as reader:
         if reader is not None:
-            read_into, parallel = reader.read_into, reader.parallel
-            cached = reader.read_cached if parallel and isinstance(reader, CachedReads) else None
+            read_into = reader.read_into
+            cached = reader.read_cached if reader.parallel and isinstance(reader, CachedReads) else None
         else:
-            read_into, parallel, cached = (lambda buf, offset: storage.read_into(info.path, buf, offset)), False, None
+            read_into, cached = (lambda buf, offset: storage.read_into(info.path, buf, offset)), None
 
         def read_checked(first: int, view: memoryview) -> None:
             """Pieces ``first``.. into ``view`` (which they fill), each checked by its crc32."""
@@ -370,7 +374,8 @@ def _read_wanted(storage: Storage, info: PartInfo, wanted: Callable[[str], bool]
         if len(head) == size:  # the whole part was in the header's pieces
             return _kept(decode(head, where, info.path)[0], wanted)
 
-        ranges = _wanted_ranges(entries, data_start, wanted)
+        entries = [e for e in entries if wanted(e[0])]
+        ranges = _wanted_ranges(entries, data_start)
         total = ranges[-1].at + ranges[-1].end - ranges[-1].start if ranges else 0
         buf = _new_buffer(total) if total else bytearray(0)
         out = memoryview(buf)
@@ -411,8 +416,6 @@ def _read_wanted(storage: Storage, info: PartInfo, wanted: Callable[[str], bool]
     data = torch.frombuffer(buf, dtype=torch.uint8) if total else torch.empty(0, dtype=torch.uint8)
     tensors: dict[str, torch.Tensor] = {}
     for key, dtype_name, shape, begin, end in entries:
-        if not wanted(key):
-            continue
         attr, itemsize = _DTYPES[dtype_name]
         if end == begin:
             tensors[key] = torch.empty(shape, dtype=getattr(torch, attr))

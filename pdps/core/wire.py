@@ -318,7 +318,8 @@ class PullReply(PserverReply):
     ``checkpoint``: a checkpoint taken right after the round pulled.
 
     The reply to a ``dump`` pull: ``more`` is set (whether rows follow the page), and
-    the tensors are the page's :attr:`ids` ``[k]`` and :attr:`values` ``[k, dim]``."""
+    the tensors are the page's :attr:`ids` ``[k]`` and :attr:`values` ``[k, dim]``, or
+    none (and ``more`` false) when the slot holds no row of the table."""
 
     wait_s: float | None = _field(float, default=None, check=_at_least(0))
     waiting: tuple[str, ...] | None = _field(list, default=None, item=str)
@@ -330,6 +331,8 @@ class PullReply(PserverReply):
     def _validate(self) -> None:
         sections = self._sections("tables")
         if self.more is not None:
+            if not self.tensors and not self.more and not sections:
+                return  # the slot holds no row of the table
             if sections or len(self.tensors) != 2:
                 raise self._refuse("more", f"pull reply: a dump's page ('more' set) holds ids and values, got {len(self.tensors)} tensors and tables {list(sections)!r:.200}")
             k, width = _leading(self.tensors[0]), _leading(self.tensors[1])
@@ -355,12 +358,12 @@ class PullReply(PserverReply):
     @property
     def ids(self) -> Any:
         """A dump's page: the ids of its rows, ``[k]`` int64 (None: not a dump's reply)."""
-        return self.tensors[0] if self.more is not None else None
+        return self.tensors[0] if self.more is not None and self.tensors else None
 
     @property
     def values(self) -> Any:
         """A dump's page: the rows of :attr:`ids`, ``[k, dim]`` (None: not a dump's reply)."""
-        return self.tensors[1] if self.more is not None else None
+        return self.tensors[1] if self.more is not None and self.tensors else None
 
 
 @attrs.frozen

@@ -281,12 +281,15 @@ def evaluate(model_or_params: Any, data: dict[str, np.ndarray] | None = None) ->
 
 
 def _load(params: dict[str, Any]) -> Any:
-    """The reference model holding ``params`` (a state dict)."""
-    # TODO(lead, step 8): a pdps job's params hold a pdps.nn.TableRows for the table:
-    # build_model(pdps.nn.HashEmbedding(DIM, mode="sum")), load the MLP's tensors and
-    # pdps.nn.bind(model, params) (design §1 "After the job").
+    """A model holding ``params``: a pdps job's (the table as fetched rows,
+    :class:`pdps.nn.TableRows`: the model's table is bound to them), or a state dict of
+    the torch reference model."""
     import torch
 
+    import pdps.nn
+
+    if any(isinstance(v, pdps.nn.TableRows) for v in params.values()):
+        return pdps.nn.bind(build_model(pdps.nn.HashEmbedding(DIM, mode="sum", seed=MODEL_SEED)), params)
     model = build_model()
     model.load_state_dict({k: torch.as_tensor(v).to(torch.float32) for k, v in params.items()})
     return model
@@ -294,7 +297,6 @@ def _load(params: dict[str, Any]) -> Any:
 
 def train(ctx) -> dict[str, float]:
     """The example's training function: binary cross-entropy on the batches the job hands out."""
-    # TODO(lead, step 8): needs pdps.nn (design §1); until then this raises ImportError.
     from pdps.nn import HashEmbedding
 
     model = ctx.attach(build_model(HashEmbedding(DIM, mode="sum", seed=MODEL_SEED)))

@@ -1365,8 +1365,11 @@ class Pserver:
         assert self._shard is not None
         self._seen_checkpoints.add(ckpt_id)
         self._last_checkpoint = time.monotonic()
-        # with replicas, each block is written by its primary only (once per checkpoint)
+        # with replicas, each block is written by its primary only (once per checkpoint); a
+        # row store holds the slots this pserver is the primary of
         state = self._shard.snapshot({"pdps.version": self.version}, self._primary)
+        for rows in self._tables.values():
+            state.update(rows.snapshot(rows.slots))  # copies: rows move on while the part is written
         t = threading.Thread(target=self._write_part, args=(ckpt_id, state), name=f"pdps-ckpt-{ckpt_id}", daemon=True)
         self._writers = [w for w in self._writers if w.is_alive()] + [t]
         t.start()
@@ -1447,6 +1450,7 @@ class Pserver:
                 shard = None  # no trainer ever attached: nothing to restore
             if shard is not None:
                 shard.unstage()
+                self._tables = self._build_tables()  # empty: rows start from init, or from the checkpoint
                 if epoch.checkpoint is None:
                     shard.initialized = False  # a trainer initializes it again with its values
                 else:
@@ -1465,7 +1469,7 @@ class Pserver:
         files = self._files
 
         def load() -> int:
-            version = recovery.load_shard(self._store, files, self.config, ckpt_id, shard)
+            version = recovery.load_shard(self._store, files, self.config, ckpt_id, shard, self._tables)
             log.info("pserver %s loaded checkpoint %s (version %d)", self.index, ckpt_id, version)
             return version
 

@@ -6,6 +6,8 @@ its values and its row rule's state.
 * A sync job with a table and Adagrad, a pserver crashed mid-job: the job rolls back to
   its checkpoint, finishes, and every row and its Adagrad state equal single-process
   torch over the rounds the job kept (its history); so do the checkpoints it wrote.
+* A sync job resized 2 -> 3 -> 2 while it trains: the same, rows migrating pserver to
+  pserver in pages.
 
 Small sizes (a 2,000-row table, dim 8, float64): what is proven is exact arithmetic.
 """
@@ -33,11 +35,15 @@ from pdps.core.slots import Layout, ParamSpec, SlotMap
 from pdps.core.tables import TableSpec, parse_row_entry, row_slots
 from pdps.ports.data import read_whole
 from pdps.registry import open_checkpoint_files
+from pdps.roles import pserver as pserver_module
 from pdps.roles.pserver import Pserver
 from pdps.runtime import recovery
 from pdps.runtime.recovery import new_checkpoint_id
+from pdps.runtime.resizing import read_map
 from tests.integration.jobkit import start_job
+from tests.integration.test_elastic import resize
 from tests.integration.test_recovery import wait_until
+from tests.integration.test_transactional_sync import closed_rounds
 
 SLOTS = 16
 
@@ -117,6 +123,41 @@ def test_a_checkpoint_of_two_pservers_restores_onto_three_each_reading_its_own_s
     rows = fresh[1]
     recovery.load_shard(MemoryStore(), files, one, bare, shard, {"emb": rows})
     assert rows.stats()["rows"] == 0 and rows.step == 0 and shard.initialized
+
+
+def test_the_rows_a_resize_moves_are_paged_within_the_budget_and_arrive_whole():
+    """A slot's rows leave in pages of at most the budget (one row at least), across
+    the tables of the slot in name order, the pending ids with the first page and every
+    table's step with each; imported page by page they are the slot's rows."""
+    rng = np.random.default_rng(5)
+    specs = [TableSpec(name="a", dim=4, dtype="float64", admit_after=2), TableSpec(name="b", dim=2, dtype="float32")]
+    tables = {spec.name: TorchRows(spec, "Adagrad", {"lr": 0.1}, range(SLOTS), SLOTS, chunk_rows=64) for spec in specs}
+    for _ in range(4):
+        for spec in specs:
+            ids = np.unique(rng.integers(0, 3000, 300))
+            tables[spec.name].apply(torch.from_numpy(ids), torch.from_numpy(rng.standard_normal((len(ids), spec.dim))).to(getattr(torch, spec.dtype)))
+    leaving = pserver_module._LeavingRows.of(tables, [3, 9])
+    budget = 500  # a: 8 + 32 + 32 bytes a row, b: 8 + 8 + 8
+    for slot in (3, 9):
+        fresh = {spec.name: TorchRows(spec, "Adagrad", {"lr": 0.1}, [], SLOTS, chunk_rows=64) for spec in specs}
+        offset, more, pages = 0, True, 0
+        while more:
+            names, tensors, more = leaving.page(slot, offset, budget)
+            page = dict(zip(names, tensors))
+            assert {"a/scalar.step", "b/scalar.step"} <= set(page)
+            pending = [k for k in page if "/pending_" in k]
+            assert bool(pending) == (offset == 0)
+            rows = sum(len(t) for k, t in page.items() if k.endswith("/ids") and "pending" not in k)
+            assert 1 <= rows and (rows == 1 or sum(t.nbytes for k, t in page.items() if k not in pending and "scalar" not in k) <= budget - sum(page[k].nbytes for k in pending))
+            for r in fresh.values():
+                r.import_slots(page)
+            offset += rows
+            pages += 1
+        assert pages > 3
+        for name, r in fresh.items():
+            assert r.step == tables[name].step and r.slots == {slot}
+            got, want = r.export_slots([slot])[0], tables[name].export_slots([slot])[0]
+            assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want), name
 
 
 # --- jobs: a table and Adagrad, against single-process torch over the rounds kept ------------
@@ -364,6 +405,48 @@ def test_a_pserver_crashed_mid_job_rolls_back_and_every_row_keeps_its_adagrad_st
         assert epoch.epoch == 1 and (epoch.checkpoint is not None) == checkpoints and all(ps.epoch == 1 for ps in job.pservers)
         assert any(s.epoch == 0 and s.round >= epoch.round for c in job.trainers for s in c.history), "rounds were rolled back"
         check_against_replay(job, source, {0: 0, 1: epoch.round})
+    finally:
+        job.close()
+
+
+def test_a_sync_job_resized_two_three_two_keeps_every_row_and_its_adagrad_state(tmp_path, monkeypatch):
+    monkeypatch.setattr(pserver_module, "MIGRATE_CALL_BYTES", 1024)  # a slot's rows come in several pages
+    pages: list[tuple[int, int, bool]] = []  # (slot, rows, more) of each page sent
+    paged = pserver_module._LeavingRows.page
+
+    def page(self, slot: int, offset: int, budget: int):
+        names, tensors, more = paged(self, slot, offset, budget)
+        pages.append((slot, sum(len(t) for n, t in zip(names, tensors) if n.endswith("/ids") and "pending" not in n), more))
+        return names, tensors, more
+
+    monkeypatch.setattr(pserver_module._LeavingRows, "page", page)
+    source = clicks(tmp_path.as_uri(), tasks=8, rows=6 * B)
+    job = start_job(
+        source, name="rows-resize", mode="sync", trainers=2, pservers=2, num_slots=SLOTS, min_block=1, lease_ttl=2.0,
+        batch_size=B, optimizer="Adagrad", optimizer_args=ADAGRAD, keep_rounds=100_000, passes=2,
+    )  # fmt: skip
+    keys = Keys(job.config.name)
+    moved = []
+
+    def resizes(steps) -> None:
+        for target in (3, 2):
+            before = steps()
+            wait_until(lambda: steps() >= before + 8, 60, "steps before the resize")
+            resize(job, target)
+            assert read_map(job.store, keys).num_pservers == target
+            moved.append(sum(ps.received_bytes for ps in job.pservers))
+
+    try:
+        train_on_threads(job, 2, during=resizes, pause=0.05)
+        assert job.master.done.is_set() and len(job.pservers) == 2
+        assert recovery.read_epoch(job.store, keys)[0].epoch == 0  # no rollback: the rows moved
+        maps = [r.map_version for _, r in closed_rounds(job.store, job.config.name) if r.map_version is not None]
+        assert len(maps) == 2, maps
+        assert moved[0] > 0 and moved[1] > 0
+        # rows moved, one slot at a time, in pages of at most 1 KiB (7 rows of 8 + 64 + 64 bytes)
+        assert any(more for _, _, more in pages) and 0 < max(n for _, n, _ in pages) <= 7
+        assert sum(n for _, n, _ in pages) > 50
+        check_against_replay(job, source, {0: 0})
     finally:
         job.close()
 

@@ -10,7 +10,8 @@ whose ids fall in the slots this pserver holds, with the row rule's state per ro
   through :class:`~pdps.core.rowindex.IdIndex`. Growth adds a chunk (no doubling, no
   copy); evicted positions go to a free list and are reused first. A gather or scatter
   groups its positions by chunk: one ``index_select`` / ``index_copy_`` per chunk
-  touched, never a loop per row.
+  touched, never a loop per row; an update steps the rows in that chunk order (the
+  rules are row-local), so only the gradient is permuted, once.
 * **Reads never create.** :meth:`TorchRows.lookup` answers an id with no row with the
   table's init value (:func:`~pdps.core.tables.init_rows`, computed, not stored).
   Rows are created when a gradient is applied (sync: at round close; async: at the
@@ -469,11 +470,11 @@ class TorchRows:
         push = grads is not None
         error = GradientRejected if push else BadRequest
         t, dim = self.spec.name, self.spec.dim
-        doing = "pushed" if push else "pulled"
+        doing, outcome = ("pushed", "nothing was applied") if push else ("pulled", "nothing was read")
         field = f"tables.{t}.ids"
 
         def refuse(what: str, field: str = field) -> None:
-            raise error(f"table {t!r}, {field} {doing} by trainer {trainer!r}: {what}; nothing was applied", field=field, trainer=trainer)
+            raise error(f"table {t!r}, {field} {doing} by trainer {trainer!r}: {what}; {outcome}", field=field, trainer=trainer)
 
         if not isinstance(ids, torch.Tensor):
             refuse(f"the ids are a {type(ids).__name__}, not a tensor")

@@ -18,9 +18,22 @@ from pdps.core import wire
 OTHER_KINDS: tuple[Any, ...] = ("text", 1.5, 7, True, [1], ["x"], {"a": 1})
 #: values of the right kind that some field's range refuses
 OUT_OF_RANGE: tuple[Any, ...] = (-1, 0, -1.0, 0.0, "", ["a@0", "a@0"])
-#: mutations that span fields, per class: (field, key, value)
+#: row sections (``tables``, ``created``) that are malformed whatever the request: a
+#: pair that is no [table, n], an empty name, n < 0, a table named twice, or a section
+#: whose tensors the request does not carry
+BAD_SECTIONS: tuple[Any, ...] = (
+    [["emb"]], [["emb", 1, 2]], [[3, 0]], [["", 0]], [["emb", -1]], [["emb", 1.5]], [["emb", True]], ["emb"],
+    [["emb", 0], ["emb", 0]], [["emb", 2], ["other", 1]], [["zzz", 0], ["emb", 2], ["zzz", 0]],
+)
+#: mutations that span fields, per class: (field, key, value). A request with a row
+#: section in its valid form (a pull's) has table "emb" of 2 ids.
 SPANNING: dict[type, list[tuple[str, Any]]] = {
-    wire.PushRequest: [("samples", -3), ("records", [0, 1, 1, 5, 2]), ("records", [0, 1]), ("first", True), ("final", True)],
+    wire.PushRequest: [("samples", -3), ("records", [0, 1, 1, 5, 2]), ("records", [0, 1]), ("first", True), ("final", True)]
+    + [("tables", v) for v in BAD_SECTIONS],
+    wire.ReplicateRequest: [("tables", v) for v in BAD_SECTIONS] + [("created", v) for v in BAD_SECTIONS],
+    wire.PullRequest: [("tables", v) for v in BAD_SECTIONS] + [("tables", [["emb", 3]]), ("tables", [["emb", 1]]), ("tables", [])]
+    + [("dump", v) for v in (["emb", 0, 0, 10], ["emb", -1, 0, 10], ["emb", 0, -1, 10], ["emb", 0, 0, 0], ["", 0, 0, 1], ["emb", 0, 0], ["emb", "0", 0, 1])],
+    wire.MigrateRequest: [("row_offset", 0)],
     wire.GetTaskRequest: [("holding", [-1])],
 }
 

@@ -27,6 +27,10 @@ Rules:
   :class:`StorageError` (retry it; a corrupt part, fall back). Pieces are checked each
   on its own, so two threads can read one part; a part recorded without pieces (by an
   older pdps) is read in order and checked by its whole crc32.
+* A read of some entries (``read_part(..., wanted=)``: a pserver restoring its own
+  slots) reads the pieces that hold the header, then only the pieces that hold a
+  wanted byte, each once and checked by its crc32: a piece it does not read is not
+  checked (:func:`verify` reads them all). A part without pieces is read whole.
 * Tensors are safetensors files (8-byte little-endian header length, a JSON header
   of dtype/shape/data_offsets padded with spaces to 8 bytes, raw little-endian data):
   any safetensors reader loads them, and nothing is ever unpickled. The header is
@@ -141,8 +145,8 @@ class SafetensorsFiles:
     def write_part(self, path: str, tensors: Mapping[str, torch.Tensor], *, name: str | None = None) -> PartInfo:
         return write_part(self.storage, path, tensors, name=name)
 
-    def read_part(self, part: PartInfo) -> dict[str, torch.Tensor]:
-        return read_part(self.storage, part)
+    def read_part(self, part: PartInfo, *, wanted: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
+        return read_part(self.storage, part, wanted)
 
     def write_json_part(self, path: str, obj: Any, *, name: str | None = None) -> PartInfo:
         return write_json_part(self.storage, path, obj, name=name)
@@ -262,7 +266,7 @@ def write_json_part(storage: Storage, path: str, obj: Any, *, name: str | None =
     return _write(storage, path, [data], len(data), name)
 
 
-def read_part(storage: Storage, info: PartInfo) -> dict[str, torch.Tensor]:
+def read_part(storage: Storage, info: PartInfo, wanted: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
     """The tensors of a part :func:`write_part` wrote, checked against ``info``.
 
     The object is read into one new buffer; its size and crc32s are checked before any
@@ -271,9 +275,158 @@ def read_part(storage: Storage, info: PartInfo) -> dict[str, torch.Tensor]:
     naming the object and the fault: missing, wrong size, wrong checksum, a bad header
     (unknown dtype, offsets outside the data or leaving gaps); StorageError when the
     storage cannot be read.
+
+    ``wanted``: a predicate on entry names; only the entries it takes are returned, and
+    of a part recorded with pieces only they are read (:func:`_read_wanted`): its header
+    (the pieces that hold it, checked first, then the whole header parsed and checked),
+    then the byte ranges of the wanted entries, adjacent entries in one range, each
+    ``piece_bytes`` piece they touch read whole and checked by its crc32. A corrupt
+    piece no wanted entry touches goes unnoticed (:func:`verify` reads everything). The
+    tensors are views of one buffer holding just the wanted entries. A part recorded
+    without pieces is read whole, checked, and the wanted entries copied out of it.
     """
+    if wanted is not None and info.pieces:
+        return _read_wanted(storage, info, wanted)
     buf = _read_checked(storage, info)
-    return decode(buf, f"checkpoint part {_where(storage, info.path)}", info.path)[0]
+    tensors = decode(buf, f"checkpoint part {_where(storage, info.path)}", info.path)[0]
+    return tensors if wanted is None else _kept(tensors, wanted)
+
+
+def _kept(tensors: dict[str, torch.Tensor], wanted: Callable[[str], bool]) -> dict[str, torch.Tensor]:
+    """The tensors ``wanted`` takes: all of them as they are, some of them as copies (so
+    that the buffer the others are views of goes)."""
+    kept = {k: t for k, t in tensors.items() if wanted(k)}
+    return kept if len(kept) == len(tensors) else {k: t.clone() for k, t in kept.items()}
+
+
+@attrs.frozen
+class _Range:
+    """Adjacent wanted entries: bytes ``[start, end)`` of the part, placed at ``at`` in
+    the buffer they are read into (``at`` and ``start`` agree modulo 8, so every entry
+    keeps the alignment it has in the file)."""
+
+    start: int
+    end: int
+    at: int
+
+
+def _wanted_ranges(entries: Iterable[tuple[str, str, list[int], int, int]], data_start: int) -> list[_Range]:
+    """The byte ranges of the part that the non-empty ``entries`` (some of those
+    :func:`_parse_header` gives) span, adjacent ones merged, in file order."""
+    spans = sorted((data_start + begin, data_start + end) for _, _, _, begin, end in entries if end > begin)
+    merged: list[list[int]] = []
+    for start, end in spans:
+        if merged and merged[-1][1] == start:
+            merged[-1][1] = end
+        else:
+            merged.append([start, end])
+    ranges, at = [], 0
+    for start, end in merged:
+        at += (start - at) % 8
+        ranges.append(_Range(start, end, at))
+        at += end - start
+    return ranges
+
+
+def _read_wanted(storage: Storage, info: PartInfo, wanted: Callable[[str], bool]) -> dict[str, torch.Tensor]:
+    """:func:`read_part` of the entries ``wanted`` takes, reading only the pieces that
+    hold the header or a wanted byte, each piece once, in file order.
+
+    Pieces that wanted bytes fill whole are read straight into the result's buffer (a
+    run of them as :func:`_read_checked` reads a whole part: a helper thread hashes
+    while the next piece is read); a piece holding other bytes too is read into a
+    scratch piece and its wanted bytes copied out. Bytes read: at most the part's."""
+    import bisect
+    import contextlib
+
+    import torch
+
+    where = f"checkpoint part {_where(storage, info.path)}"
+    size = _checked_size(storage, info)
+    piece = info.piece_bytes
+    opened = storage.open_reader(info.path) if isinstance(storage, OpensReaders) else contextlib.nullcontext(None)
+    with opened as reader:
+        if reader is not None:
+            read_into = reader.read_into
+            cached = reader.read_cached if reader.parallel and isinstance(reader, CachedReads) else None
+        else:
+            read_into, cached = (lambda buf, offset: storage.read_into(info.path, buf, offset)), None
+
+        def read_checked(first: int, view: memoryview) -> None:
+            """Pieces ``first``.. into ``view`` (which they fill), each checked by its crc32."""
+            start = first * piece
+            threads = 2 if _hash_in_thread(view.nbytes) else 1
+            in_cache = (lambda chunk, offset: cached(chunk, start + offset)) if cached is not None else None
+            crcs = _read_pieces_hashed(lambda chunk, offset: read_into(chunk, start + offset), view, threads, in_cache, piece=piece)
+            _check_pieces(storage, info, crcs, first)
+
+        # The header: the pieces that hold it, checked before a byte of it is believed.
+        head = bytearray(min(size, piece))
+        read_checked(0, memoryview(head))
+        end = 8 + int.from_bytes(head[:8], "little") if size >= 8 else 0
+        if end <= size:  # (a header running past the end is _parse_header's to refuse)
+            more = -(-end // piece) * piece - len(head)
+            if more > 0:
+                rest = bytearray(min(more, size - len(head)))
+                read_checked(len(head) // piece, memoryview(rest))
+                head += rest
+        entries, data_start = _parse_header(memoryview(head), size, where, info.path)
+        if len(head) == size:  # the whole part was in the header's pieces
+            return _kept(decode(head, where, info.path)[0], wanted)
+
+        entries = [e for e in entries if wanted(e[0])]
+        ranges = _wanted_ranges(entries, data_start)
+        total = ranges[-1].at + ranges[-1].end - ranges[-1].start if ranges else 0
+        buf = _new_buffer(total) if total else bytearray(0)
+        out = memoryview(buf)
+        ends = [r.end for r in ranges]
+
+        def copy_out(view: memoryview, start: int) -> None:
+            """The wanted bytes of ``view`` (the part's bytes from ``start``) into ``out``."""
+            end = start + view.nbytes
+            i = bisect.bisect_right(ends, start)
+            while i < len(ranges) and ranges[i].start < end:
+                r = ranges[i]
+                lo, hi = max(r.start, start), min(r.end, end)
+                out[r.at + lo - r.start : r.at + hi - r.start] = view[lo - start : hi - start]
+                i += 1
+
+        copy_out(memoryview(head), 0)
+        done = len(head) // piece  # pieces read: those before this one
+        scratch: memoryview | None = None
+        for r in ranges:
+            first, last = max(r.start // piece, done), (r.end - 1) // piece
+            full_from = first if first * piece >= r.start else first + 1
+            full_to = last + 1 if min(size, (last + 1) * piece) <= r.end else last  # pieces [full_from, full_to) lie inside r
+            for p in range(first, last + 1):
+                if p < done:
+                    continue
+                if full_from <= p < full_to:
+                    lo, hi = p * piece, min(size, full_to * piece)
+                    read_checked(p, out[r.at + lo - r.start : r.at + hi - r.start])
+                    done = full_to
+                    continue
+                if scratch is None:
+                    scratch = memoryview(bytearray(piece))
+                view = scratch[: min(piece, size - p * piece)]
+                read_checked(p, view)
+                copy_out(view, p * piece)
+                done = p + 1
+
+    data = torch.frombuffer(buf, dtype=torch.uint8) if total else torch.empty(0, dtype=torch.uint8)
+    tensors: dict[str, torch.Tensor] = {}
+    for key, dtype_name, shape, begin, end in entries:
+        attr, itemsize = _DTYPES[dtype_name]
+        if end == begin:
+            tensors[key] = torch.empty(shape, dtype=getattr(torch, attr))
+            continue
+        r = ranges[bisect.bisect_right(ends, data_start + begin)]
+        at = r.at + data_start + begin - r.start
+        raw = data[at : at + end - begin]
+        if at % itemsize:
+            raw = raw.clone()  # another writer's unaligned layout: a copy is the only way
+        tensors[key] = raw.view(getattr(torch, attr)).reshape(shape)
+    return tensors
 
 
 def decode(
@@ -525,9 +678,10 @@ def _checked_size(storage: Storage, info: PartInfo) -> int:
     return size
 
 
-def _check_pieces(storage: Storage, info: PartInfo, crcs: list[int]) -> None:
+def _check_pieces(storage: Storage, info: PartInfo, crcs: list[int], first: int = 0) -> None:
+    """``crcs``, the crc32s of pieces ``first``.., against the part's record."""
     assert info.pieces is not None
-    for i, (got, want) in enumerate(zip(crcs, info.pieces)):
+    for i, (got, want) in enumerate(zip(crcs, info.pieces[first:]), first):
         if f"{got:08x}" != want:
             start = i * info.piece_bytes
             raise CorruptCheckpoint(

@@ -250,6 +250,11 @@ class TorchCompute:
     def replica(self, module: torch.nn.Module) -> TorchReplica:
         return TorchReplica(module, self.device)
 
+    def tables(self, module: torch.nn.Module, options: Mapping[str, Any] | None = None) -> Any:
+        from pdps.adapters.torch_tables import TorchTables
+
+        return TorchTables(module, options)
+
     def tensors(self, columns: Mapping[str, Any], device: str = "cpu") -> dict[str, torch.Tensor]:
         out = {k: torch.from_numpy(v) for k, v in columns.items()}
         return out if device == "cpu" else {k: v.to(device) for k, v in out.items()}

@@ -97,6 +97,11 @@ class JobConfig:
     pservers: int = attrs.field(default=1, validator=_whole_number(1))
     optimizer: str = attrs.field(default="SGD", validator=_text)
     optimizer_args: dict[str, Any] = attrs.field(factory=lambda: {"lr": 0.01}, converter=_optimizer_args, validator=_json_safe)
+    # sparse tables (pdps.nn): the row rule the pservers apply ("": the row rule of
+    # `optimizer`), its arguments ({}: `optimizer_args`), the most ids one request may carry
+    sparse_optimizer: str = attrs.field(default="", validator=attrs.validators.instance_of(str))
+    sparse_optimizer_args: dict[str, Any] = attrs.field(factory=dict, converter=_optimizer_args, validator=_json_safe)
+    sparse_max_ids: int = attrs.field(default=1 << 20, validator=_whole_number(1))
     batch_size: int = attrs.field(default=32, validator=_whole_number(1))
     passes: int = attrs.field(default=1, validator=_whole_number(1))
     push_every: int = attrs.field(default=1, validator=_whole_number(1))
@@ -310,6 +315,8 @@ class Keys:
     ``ps/<index>``        a pserver's claim of its index, with its address (leased)
     ``trainers/<id>``     a live trainer (leased)
     ``model``             the model's parameter specs (JSON), set by the first trainer
+    ``model_tables``      the model's sparse tables ([TableSpec JSON, ...]), written with
+                          ``model`` in the same transaction (absent: the model has none)
     ``slotmap``           the versioned slot map (JSON)
     ``checkpoint``        pointer to the latest committed checkpoint: {id, epoch, round,
                           url, created, history: [ids, newest first]} (JSON), if any
@@ -505,6 +512,10 @@ class Keys:
     @property
     def model(self) -> str:
         return self.root + "model"
+
+    @property
+    def model_tables(self) -> str:
+        return self.root + "model_tables"
 
     @property
     def slotmap(self) -> str:

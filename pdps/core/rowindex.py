@@ -27,6 +27,8 @@ _EMPTY = -1
 _DELETED = -2
 _MAX_LOAD = 0.6
 _MIN_BUCKETS = 8
+# buckets probed at once for the ids the first probe leaves unresolved
+_WINDOW = 4
 #: Positions are stored as int32.
 MAX_POSITION = np.iinfo(np.int32).max
 # Fibonacci hashing: the top bits of id * 2^64/phi spread ids (sequential ones too)
@@ -72,6 +74,11 @@ class IdIndex:
         return self._pos.shape[0]
 
     @property
+    def tombstones(self) -> int:
+        """Buckets of deleted entries not reused or rebuilt away yet."""
+        return self._deleted
+
+    @property
     def nbytes(self) -> int:
         """Bytes the index holds (its two bucket arrays)."""
         return self._keys.nbytes + self._pos.nbytes
@@ -81,18 +88,32 @@ class IdIndex:
         return ((u * _FIB) >> self._shift).astype(np.int64)
 
     def _find(self, ids: np.ndarray) -> np.ndarray:
-        """The bucket holding each id (1-D int64), -1 where none does."""
-        found = np.full(ids.shape[0], -1, dtype=np.int64)
-        active = np.arange(ids.shape[0])
-        want = ids
-        at = self._home(ids)
+        """The bucket holding each id (1-D int64), -1 where none does. One probe of
+        every id first (most end there), then windows of ``_WINDOW`` buckets for the
+        rest: an id's answer is the first bucket of its path that holds it or is empty."""
         keys, pos, mask = self._keys, self._pos, self._mask
+        at = self._home(ids)
+        p = pos[at]
+        hit = (keys[at] == ids) & (p >= 0)
+        found = np.where(hit, at, -1)
+        go_on = ~hit & (p != _EMPTY)
+        if not go_on.any():
+            return found
+        active = np.flatnonzero(go_on)
+        want, at = ids[active], (at[active] + 1) & mask
+        steps = np.arange(_WINDOW)
         while active.size:
-            p = pos[at]
-            hit = (keys[at] == want) & (p >= 0)
-            found[active[hit]] = at[hit]
-            go_on = ~hit & (p != _EMPTY)
-            active, want, at = active[go_on], want[go_on], (at[go_on] + 1) & mask
+            window = (at[:, None] + steps) & mask
+            p = pos[window]
+            hit = (keys[window] == want[:, None]) & (p >= 0)
+            stop = hit | (p == _EMPTY)
+            first = stop.argmax(axis=1)
+            rows = np.arange(active.size)
+            ended = stop[rows, first]
+            held = ended & hit[rows, first]
+            found[active[held]] = window[rows[held], first[held]]
+            go_on = ~ended
+            active, want, at = active[go_on], want[go_on], (at[go_on] + _WINDOW) & mask
         return found
 
     def lookup(self, ids: Any) -> np.ndarray:

@@ -41,13 +41,12 @@ TABLE_DTYPES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 #: ``pending_capacity=0`` means this many pending ids per table per pserver.
 DEFAULT_PENDING_CAPACITY = 1 << 20
 
-_U64 = (1 << 64) - 1
 _GAMMA = np.uint64(0x9E3779B97F4A7C15)
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
 _MIX2 = np.uint64(0x94D049BB133111EB)
 _TWO_TO_MINUS_53 = 2.0**-53
-# init_rows draws this many uint64 at a time at most (bounds its scratch memory)
-_INIT_CHUNK = 1 << 20
+# init_rows draws this many uint64 at a time at most: its scratch stays in cache
+_INIT_CHUNK = 1 << 15
 
 # Characters a table name may not hold: they separate the parts of entry names.
 _NAME_SEPARATORS = ("#", "/", "@")
@@ -171,6 +170,10 @@ def check_table_name(name: Any) -> None:
     """ConfigError unless ``name`` can name a table (and so its entries)."""
     if not isinstance(name, str) or not name:
         raise ConfigError(f"a table's name must be a non-empty string, got {shown(name)}")
+    try:
+        name.encode()
+    except UnicodeEncodeError:
+        raise ConfigError(f"a table's name must be valid unicode text, got {name!r}") from None
     bad = [c for c in _NAME_SEPARATORS if c in name]
     if bad:
         raise ConfigError(
@@ -327,7 +330,7 @@ def init_rows(spec: TableSpec, ids: Any) -> np.ndarray:
         counters = np.arange(draws, dtype=np.uint64) * _GAMMA
         step = max(1, _INIT_CHUNK // draws)
         u64 = _as_u64(arr)
-        for start in range(0, n, step):  # bounded scratch memory, a few chunks per batch
+        for start in range(0, n, step):  # a loop per chunk of rows (scratch in cache), never per row
             keys = splitmix64(seed_key ^ u64[start : start + step])
             bits = splitmix64(keys[:, None] + counters[None, :])
             u = (bits >> np.uint64(11)).astype(np.float64)

@@ -17,6 +17,13 @@ Rules of this module:
 * ``version`` in a pserver request is the *slot-map* version the request was
   computed for (:class:`~pdps.core.slots.SlotMap`); a pserver counts its applied
   updates in ``updates``.
+* Rows of sparse tables ride in the pserver calls as *row sections*: a list field of
+  ``[table, n]`` pairs in meta (``tables``, ``created``), and per pair its tensors
+  after the dense block tensors, in the pairs' order (a push: ids ``[n]`` then
+  gradients ``[n, dim]``; a pull: ids ``[n]``; a pull's reply: rows ``[n, dim]``).
+  The wire checks their structure (pairs, each table once, ``n >= 0``, the tensor
+  count, each tensor's leading dimension ``n``); dtypes, id ranges and finite values
+  are the pserver's to check (``TorchRows.check``), since they need the tables.
 """
 
 from __future__ import annotations
@@ -94,6 +101,12 @@ def _nonempty(v: str) -> str | None:
 
 def _names_once(v: Sequence[str]) -> str | None:
     return None if len(set(v)) == len(v) else "names a block more than once"
+
+
+def _leading(t: Any) -> int | None:
+    """A tensor's first dimension; None for what is no tensor or has no dimension."""
+    shape = getattr(t, "shape", None)
+    return int(shape[0]) if shape is not None and hasattr(t, "dtype") and len(shape) >= 1 else None
 
 
 def _is(kind: type, value: Any) -> bool:
@@ -198,6 +211,44 @@ class Wire:
         trainer = getattr(self, "trainer", None)
         return self.REFUSAL(message, field=field, trainer=trainer)
 
+    def _who(self) -> str:
+        """The call and its sender, as refusals name them."""
+        trainer = getattr(self, "trainer", None)
+        return self._what(trainer if isinstance(trainer, str) else None)
+
+    def _sections(self, field: str) -> tuple[tuple[str, int], ...]:
+        """Field ``field`` (``[[table, n], ...]``) checked and made a tuple of pairs:
+        each a non-empty table name and a row count ``n >= 0``, each table once."""
+        value = getattr(self, field) or ()
+        for pair in value:
+            if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and isinstance(pair[0], str) and pair[0] and _is(int, pair[1]) and pair[1] >= 0):
+                raise self._refuse(
+                    field,
+                    f"{self._who()}: field {field!r} must be [table, n] pairs (a table name, a whole number of rows >= 0), got {pair!r:.200} in {list(value)!r:.200}",
+                )
+        names = [pair[0] for pair in value]
+        twice = next((n for n in names if names.count(n) > 1), None)
+        if twice is not None:
+            raise self._refuse(field, f"{self._who()}: field {field!r} names table {twice!r} more than once: send one section per table, each id once")
+        pairs = tuple((str(name), int(n)) for name, n in value)
+        object.__setattr__(self, field, pairs if getattr(self, field) is not None else None)
+        return pairs
+
+    def _check_rows(self, field: str, sections: Sequence[tuple[str, int]], tensors: Sequence[Any], what: Sequence[str]) -> None:
+        """The tensors of ``sections`` (``len(what)`` per section, named by ``what``: an
+        id tensor ``[n]``, rows ``[n, dim]``) each of leading dimension ``n``."""
+        for i, (name, n) in enumerate(sections):
+            for j, kind in enumerate(what):
+                t = tensors[i * len(what) + j]
+                if _leading(t) != n:
+                    shape = tuple(t.shape) if hasattr(t, "shape") and hasattr(t, "dtype") else type(t).__name__
+                    want = "[n] int64" if kind == "ids" else "[n, dim]"
+                    raise self._refuse(
+                        field,
+                        f"{self._who()}: table {name!r} in field {field!r} has n={n} rows but its {kind} tensor has shape {shape}; "
+                        f"{kind} travel as {want} tensors, n the section's row count",
+                    )
+
 
 _SPECS: dict[type, list] = {}
 
@@ -260,15 +311,59 @@ class PushReply(PserverReply):
 
 @attrs.frozen
 class PullReply(PserverReply):
-    """The parameters (one tensor per block asked for) or, from a sync pull whose round
-    is still open after its ``slice``, ``waiting``: the trainers the round waits for
-    (and no tensors). ``wait_s``: time at the barrier; ``checkpoint``: a checkpoint taken
-    right after the round pulled."""
+    """The parameters (one tensor per block asked for, then the rows of each of
+    ``tables``: ``[n, dim]`` per ``[table, n]`` pair, the ids' rows in the pull's order)
+    or, from a sync pull whose round is still open after its ``slice``, ``waiting``:
+    the trainers the round waits for (and no tensors). ``wait_s``: time at the barrier;
+    ``checkpoint``: a checkpoint taken right after the round pulled.
+
+    The reply to a ``dump`` pull: ``more`` is set (whether rows follow the page), and
+    the tensors are the page's :attr:`ids` ``[k]`` and :attr:`values` ``[k, dim]``, or
+    none (and ``more`` false) when the slot holds no row of the table."""
 
     wait_s: float | None = _field(float, default=None, check=_at_least(0))
     waiting: tuple[str, ...] | None = _field(list, default=None, item=str)
     checkpoint: str | None = _field(str, default=None)
+    tables: tuple[tuple[str, int], ...] | None = _field(list, default=None)
+    more: bool | None = _field(bool, default=None)
     tensors: tuple[Any, ...] = _tensors()
+
+    def _validate(self) -> None:
+        sections = self._sections("tables")
+        if self.more is not None:
+            if not self.tensors and not self.more and not sections:
+                return  # the slot holds no row of the table
+            if sections or len(self.tensors) != 2:
+                raise self._refuse("more", f"pull reply: a dump's page ('more' set) holds ids and values, got {len(self.tensors)} tensors and tables {list(sections)!r:.200}")
+            k, width = _leading(self.tensors[0]), _leading(self.tensors[1])
+            if k is None or width != k:
+                shapes = [tuple(t.shape) if hasattr(t, "shape") else type(t).__name__ for t in self.tensors]
+                raise self._refuse("more", f"pull reply: a dump's page must be ids [k] and values [k, dim], got shapes {shapes}")
+            return
+        if len(self.tensors) < len(sections):
+            raise self._refuse("tables", f"pull reply: field 'tables' names {len(sections)} tables but the reply carries {len(self.tensors)} tensors")
+        self._check_rows("tables", sections, self.tensors[len(self.tensors) - len(sections) :], ("rows",))
+
+    @property
+    def dense_tensors(self) -> tuple[Any, ...]:
+        """The values of the blocks asked for (the tensors before the rows)."""
+        return self.tensors[: len(self.tensors) - len(self.tables or ())] if self.more is None else ()
+
+    @property
+    def table_rows(self) -> list[tuple[str, Any]]:
+        """``(table, rows [n, dim])`` per section of ``tables``, in order."""
+        rows = self.tensors[len(self.dense_tensors) :] if self.more is None else ()
+        return [(name, t) for (name, _), t in zip(self.tables or (), rows)]
+
+    @property
+    def ids(self) -> Any:
+        """A dump's page: the ids of its rows, ``[k]`` int64 (None: not a dump's reply)."""
+        return self.tensors[0] if self.more is not None and self.tensors else None
+
+    @property
+    def values(self) -> Any:
+        """A dump's page: the rows of :attr:`ids`, ``[k, dim]`` (None: not a dump's reply)."""
+        return self.tensors[1] if self.more is not None and self.tensors else None
 
 
 @attrs.frozen
@@ -358,9 +453,14 @@ class PushRequest(PserverRequest):
     part: bool = _field(bool, default=False)
     first: bool = _field(bool, default=False)
     final: bool = _field(bool, default=False)
+    tables: tuple[tuple[str, int], ...] | None = _field(list, default=None)
     tensors: tuple[Any, ...] = _tensors()
 
+    #: the row sections after the dense tensors: (meta field, tensors of each section)
+    _ROWS: ClassVar[tuple[tuple[str, tuple[str, ...]], ...]] = (("tables", ("ids", "grads")),)
+
     def _validate(self) -> None:
+        self._check_sections()
         if self.samples < 0:
             raise self._refuse("samples", f"push from trainer {self.trainer!r} claims {self.samples} samples")
         r = self.records
@@ -372,6 +472,46 @@ class PushRequest(PserverRequest):
             name = "first" if self.first else "final"
             raise self._refuse(name, f"push from trainer {self.trainer!r}: field {name!r} is for a push of some slots ('part': true)")
 
+    def _check_sections(self) -> None:
+        """The row sections' pairs, then their tensors, in order after the dense ones
+        (one per named block): each section's present and of leading dimension ``n``,
+        none left over. A refusal names the field whose section the tensors do not fit."""
+        parsed = [(field, self._sections(field), what) for field, what in self._ROWS]
+        if all(getattr(self, field) is None for field, _, _ in parsed):
+            return  # a push of blocks only: claim() checks its tensors against the pserver's blocks
+        rows = sum(len(sections) * len(what) for _, sections, what in parsed)
+        at = len(self.blocks) if self.blocks is not None else max(0, len(self.tensors) - rows)
+        last = next((field for field, sections, _ in reversed(parsed) if sections), parsed[0][0])
+        blocks = f"{len(self.blocks)} blocks" if self.blocks is not None else "its blocks"
+
+        def miscount(field: str) -> BadRequest:
+            counts = ", ".join(f"{len(sections)} in {f!r} ({len(what)} tensors each)" for f, sections, what in parsed)
+            return self._refuse(
+                field,
+                f"{self._who()}: got {len(self.tensors)} tensors for {blocks} and row sections {counts}: "
+                f"the tensors are one per block, then per section its ids and rows",
+            )
+
+        for field, sections, what in parsed:
+            if at + len(sections) * len(what) > len(self.tensors):
+                raise miscount(field)
+            self._check_rows(field, sections, self.tensors[at:], what)
+            at += len(sections) * len(what)
+        if at != len(self.tensors):
+            raise miscount(last)
+
+    @property
+    def dense_tensors(self) -> tuple[Any, ...]:
+        """The tensors of ``blocks`` (those before the row sections')."""
+        rows = sum(len(getattr(self, field) or ()) * len(what) for field, what in self._ROWS)
+        return self.tensors[: max(0, len(self.tensors) - rows)]
+
+    @property
+    def row_sections(self) -> list[tuple[str, Any, Any]]:
+        """``(table, ids [n], grads [n, dim])`` per section of ``tables``, in order."""
+        start = len(self.dense_tensors)
+        return [(name, self.tensors[start + 2 * i], self.tensors[start + 2 * i + 1]) for i, (name, _) in enumerate(self.tables or ())]
+
     def require(self, name: str) -> Any:
         """A field the pserver's mode needs (``round`` sync, ``updates`` async)."""
         key = "round" if name == "round_no" else name
@@ -381,13 +521,13 @@ class PushRequest(PserverRequest):
         return value
 
     def claim(self, held: Sequence[Block], pserver: int | None) -> list[int] | None:
-        """Check ``blocks`` and the tensors against the blocks the pserver holds, in
-        order: all of them (None is returned), or, for a ``part``, some of them, whose
-        positions are returned."""
+        """Check ``blocks`` and the dense tensors against the blocks the pserver holds,
+        in order: all of them (None is returned), or, for a ``part``, some of them, whose
+        positions are returned. The row sections are not the blocks' business."""
         trainer, keys = self.trainer, self.blocks
         index = {b.key: i for i, b in enumerate(held)}
         if keys is not None and not self.part and len(keys) == len(held) and all(k == b.key for k, b in zip(keys, held)):
-            check_tensors(self.tensors, held, trainer, held=len(held))
+            check_tensors(self.dense_tensors, held, trainer, held=len(held))
             return None
         if keys is None:
             raise self._refuse("blocks", f"push from trainer {trainer!r} does not name its blocks")
@@ -402,7 +542,7 @@ class PushRequest(PserverRequest):
         if self.part:
             if any(a >= b for a, b in zip(indices, indices[1:])):
                 raise self._refuse("blocks", f"push of some slots from trainer {trainer!r} names pserver {pserver}'s blocks out of order or more than once")
-            check_tensors(self.tensors, [held[i] for i in indices], trainer, held=len(held))
+            check_tensors(self.dense_tensors, [held[i] for i in indices], trainer, held=len(held))
             return indices
         missing = [b.describe() for b in held if b.key not in set(keys)]
         if missing:
@@ -416,9 +556,16 @@ class PushRequest(PserverRequest):
 
 @attrs.frozen
 class PullRequest(PserverRequest):
-    """The values of ``blocks`` (default: all the pserver holds). Sync, with
-    ``after_round``: once that round is applied, waiting up to ``slice_s`` (then
-    answering with whom it waits for) or until the call's :attr:`deadline`."""
+    """The values of ``blocks`` (default: all the pserver holds; ``()``: none, a pull of
+    rows only) and the rows of ``tables``: per ``[table, n]`` pair an ids tensor ``[n]``
+    (the reply's rows are in the same order). Sync, with ``after_round``: once that
+    round is applied, waiting up to ``slice_s`` (then answering with whom it waits for)
+    or until the call's :attr:`deadline`.
+
+    ``dump``: ``(table, slot, offset, limit)``, a page of every row the pserver holds of
+    ``table`` in ``slot``: at most ``limit`` rows from the ``offset``-th on (read-only,
+    for fetching the rows after a job; the reply's ``more`` says whether rows follow).
+    A dump pulls nothing else: it names no ``blocks`` and no ``tables``."""
 
     METHOD: ClassVar[str] = "pull"
     REPLY: ClassVar[type[Wire]] = PullReply
@@ -426,6 +573,28 @@ class PullRequest(PserverRequest):
     after_round: int | None = _field(int, default=None, check=_count)
     slice_s: float | None = _field(float, key="slice", default=None, check=_finite_positive)
     blocks: tuple[str, ...] | None = _field(list, default=None, item=str, check=_names_once)
+    tables: tuple[tuple[str, int], ...] | None = _field(list, default=None)
+    dump: tuple[str, int, int, int] | None = _field(list, default=None)
+    tensors: tuple[Any, ...] = _tensors()
+
+    def _validate(self) -> None:
+        sections = self._sections("tables")
+        if self.dump is not None:
+            d = self.dump
+            if not (len(d) == 4 and isinstance(d[0], str) and d[0] and all(_is(int, v) for v in d[1:]) and d[1] >= 0 and d[2] >= 0 and d[3] >= 1):
+                raise self._refuse("dump", f"{self._who()}: field 'dump' must be [table, slot, offset, limit] (slot and offset >= 0, limit >= 1), got {list(d)!r:.200}")
+            if self.blocks is not None or self.tables is not None or self.tensors:
+                raise self._refuse("dump", f"{self._who()}: a 'dump' pulls one table's rows and nothing else: send it without 'blocks', 'tables' or tensors")
+            object.__setattr__(self, "dump", tuple(d))
+            return
+        if len(self.tensors) != len(sections):
+            raise self._refuse("tables", f"{self._who()}: field 'tables' names {len(sections)} tables but the request carries {len(self.tensors)} tensors: one ids tensor per table")
+        self._check_rows("tables", sections, self.tensors, ("ids",))
+
+    @property
+    def row_sections(self) -> list[tuple[str, Any, None]]:
+        """``(table, ids [n], None)`` per section of ``tables``, in order (a pull carries no gradients)."""
+        return [(name, t, None) for (name, _), t in zip(self.tables or (), self.tensors)]
 
     def claim(self, held: Sequence[Block], pserver: int | None) -> list[int] | None:
         """Positions of ``blocks`` among the pserver's (None: all)."""
@@ -451,6 +620,9 @@ class MigrateReply(PserverReply):
     ``<param>@<first>:<end>/values|state.K|scalar.K``) and one tensor per name."""
 
     names: tuple[str, ...] = _field(list, default=(), item=str)
+    #: a page of a slot's rows (the request's ``row_offset``): rows follow, ask again from
+    #: ``row_offset`` + the rows this page holds
+    more: bool = _field(bool, default=False)
     #: async: ``(slot, pushes applied to it)`` for each slot, which the receiver counts on from
     applied: tuple[tuple[int, int], ...] = _field(list, default=())
     #: async replicas: ``(backup, seq)``: the forwards the sender (a primary) had queued
@@ -473,8 +645,12 @@ class MigrateReply(PserverReply):
 class ReplicateRequest(PushRequest):
     """A push's gradient for the blocks a pserver backs up, forwarded by their primary
     (``trainer`` is the trainer that pushed it; ``blocks`` names some of the backup's
-    blocks, ``part`` is set). The primary answers the trainer only once every backup
-    has it.
+    blocks, ``part`` is set; ``tables``, the row sections of the ids whose slots it backs
+    up). The primary answers the trainer only once every backup has it.
+
+    ``created``: per ``[table, n]`` pair, ids ``[n]`` and values ``[n, dim]`` (after the
+    row sections' tensors): the rows the primary created for this push, so that a
+    backup copies their initial values, never computes them.
 
     Sync: staged as the trainer's own push would be, so every replica applies each
     closed round whole. Async: applied at once, in the order the primary applied it:
@@ -488,24 +664,40 @@ class ReplicateRequest(PushRequest):
 
     primary: int | None = _field(int, default=None, check=_count)
     seq: int | None = _field(int, default=None, check=_count)
+    created: tuple[tuple[str, int], ...] | None = _field(list, default=None)
+
+    _ROWS: ClassVar[tuple[tuple[str, tuple[str, ...]], ...]] = (("tables", ("ids", "grads")), ("created", ("ids", "values")))
+
+    @property
+    def created_rows(self) -> list[tuple[str, Any, Any]]:
+        """``(table, ids [n], values [n, dim])`` per section of ``created``, in order."""
+        start = len(self.dense_tensors) + 2 * len(self.tables or ())
+        return [(name, self.tensors[start + 2 * i], self.tensors[start + 2 * i + 1]) for i, (name, _) in enumerate(self.created or ())]
 
 
 @attrs.frozen
 class MigrateRequest(PserverRequest):
     """From a pserver that receives ``slots`` in slot map ``version`` (required): the
     state those slots had when the sender switched to that map. ``trainer`` names the
-    asking pserver."""
+    asking pserver.
+
+    ``row_offset``: the rows of one slot's tables, paged: the entries of its rows from
+    the ``row_offset``-th row on, as many as fit one reply (whose ``more`` says whether
+    rows follow). Without it, the slots' blocks."""
 
     METHOD: ClassVar[str] = "migrate"
     REPLY: ClassVar[type[Wire]] = MigrateReply
 
     slots: tuple[int, ...] = _field(list, default=(), item=int)
+    row_offset: int | None = _field(int, default=None, check=_count)
 
     def _validate(self) -> None:
         if self.version is None:
             raise self._refuse("version", f"migrate from {self.trainer!r} names no slot map version")
         if any(s < 0 for s in self.slots) or len(set(self.slots)) != len(self.slots):
             raise self._refuse("slots", f"migrate from {self.trainer!r}: field 'slots' must name distinct slots >= 0")
+        if self.row_offset is not None and len(self.slots) != 1:
+            raise self._refuse("row_offset", f"migrate from {self.trainer!r}: field 'row_offset' pages the rows of one slot, but 'slots' names {len(self.slots)}")
 
 
 # --- master ----------------------------------------------------------------------------

@@ -5,8 +5,9 @@ The records are core's (:mod:`pdps.core.checkpoints`); an adapter owns the bytes
 
 * A part is written atomically and described by the :class:`PartInfo` returned: its
   size and crc32s are of exactly the bytes written.
-* A reader trusts nothing it has not checked: a part's size, then its checksums, then
-  its structure, all before a value is built. Anything wrong raises
+* A reader trusts nothing it has not checked: a part's size, then its checksums (of
+  the pieces it reads, for a read of some entries), then its structure, all before a
+  value is built. Anything wrong raises
   :class:`~pdps.core.errors.CorruptCheckpoint` naming the object and the fault (fall
   back to another checkpoint); a storage that cannot answer raises a plain
   :class:`~pdps.core.errors.StorageError` (retry).
@@ -17,7 +18,7 @@ The records are core's (:mod:`pdps.core.checkpoints`); an adapter owns the bytes
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 from pdps.core.checkpoints import Manifest, PartInfo
@@ -32,8 +33,15 @@ class CheckpointFiles(Protocol):
         """Write ``tensors`` (the compute's tensors, by name) as one part at ``path``."""
         ...
 
-    def read_part(self, part: PartInfo) -> dict[str, Any]:
-        """The tensors of a part :meth:`write_part` wrote, checked against ``part``."""
+    def read_part(self, part: PartInfo, *, wanted: Callable[[str], bool] | None = None) -> dict[str, Any]:
+        """The tensors of a part :meth:`write_part` wrote, checked against ``part``.
+
+        ``wanted``: a predicate on entry names; only the entries it takes are returned,
+        and only their bytes read where the part records piece checksums (the header,
+        then the ranges of the wanted entries, each piece they touch checked by its
+        crc32: a corrupt piece no wanted entry touches goes unnoticed, as :meth:`verify`
+        would not let it). The result then holds no more memory than the wanted entries.
+        """
         ...
 
     def write_json_part(self, path: str, obj: Any, *, name: str | None = None) -> PartInfo:

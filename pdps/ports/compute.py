@@ -304,6 +304,12 @@ class Compute(Protocol):
         default of the job setting ``sparse_max_ids``)."""
         ...
 
+    def tables(self, module: Any, options: Mapping[str, Any] | None = None) -> TrainerTables:
+        """Take ``module``'s sparse tables out of it (each swapped for a stand-in that
+        pulls its rows), before :meth:`replica` binds the rest (:mod:`pdps.nn`). Falsy
+        when the model has none."""
+        ...
+
 
 @runtime_checkable
 class ThreadedCompute(Protocol):
@@ -312,3 +318,32 @@ class ThreadedCompute(Protocol):
 
     @property
     def threads(self) -> int: ...
+
+
+@runtime_checkable
+class TrainerTables(Protocol):
+    """A trainer's side of a model's sparse tables (see ``pdps.adapters.torch_tables``):
+    rows pulled by each forward, gradient rows pushed per pserver."""
+
+    specs: list[TableSpec]
+
+    def __bool__(self) -> bool: ...
+
+    def connect(self, route: Callable[[], Sequence[int]], pull: Callable[[Mapping[int, list[tuple[str, Any]]]], Mapping[int, Sequence[Any]]]) -> None:
+        """``route()``: the slot map's owner of each slot, now; ``pull({pserver: [(table,
+        ids)]})``: their rows, per pserver, in order (raising SlotMapChanged once the
+        trainer has followed a resize: the ids are routed again)."""
+        ...
+
+    def sections(self, pservers: Sequence[int]) -> dict[int, list[tuple[str, Any, Any]]]:
+        """Per pserver: ``(table, ids, gradient rows)`` for every table the step used
+        (ids ascending, unique, possibly none)."""
+        ...
+
+    def check_finite(self, trainer: str) -> None:
+        """GradientRejected naming the table if a gradient row holds NaN or Inf."""
+        ...
+
+    def clear(self) -> None:
+        """Forget the step's rows (pushed, refused or dropped)."""
+        ...

@@ -38,6 +38,7 @@ from pdps.core.checkpoints import Epoch
 from pdps.core.elastic import Resize, ResizeState
 from pdps.core.headcount import claimable
 from pdps.core.errors import (
+    BadRequest,
     ConfigError,
     CorruptRecord,
     EpochChanged,
@@ -57,6 +58,7 @@ from pdps.core.job import JobConfig, Keys, decode_as, decode_json, says_done
 from pdps.core.lifecycle import HALTED, UNSETTLED, PserverEvent, PserverState, next_state
 from pdps.core.sgd import Mode, RoundRecord, check_staleness, participants
 from pdps.core.slots import Block, Layout, ParamSpec, SlotMap
+from pdps.core.tables import TableSpec, check_row_rule, row_entry, row_rule_for
 from pdps.core.txn import Decision, Done, Write
 from pdps.core.wire import (
     AppliedReply,
@@ -73,7 +75,7 @@ from pdps.core.wire import (
     PushRequest,
 )
 from pdps.ports.checkpoints import CheckpointFiles
-from pdps.ports.compute import Compute, ParameterShard
+from pdps.ports.compute import Compute, ParameterShard, RowShard
 from pdps.ports.coordination import Compare, CoordinationStore, EventType, KeyValue, Put, TxnOp, WatchEvent
 from pdps.ports.transport import Channel, Endpoint, Transport
 from pdps.roles import calls
@@ -287,6 +289,10 @@ class Pserver:
         self._closer = threading.Condition(lock)
         self._waiters = 0  # pulls waiting at the barrier
         self._shard: ParameterShard | None = None
+        #: the model's sparse tables (``model_tables``; None: not read yet), and the rows of
+        #: each in the slots this pserver is the primary of
+        self._table_specs: list[TableSpec] | None = None
+        self._tables: dict[str, RowShard] = {}
         self._slot_map: SlotMap | None = None  # the map served: read at start, switched by resizes
         self._layout: Layout | None = None  # the model's blocks on _slot_map (once the model is known)
         self._specs: list[ParamSpec] | None = None
@@ -566,9 +572,12 @@ class Pserver:
                 reply, queued = self._push_async(req, shard, began)
             else:
                 indices = self._claim(req, shard.blocks, self._primary)  # before any state changes
+                sections = self._checked_rows(req)
                 self._stage_round(req, shard, indices)
+                for name, ids, grads in sections:
+                    self._tables[name].stage(trainer, ids, grads, keep=req.owned)
                 reply = PushReply(**self._state(), update_s=time.perf_counter() - began)
-                forwards = self._forwards_of(req, indices, req.tensors, samples=req.samples, round_no=req.round_no)
+                forwards = self._forwards_of(req, indices, req.dense_tensors, samples=req.samples, round_no=req.round_no)
         # off the lock: the trainer is answered once every backup has it
         if self.config.mode is not Mode.SYNC:
             for item in queued:
@@ -653,8 +662,8 @@ class Pserver:
         if round_no > self.round_no:
             raise InvalidTransition(f"trainer {trainer}", f"round {self.round_no}", f"push for round {round_no}", "pull first")
         # a forward's values were checked by the primary forwarding it: one pass fewer over it here
-        shard.check(req.tensors, trainer, indices=indices, finite=not isinstance(req, ReplicateRequest))
-        shard.stage(trainer, req.tensors, indices, keep=req.owned)  # applied only if the closed round holds its contribution
+        shard.check(req.dense_tensors, trainer, indices=indices, finite=not isinstance(req, ReplicateRequest))
+        shard.stage(trainer, req.dense_tensors, indices, keep=req.owned)  # applied only if the closed round holds its contribution
 
     def _claim(self, req: PushRequest | PullRequest, blocks: Sequence[Block], primary: list[int] | None) -> list[int] | None:
         """The positions in ``blocks`` (a shard's) that ``req`` is for: the blocks named,
@@ -812,13 +821,19 @@ class Pserver:
         seen = req.require("updates")
         if not req.part:
             indices = self._claim(req, shard.blocks, self._primary)
-            shard.check(req.tensors, trainer, indices=indices)
+            dense = req.dense_tensors
+            shard.check(dense, trainer, indices=indices)
+            sections = self._checked_rows(req)
             self._check_updates(seen, trainer)
             if self._applied_already(req.records):
                 return PushReply(**self._state(), update_s=time.perf_counter() - began, duplicate=True), []
-            queued = self._queue_forwards(req, indices, req.tensors)
-            shard.apply(req.tensors, indices)
+            queued = self._queue_forwards(req, indices, dense)
+            shard.apply(dense, indices)
+            for name, ids, grads in sections:
+                self._tables[name].apply(ids, grads)
         else:
+            if req.tables:
+                raise GradientRejected(f"trainer {trainer!r} sent row sections in a push of some slots; rows ride in whole pushes", field="tables", trainer=trainer)
             outcome, staged = self._stage_piece(shard, req, seen)
             if staged is None:
                 return PushReply(**self._state(), update_s=time.perf_counter() - began, duplicate=outcome == "duplicate"), []
@@ -938,6 +953,8 @@ class Pserver:
                 return self._frozen_reply(req, extra)
             self._check_request(req)
             shard = self._ready_shard()
+            if req.dump is not None:
+                return self._dump(req)
             indices = self._claim(req, shard.blocks, self._primary)
             if after is not None and self.config.mode is Mode.SYNC:
                 epoch = self.epoch
@@ -960,7 +977,49 @@ class Pserver:
             views = shard.views()
             if indices is not None:  # some slots only: a trainer pulling while its forward runs
                 views = [views[i] for i in indices]
+            if req.tables:
+                rows = self._looked_up(req)
+                return PullReply(**self._state(), tables=req.tables, tensors=[*views, *rows], **extra)  # type: ignore[arg-type]
             return PullReply(**self._state(), tensors=views, **extra)  # type: ignore[arg-type]
+
+    def _dump(self, req: PullRequest) -> PullReply:
+        """(Lock held) a page of the rows of one table in one slot (fetching a job's rows)."""
+        assert req.dump is not None
+        name, slot, offset, limit = req.dump
+        rows = self._table(name, req.trainer)
+        if slot not in rows.slots:
+            raise BadRequest(f"pull from {req.trainer!r}: pserver {self.index} holds no rows of slot {slot} (it is the primary of {len(rows.slots)} slots)", field="dump", trainer=req.trainer)
+        entries, more = rows.export_slots([slot], offset, limit)
+        ids = entries.get(row_entry(name, slot, "ids"))
+        values = entries.get(row_entry(name, slot, "values"))
+        if ids is None or values is None:  # the slot holds no row of the table
+            return PullReply(**self._state(), more=False)
+        return PullReply(**self._state(), more=more, tensors=[ids, values])
+
+    def _checked_rows(self, req: PushRequest) -> list[tuple[str, object, object]]:
+        """(Lock held) ``req``'s row sections, each checked by its table (ids, shapes,
+        finite values, ownership) before anything is staged or applied."""
+        sections = req.row_sections
+        for name, ids, grads in sections:
+            self._table(name, req.trainer).check(ids, grads, req.trainer, finite=not isinstance(req, ReplicateRequest))
+        return sections
+
+    def _table(self, name: str, trainer: str) -> RowShard:
+        rows = self._tables.get(name)
+        if rows is None:
+            known = sorted(self._tables) or "none"
+            raise GradientRejected(f"trainer {trainer!r} sent rows of table {name!r}, which the job's model does not have (its tables: {known})", field="tables", trainer=trainer)
+        return rows
+
+    def _looked_up(self, req: PullRequest) -> list[object]:
+        """(Lock held) the rows a pull asks for, per section (checked first)."""
+        ids_of = req.tensors
+        out = []
+        for (name, _), ids in zip(req.tables or (), ids_of):
+            rows = self._table(name, req.trainer)
+            rows.check(ids, None, req.trainer)
+            out.append(rows.lookup(ids))
+        return out
 
     def _frozen_for(self, req: PullRequest) -> bool:
         """Sync: a pull of the round after which this pserver switched maps, computed for
@@ -1147,8 +1206,9 @@ class Pserver:
     def _apply_round(self, record: RoundRecord) -> None:
         assert self._shard is not None
         weights = record.weights_to_apply()
+        row_weights = weights if self._tables else []
         if not self._shard.blocks:
-            weights = []  # nothing of the model is here (a pserver a resize adds or lets go): nothing to apply
+            weights = []  # no block of the model is here (a pserver a resize adds or lets go, or one holding rows only)
         missing = [t for t, _ in weights if t not in self._shard.staged()]
         if missing:
             # Only a pserver that lost its state can lack a committed gradient; the job
@@ -1158,8 +1218,13 @@ class Pserver:
             self._move(PserverEvent.ROLL_BACK)
             threading.Thread(target=self._request_rollback, args=(reason,), daemon=True).start()
             raise EpochChanged(reason)
+        rows_applied = False
+        for rows in self._tables.values():
+            rows_applied = rows.apply_staged(row_weights) or rows_applied  # a table the round used moves its step
+            rows.unstage()
         if weights:
             self._shard.apply_staged(weights)
+        if weights or rows_applied:
             self.version += 1
             for c in record.contributions.values():
                 if c.samples and c.task is not None and c.attempt is not None:
@@ -1167,6 +1232,8 @@ class Pserver:
         self._shard.unstage()
         for t in self._gone - set(record.contributions):
             self._shard.unstage(t, forget=True)
+            for rows in self._tables.values():
+                rows.unstage(t, forget=True)
         self._gone &= set(record.contributions)
         self._prev = set(record.contributions)
         self.round_no = record.round_no + 1
@@ -1839,10 +1906,29 @@ class Pserver:
             if model is None:
                 raise NotReady(f"job {self.config.name!r} has no model description yet; a trainer must attach first")
             self._specs = decode_as(model.value, model.key, lambda ds: [ParamSpec.from_json(d) for d in ds])
+            tables = self._store.get(self._keys.model_tables)
+            self._table_specs = [] if tables is None else decode_as(tables.value, tables.key, lambda ds: [TableSpec.from_json(d) for d in ds])
             assert self.index is not None and self._slot_map is not None
             self._use_layout(Layout.build(self._specs, self._slot_map, self.config.min_block))
             self._shard = self._compute.shard(self._blocks(), self.config.optimizer, self.config.optimizer_args)
+            self._tables = self._build_tables()
         return self._shard
+
+    def _build_tables(self) -> dict[str, RowShard]:
+        """A row store per table of the model, for the slots this pserver is the primary
+        of, stepped by the job's row rule (``sparse_optimizer``, or the row rule of
+        ``optimizer``)."""
+        specs = self._table_specs or []
+        if not specs:
+            return {}
+        assert self._slot_map is not None and self.index is not None
+        rule, args = sparse_rule(self.config)
+        slots = [s for s, owner in enumerate(self._slot_map.owners) if owner == self.index]
+        clock = time.time
+        return {
+            spec.name: self._compute.rows(spec, rule, args, slots, self._slot_map.num_slots, clock, max_ids=self.config.sparse_max_ids)
+            for spec in specs
+        }
 
     def _blocks(self) -> list:
         assert self._layout is not None and self.index is not None
@@ -1865,6 +1951,9 @@ class Pserver:
                 forwards.setdefault(backup, []).append(i)
         self._forwards = forwards
         idle = set(layout.idle_pservers)  # they see no pull: one of them would close its rounds a second late
+        if self._table_specs:  # rows hash into every slot: every pserver owning a slot is a part
+            idle = {p for p in range(layout.slot_map.num_pservers) if p not in layout.slot_map.owners}
+            self._my_slots = tuple(s for s, owner in enumerate(layout.slot_map.owners) if owner == self.index)
         self._closers = tuple(p for p in range(layout.slot_map.num_pservers) if p not in idle)
 
     def _receiving_shard(self) -> ParameterShard:
@@ -1889,3 +1978,16 @@ class Pserver:
         if not shard.initialized:
             raise NotInitialized(f"pserver {self.index} has no parameter values (epoch {self.epoch}); call init first")
         return shard
+
+
+def sparse_rule(config: JobConfig) -> tuple[str, dict]:
+    """The row rule a job's tables are stepped by, and its arguments (checked): the
+    ``sparse_optimizer`` setting, or the row rule of ``optimizer``."""
+    name = config.sparse_optimizer or row_rule_for(config.optimizer)
+    if name is None:
+        raise ConfigError(
+            f"the model has sparse tables and optimizer {config.optimizer!r} has no row rule: "
+            "set sparse_optimizer (SGD, Adagrad, RowWiseAdagrad or SparseAdam)"
+        )
+    args = config.sparse_optimizer_args if config.sparse_optimizer or config.sparse_optimizer_args else config.optimizer_args
+    return name, check_row_rule(name, args)

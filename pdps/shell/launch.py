@@ -97,13 +97,14 @@ def summary(result: Mapping[str, Any], evaluation: Mapping[str, Any] | None = No
     )
     if "windows" in result:
         out.update(windows=result["windows"], records=result["records"])
-    if "accuracy" in out:
-        out["accuracy"] = round(float(out["accuracy"]), 6)
+    for metric in ("accuracy", "auc"):
+        if metric in out:
+            out[metric] = round(float(out[metric]), 6)
     return out
 
 
 def describe(s: Mapping[str, Any]) -> str:
-    acc = f"held-out accuracy {s['accuracy']:.4f} after " if "accuracy" in s else "done after "
+    acc = f"held-out accuracy {s['accuracy']:.4f} after " if "accuracy" in s else f"held-out AUC {s['auc']:.4f} after " if "auc" in s else "done after "
     trained = f"{s['windows']} windows ({s['records']} records)" if "windows" in s else f"{s['passes']} passes"
     return f"{acc}{trained}, {s['steps']} updates, {s['tasks_done']} tasks done, {s['tasks_failed']} failed, in {s['seconds']:.1f}s"
 

@@ -23,6 +23,7 @@ from pdps.core.errors import ConfigError, PdpsError, Timeout
 from pdps.core.headcount import Desired, leaves, to_start
 from pdps.core.job import JobConfig, Keys, decode_as, decode_json, require_seconds, require_whole_number, shown
 from pdps.core.lifecycle import HALTED
+from pdps.core.tables import TableSpec
 from pdps.core.slots import ParamSpec
 from pdps.core.wire import PullRequest
 from pdps.ports.compute import Compute
@@ -337,11 +338,14 @@ def fetch_model(store: CoordinationStore, transport: Transport, config: JobConfi
     """The model's current parameters and the updates applied by the busiest pserver."""
     import torch
 
-    kv = store.get(Keys(config.name).model)
+    keys = Keys(config.name)
+    kv = store.get(keys.model)
     if kv is None:
         raise PdpsError(f"job {config.name!r} has no model: no trainer attached one")
     specs = decode_as(kv.value, kv.key, lambda ds: [ParamSpec.from_json(d) for d in ds])
-    group = PserverGroup(store, transport, config, specs)
+    tables_kv = store.get(keys.model_tables)
+    tables = [] if tables_kv is None else decode_as(tables_kv.value, tables_kv.key, lambda ds: [TableSpec.from_json(d) for d in ds])
+    group = PserverGroup(store, transport, config, specs, tables=bool(tables))
     # Parameters share one dtype (the replica's flat buffer requires it), so the model is
     # one flat buffer here too and each block lands at its own offset in it.
     flat = torch.empty(sum(s.numel for s in specs), dtype=getattr(torch, specs[0].dtype))
@@ -352,13 +356,47 @@ def fetch_model(store: CoordinationStore, transport: Transport, config: JobConfi
             steps = max(steps, reply.updates)
             for block, tensor in zip(part.blocks, reply.tensors):
                 flat[block.offset : block.offset + block.numel].copy_(tensor.reshape(-1))
+        rows = {spec.name: _fetch_rows(group, spec) for spec in tables}
     finally:
         group.close()
     params, offset = {}, 0
     for s in specs:
         params[s.name] = flat[offset : offset + s.numel].view(s.shape)
         offset += s.numel
+    params.update(rows)
     return params, steps
+
+
+#: rows per page of a table fetched after a job
+FETCH_PAGE_ROWS = 65536
+
+
+def _fetch_rows(group: PserverGroup, spec: TableSpec) -> Any:
+    """Every row of ``spec``'s table, paged from the primary of each slot, as a
+    :class:`pdps.nn.TableRows` (ids ascending)."""
+    import torch
+
+    from pdps.nn import TableRows
+
+    slot_map = group.layout.slot_map
+    ids, values = [], []
+    for part in group.parts:
+        for slot in (s for s, owner in enumerate(slot_map.owners) if owner == part.index):
+            offset = 0
+            while True:
+                reply = group.ask(part, PullRequest("fetch", version=slot_map.version, dump=(spec.name, slot, offset, FETCH_PAGE_ROWS)))
+                if reply.tensors:
+                    ids.append(reply.ids)
+                    values.append(reply.values)
+                    offset += int(reply.ids.numel())
+                if not reply.more:
+                    break
+    dtype = getattr(torch, spec.dtype)
+    if not ids:
+        return TableRows(spec, torch.empty(0, dtype=torch.int64), torch.empty((0, spec.dim), dtype=dtype))
+    all_ids, all_values = torch.cat(ids), torch.cat(values)
+    order = torch.argsort(all_ids)
+    return TableRows(spec, all_ids[order], all_values[order])
 
 
 def pass_totals(store: CoordinationStore, config: JobConfig) -> tuple[int, int]:

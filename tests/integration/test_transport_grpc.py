@@ -22,8 +22,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdps.adapters import grpc_transport as gt
 from pdps.adapters.grpc_transport import GrpcTransport, TlsConfig
+from pdps.core import wire
 from pdps.core.errors import ConfigError, InvalidTransition, NotReady, StalePush, Timeout, TransportError
 from pdps.ports.transport import ChannelStats, ConcurrentCalls, Message
+from pdps.roles import calls
 from tests.tls import make_tls
 from tests.unit.contract_transport import KEPT, TransportContract, echo
 
@@ -175,6 +177,48 @@ def test_a_reply_is_received_into_the_callers_tensors_when_they_match(serve, bul
         reply = ch.call("pull", Message({}), into=wrong)  # count, shape, dtype, layout: no match
         assert all(got is not w for got, w in zip(reply.tensors, wrong))
         assert torch.equal(reply.tensors[0], values[0]) and torch.equal(reply.tensors[1], values[1])
+
+
+@pytest.mark.parametrize("bulk_threshold", [0, None], ids=["bulk", "grpc-only"])
+def test_row_sections_cross_unchanged_and_pulled_rows_land_in_the_callers_buffer(serve, bulk_threshold):
+    """Rows of sparse tables (design/sparse-embeddings.md §3) are plain tensors to the
+    transport: a push's int64 ids (anywhere in int64) and [n, dim] gradients arrive bit
+    for bit after its dense tensors, and a pull's rows are received into the slice of
+    the caller's [U, dim] buffer they belong in."""
+    transport = GrpcTransport(bulk_threshold=bulk_threshold)
+    table = torch.randn(100, 8, dtype=torch.float64)
+    pushed: list[wire.PushRequest] = []
+    state = {"round_no": 0, "updates": 1, "epoch": 0, "incarnation": "i"}
+
+    def push(req: wire.PushRequest) -> wire.PushReply:
+        pushed.append(req)
+        return wire.PushReply(**state)
+
+    def pull(req: wire.PullRequest) -> wire.PullReply:
+        sections = tuple((name, len(ids)) for name, ids, _ in req.row_sections)
+        return wire.PullReply(**state, tables=sections, tensors=tuple(table[ids % 100] for _, ids, _ in req.row_sections))
+
+    ep = serve(calls.serve({wire.PushRequest: push, wire.PullRequest: pull}), transport)
+    ch = transport.connect(ep.address)
+    ids = torch.tensor([-(2**63), -(2**62) - 3, -1, 0, 7, 2**62 + 5, 2**63 - 1], dtype=torch.int64)
+    grads, dense = torch.randn(7, 8, dtype=torch.float64), torch.randn(3, 4)
+    empty = (ids[:0], torch.zeros(0, 8, dtype=torch.float64))
+    for _ in range(2):  # with the bulk channel on, the second round takes it
+        sent = wire.PushRequest("t0", updates=0, blocks=("w@0",), tables=(("emb", 7), ("tags", 0)), tensors=(dense, ids, grads, *empty))
+        calls.call(ch, sent, timeout=10)
+        got = pushed.pop()
+        assert got.tables == (("emb", 7), ("tags", 0)) and torch.equal(got.dense_tensors[0], dense)
+        (name, got_ids, got_grads), (_, no_ids, no_grads) = got.row_sections
+        assert name == "emb" and got_ids.dtype == torch.int64 and got_ids.tolist() == ids.tolist()
+        assert torch.equal(raw_bytes(got_grads), raw_bytes(grads)) and no_ids.shape == (0,) and no_grads.shape == (0, 8)
+
+        buffer = torch.zeros(5, 8, dtype=torch.float64)  # the trainer's [U, dim] rows; this pserver owns 2..4
+        wanted = torch.tensor([5, 0, 99])
+        into = [buffer[2:5]]
+        reply = calls.call(ch, wire.PullRequest("t0", blocks=(), tables=(("emb", 3),), tensors=(wanted,)), timeout=10, into=into)
+        [(name, got_rows)] = reply.table_rows
+        assert name == "emb" and got_rows is into[0] and torch.equal(buffer[2:5], table[wanted]) and not buffer[:2].any()
+    assert (ep.grpc_calls, ep.bulk_calls) == ((1, 3) if bulk_threshold == 0 else (4, 0))
 
 
 def echo_from_8_threads(ch) -> None:

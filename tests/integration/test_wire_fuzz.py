@@ -2,7 +2,8 @@
 and a live master over both transports (in-process and gRPC on 127.0.0.1).
 
 A valid request of each class is mutated (:mod:`tests.wire_cases`: a field of the
-wrong kind, left out, out of range; tensors too few, too many or misshapen). Each
+wrong kind, left out, out of range; a malformed row section; tensors too few, too
+many or misshapen). Each
 mutation is refused with the typed error naming the field; the server keeps serving
 (a good request right after succeeds) and its state is unchanged (the pserver's
 update count, open round and parameters; the master's task counts).
@@ -81,12 +82,12 @@ def valid_pserver_request(cls: type[wire.Request], job, part) -> wire.Request:
         return wire.InitRequest("t0", **common, tensors=values)
     if cls is wire.PushRequest:
         return wire.PushRequest("t0", **common, updates=job.ps.version, samples=4, blocks=tuple(part.keys), tensors=values)
-    if cls is wire.PullRequest:
-        return wire.PullRequest("t0", **common, blocks=tuple(part.keys))
+    if cls is wire.PullRequest:  # with a row section (refused after decoding until the pserver holds tables)
+        return wire.PullRequest("t0", **common, blocks=tuple(part.keys), tables=(("emb", 2),), tensors=(torch.tensor([3, 9]),))
     if cls is wire.ReplicateRequest:  # (refused after decoding: this pserver backs up nothing)
         return wire.ReplicateRequest("t0", **common, blocks=tuple(part.keys), part=True, tensors=values, primary=0, seq=1)
     if cls is wire.MigrateRequest:
-        return wire.MigrateRequest("t0", **common, slots=(0,))
+        return wire.MigrateRequest("t0", **common, slots=(0, 1))
     assert cls is wire.AppliedRequest, cls
     return wire.AppliedRequest("t0", **common)
 
@@ -127,8 +128,8 @@ def test_a_bad_pserver_request_is_refused_by_name_and_changes_nothing(live, case
     cls, mutation = case
     before = pserver_state(job, channel)
     error = refused(channel, cls, mutation, valid_pserver_request(cls, job, part))
-    if mutation.how == "shape" and mutation.value == "reshape":  # a tensor is named by its parameter
-        assert any(b.param in str(error) for b in part.blocks) and "shape" in str(error), error
+    if mutation.how == "shape" and mutation.value == "reshape":  # a tensor is named by its parameter, or its table
+        assert any(name in str(error) for name in [b.param for b in part.blocks] + ["'emb'"]) and "shape" in str(error), error
     else:
         assert mutation.field in str(error), error
     assert same(pserver_state(job, channel), before)

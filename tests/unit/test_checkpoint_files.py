@@ -66,6 +66,82 @@ def a_state() -> dict[str, torch.Tensor]:
     }
 
 
+def a_table_part() -> dict[str, torch.Tensor]:
+    """A pserver's part with rows (design/sparse-embeddings.md §5): a dense block, the
+    version, and per slot of table ``emb`` its ids, values, state and counts; slot 5
+    holds no row."""
+    part = {
+        "w@0:4/values": random_tensor(torch.float32, (40,), 1),
+        "w@0:4/state.sum": random_tensor(torch.float32, (40,), 2),
+        "pdps.version": torch.tensor(42, dtype=torch.int64),
+        "emb/scalar.step": torch.tensor(7.0, dtype=torch.float64),
+    }
+    for slot, n in [(0, 9), (3, 14), (5, 0), (11, 6), (12, 21)]:
+        part[f"emb#{slot}/ids"] = torch.arange(n, dtype=torch.int64) * 256 + slot
+        part[f"emb#{slot}/values"] = random_tensor(torch.float32, (n, 4), 100 + slot)
+        part[f"emb#{slot}/state.sum"] = random_tensor(torch.float32, (n, 4), 200 + slot)
+        part[f"emb#{slot}/count"] = random_tensor(torch.int32, (n,), 300 + slot)
+        part[f"emb#{slot}/last_age"] = random_tensor(torch.int64, (n,), 400 + slot)
+    return part
+
+
+def slots(*numbers: int):
+    prefixes = tuple(f"emb#{s}/" for s in numbers)
+    return lambda key: key.startswith(prefixes) or key == "pdps.version"
+
+
+#: predicates on a_table_part's entries, by name
+WANTED = {
+    "slot-3": slots(3),
+    "slots-0-12": slots(0, 12),
+    "slots-5-11-12": slots(5, 11, 12),
+    "empty-slot": lambda key: key.startswith("emb#5/"),
+    "dense": lambda key: key.startswith("w@"),
+    "nothing": lambda key: False,
+    "everything": lambda key: True,
+}
+
+
+def header_entries(data: bytes) -> tuple[list, int]:
+    return ckpt._parse_header(memoryview(data), len(data), "a part", "p")
+
+
+def entry_spans(data: bytes) -> tuple[dict[str, tuple[int, int]], int]:
+    """Each entry's bytes [start, end) in the file, and where the data starts."""
+    entries, start = header_entries(data)
+    return {key: (start + a, start + b) for key, _, _, a, b in entries}, start
+
+
+class _RecordingReads:
+    """A storage that notes the (offset, bytes) of every read, through readers too."""
+
+    def __init__(self, inner, reads):
+        self._inner, self._reads = inner, reads
+        self.url = inner.url
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def read_into(self, path, buffer, offset=0):
+        self._reads.append((offset, memoryview(buffer).nbytes))
+        return self._inner.read_into(path, buffer, offset)
+
+    @__import__("contextlib").contextmanager
+    def open_reader(self, path):
+        with self._inner.open_reader(path) as reader:
+            yield _RecordingReader(reader, self._reads)
+
+
+class _RecordingReader:
+    def __init__(self, inner, reads):
+        self._inner, self._reads = inner, reads
+        self.size, self.parallel = inner.size, inner.parallel
+
+    def read_into(self, buffer, offset=0):
+        self._reads.append((offset, memoryview(buffer).nbytes))
+        return self._inner.read_into(buffer, offset)
+
+
 def piece_crcs(data: bytes, piece: int) -> list[int]:
     return [zlib.crc32(data[i : i + piece]) for i in range(0, len(data), piece)]
 
@@ -197,6 +273,118 @@ class CheckpointFilesTests:
         data[-5] ^= 0x01
         storage.put(info.path, bytes(data))
         self.assert_corrupt(storage, cid, info, "checksum", info.checksum)
+
+    # --- reading the wanted entries only --------------------------------------------------
+
+    @pytest.mark.parametrize("piece", [64, 200, None], ids=["piece-64", "piece-200", "one-piece"])
+    @pytest.mark.parametrize("wanted", list(WANTED), ids=list(WANTED))
+    def test_the_wanted_entries_equal_a_full_reads(self, storage, cid, monkeypatch, piece, wanted):
+        if piece is not None:
+            monkeypatch.setattr(ckpt, "READ_PIECE", piece)  # the pieces recorded at write
+        info = self.write(storage, cid, a_table_part())
+        full = ckpt.read_part(storage, info)
+        want = {k: t for k, t in full.items() if WANTED[wanted](k)}
+        got = ckpt.read_part(storage, info, wanted=WANTED[wanted])
+        assert_same(got, want)
+        assert list(got) == [k for k in full if k in want]  # in the file's order
+        assert_same(ckpt.SafetensorsFiles(storage).read_part(info, wanted=WANTED[wanted]), want)
+        if piece is not None and 0 < len(want) < len(full):  # no whole part in memory: one buffer of the wanted bytes
+            buffers = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in got.values() if t.numel()}
+            wanted_bytes = sum(t.numel() * t.element_size() for t in want.values())
+            assert len(buffers) <= 1 and sum(buffers.values()) < wanted_bytes + 8 * len(want)
+
+    def test_a_corrupt_piece_outside_the_wanted_ranges_is_ignored_and_inside_refused(self, storage, cid, monkeypatch):
+        monkeypatch.setattr(ckpt, "READ_PIECE", 64)
+        info = self.write(storage, cid, a_table_part())
+        good = storage.get(info.path)
+        slot3 = WANTED["slot-3"]
+        want = {k: t for k, t in ckpt.read_part(storage, info).items() if slot3(k)}
+        spans, head = entry_spans(good)
+        touched = {p for k, (a, b) in spans.items() if slot3(k) and b > a for p in range(a // 64, (b - 1) // 64 + 1)}
+        touched |= set(range(-(-head // 64)))  # the header's pieces are read first
+        outside = next(p for p in range(len(info.pieces)) if p not in touched and p - 1 not in touched and p + 1 not in touched)
+        a, b = spans["emb#3/values"]
+        in_wanted = lambda q: any(x <= q < y for k, (x, y) in spans.items() if slot3(k))  # noqa: E731
+        shared = next(q for q in range(head, len(good)) if q // 64 in touched and not in_wanted(q))  # a touched piece's other bytes
+        for pos, refused in [(outside * 64 + 5, None), (a + 3, "emb#3/values"), (b - 1, "emb#3/values"), (shared, "shared"), (head - 2, "header")]:
+            bad = bytearray(good)
+            bad[pos] ^= 0x04
+            storage.put(info.path, bytes(bad))
+            if refused is None:
+                assert_same(ckpt.read_part(storage, info, wanted=slot3), want)
+                with pytest.raises(CorruptCheckpoint):  # a whole read, and verify, see it
+                    ckpt.read_part(storage, info)
+                continue
+            with pytest.raises(CorruptCheckpoint, match=rf"fails its checksum: .* \(piece {pos // 64}\)") as raised:
+                ckpt.read_part(storage, info, wanted=slot3)
+            assert info.path in str(raised.value) and raised.value.path == info.path, refused
+        storage.put(info.path, good)
+        assert_same(ckpt.read_part(storage, info, wanted=slot3), want)
+
+    def test_adjacent_wanted_entries_are_read_in_one_range_each_piece_once(self, storage, cid, monkeypatch):
+        monkeypatch.setattr(ckpt, "READ_PIECE", 64)
+        info = self.write(storage, cid, a_table_part())
+        spans, head = entry_spans(storage.get(info.path))
+        # 8-byte entries come first, by name: emb#0/ids, emb#0/last_age, emb#11/ids side by side
+        a0, b0 = spans["emb#0/ids"]
+        assert spans["emb#0/last_age"][0] == b0 and spans["emb#11/ids"][0] == spans["emb#0/last_age"][1]
+        near = {"emb#0/ids", "emb#0/last_age", "emb#11/ids"}
+        end = spans["emb#11/ids"][1]
+        reads: list[tuple[int, int]] = []
+        got = ckpt.read_part(_RecordingReads(storage, reads), info, wanted=near.__contains__)
+        assert sorted(got) == sorted(near)
+        header_pieces = -(-head // 64)
+        assert reads[0] == (0, 64) and sum(n for _, n in reads[:header_pieces]) == header_pieces * 64
+        rest = reads[header_pieces:]
+        first, last = max(a0 // 64, header_pieces), (end - 1) // 64
+        assert rest == [(p * 64, 64) for p in range(first, last + 1)]  # one range: each piece it touches once, in order
+        entries, data_start = header_entries(storage.get(info.path))
+        ranges = ckpt._wanted_ranges([e for e in entries if e[0] in near], data_start)
+        assert [(r.start, r.end) for r in ranges] == [(a0, end)]
+        apart = {"emb#0/ids", "emb#3/ids"}
+        ranges = ckpt._wanted_ranges([e for e in entries if e[0] in apart], data_start)
+        assert [(r.start, r.end) for r in ranges] == [spans["emb#0/ids"], spans["emb#3/ids"]] and all(r.at % 8 == r.start % 8 for r in ranges)
+
+    @pytest.mark.parametrize("wanted", ["slots-0-12", "everything"])
+    def test_wanted_entries_read_with_a_hashing_thread(self, storage, cid, monkeypatch, wanted):
+        monkeypatch.setattr(ckpt, "READ_PIECE", 64)
+        info = self.write(storage, cid, a_table_part())
+        want = {k: t for k, t in ckpt.read_part(storage, info).items() if WANTED[wanted](k)}
+        monkeypatch.setattr(ckpt, "_hash_in_thread", lambda nbytes: True)  # runs of whole pieces: hashed beside the reads
+        assert_same(ckpt.read_part(storage, info, wanted=WANTED[wanted]), want)
+        data = bytearray(storage.get(info.path))
+        a, b = entry_spans(bytes(data))[0]["emb#12/values"]
+        data[(a + b) // 2] ^= 0x01  # in a piece the entry fills
+        storage.put(info.path, bytes(data))
+        with pytest.raises(CorruptCheckpoint, match=rf"\(piece {(a + b) // 2 // 64}\)"):
+            ckpt.read_part(storage, info, wanted=WANTED[wanted])
+
+    def test_a_part_without_pieces_is_read_whole_for_its_wanted_entries(self, storage, cid, monkeypatch):
+        monkeypatch.setattr(ckpt, "READ_PIECE", 64)
+        info = attrs.evolve(self.write(storage, cid, a_table_part()), pieces=None, piece_bytes=0)
+        slot3 = WANTED["slot-3"]
+        want = {k: t for k, t in ckpt.read_part(storage, info).items() if slot3(k)}
+        got = ckpt.read_part(storage, info, wanted=slot3)
+        assert_same(got, want)
+        full = storage.size(info.path)
+        assert all(t.untyped_storage().nbytes() < full for t in got.values())  # copies: the whole part's buffer goes
+        data = bytearray(storage.get(info.path))
+        data[-3] ^= 0x01  # outside slot 3's entries, but only the whole crc32 is recorded
+        storage.put(info.path, bytes(data))
+        with pytest.raises(CorruptCheckpoint, match="fails its checksum"):
+            ckpt.read_part(storage, info, wanted=slot3)
+
+    def test_wanted_entries_of_another_writers_unaligned_layout(self, storage, cid):
+        small, floats, more = torch.tensor([1, 2, 3], dtype=torch.uint8), torch.tensor([1.5, -2.25], dtype=torch.float32), torch.arange(40, dtype=torch.int64)
+        header = {"a": {"dtype": "U8", "shape": [3], "data_offsets": [0, 3]},
+                  "b": {"dtype": "F32", "shape": [2], "data_offsets": [3, 11]},
+                  "c": {"dtype": "I64", "shape": [40], "data_offsets": [11, 331]}}  # fmt: skip
+        data = safetensors_file(header, bits(small) + bits(floats) + bits(more))
+        storage.put(f"{cid}/x.safetensors", data)
+        info = PartInfo("x", f"{cid}/x.safetensors", len(data), f"crc32:{zlib.crc32(data):08x}",
+                        pieces=tuple(f"{c:08x}" for c in piece_crcs(data, 32)), piece_bytes=32)  # fmt: skip
+        assert_same(ckpt.read_part(storage, info, wanted=lambda k: k != "a"), {"b": floats, "c": more})
+        assert_same(ckpt.read_part(storage, info, wanted=lambda k: k == "c"), {"c": more})
 
     def test_unsupported_tensors_are_refused_before_writing(self, storage, cid):
         for bad in [

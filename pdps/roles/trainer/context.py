@@ -55,7 +55,7 @@ from pdps.core.wire import (
     PushReply,
     Request,
 )
-from pdps.ports.compute import Compute, ModelReplica, ThreadedCompute
+from pdps.ports.compute import Compute, ModelReplica, ThreadedCompute, TrainerTables
 from pdps.ports.coordination import Compare, CoordinationStore, EventType, Put, WatchEvent
 from pdps.ports.data import Columns, DataSource
 from pdps.ports.transport import ChannelStats, ConcurrentCalls, Transport
@@ -165,6 +165,7 @@ class TrainerContext(SyncRound, AsyncCadence):
         self.acknowledged: Counter[int] = Counter()
         self.metrics: dict[str, float] = {}  # free for the training function; shown as progress
         self._pipeline: Pipeline | None = None
+        self._tables: TrainerTables | None = None  # the model's sparse tables, if it has any
         self._times: dict[str, float] = defaultdict(float)
         self._times_lock = threading.Lock()
         self._mark: float | None = None  # when control last went back to the training function
@@ -298,7 +299,7 @@ class TrainerContext(SyncRound, AsyncCadence):
 
     # --- the model --------------------------------------------------------------------
 
-    def attach(self, model: Any) -> Any:
+    def attach(self, model: Any, tables: Mapping[str, Any] | None = None) -> Any:
         """Bind ``model`` to the job: publish its layout, initialize the pservers, pull.
 
         The first trainer to attach publishes the model's layout and initial values
@@ -306,6 +307,12 @@ class TrainerContext(SyncRound, AsyncCadence):
         pservers and pulls. A trainer whose model differs from the job's is refused
         with :class:`ConfigError` naming the difference. Returns the same model, whose
         parameters now hold the job's current values.
+
+        The model's sparse tables (``nn.Embedding``/``nn.EmbeddingBag`` with
+        ``sparse=True``, ``pdps.nn.HashEmbedding``) live on the pservers only: they are
+        swapped for stand-ins that pull the rows each batch uses (:mod:`pdps.nn`).
+        ``tables`` gives a replaced torch table its options
+        (``{"emb.weight": pdps.nn.TableOptions(...)}``).
         """
         from pdps.runtime import recovery
 
@@ -313,19 +320,36 @@ class TrainerContext(SyncRound, AsyncCadence):
         if self._publisher is not None:
             publisher = self._keys.trainer(self._publisher)
             wait_for_key(self._store, self._keys.model, f"trainer {self._publisher}'s model", unless=lambda: self._store.get(publisher) is None)
+        row_tables = self._compute.tables(model, tables)  # before the replica: the tables leave the model
+        if row_tables:
+            from pdps.roles.pserver import sparse_rule
+
+            sparse_rule(self.config)  # a job whose optimizer has no row rule is refused here, before anything is published
+            if self.config.replicas > 1:
+                raise ConfigError("sparse tables with replicas > 1 are not built yet: run the job with replicas = 1")
         replica = self._compute.replica(model)
         specs_json = json.dumps([s.to_json() for s in replica.specs]).encode()
+        tables_json = json.dumps([t.to_json() for t in row_tables.specs]).encode() if row_tables else None
+        puts = [Put(self._keys.model, specs_json)] + ([Put(self._keys.model_tables, tables_json)] if tables_json is not None else [])
         # The trainer that publishes the model initializes every pserver, so the initial
         # values come from one replica even if the trainers' own initializations differ.
-        first = self._store.commit((Compare.absent(self._keys.model),), (Put(self._keys.model, specs_json),)).succeeded
+        first = self._store.commit((Compare.absent(self._keys.model),), puts).succeeded
         stored = decode_json(self._store.get(self._keys.model).value, self._keys.model)  # type: ignore[union-attr]
         if stored != json.loads(specs_json):
             raise ConfigError(f"trainer {self.trainer_id!r}: the model does not match the job's ({self._keys.model}): {_diff(stored, replica.specs)}")
+        stored_kv = self._store.get(self._keys.model_tables)
+        stored_tables = [] if stored_kv is None else decode_json(stored_kv.value, self._keys.model_tables)
+        mine = [] if tables_json is None else json.loads(tables_json)
+        if stored_tables != mine:
+            raise ConfigError(f"trainer {self.trainer_id!r}: the model's tables do not match the job's ({self._keys.model_tables}): job has {stored_tables}, this trainer has {mine}")
         self._epoch = recovery.read_epoch(self._store, self._keys)[0].epoch
-        group = PserverGroup(self._store, self._transport, self.config, replica.specs, waits=self._waits, patience=self.patience)
+        group = PserverGroup(self._store, self._transport, self.config, replica.specs, waits=self._waits, patience=self.patience, tables=bool(row_tables))
         self._replica, self._group = replica, group
+        if row_tables:
+            self._tables = row_tables
+            row_tables.connect(lambda: self._group.layout.slot_map.owners, self._pull_rows)  # type: ignore[union-attr]
         if first:
-            spread = group.layout.spread_warning()
+            spread = group.layout.spread_warning() if not row_tables else None
             if spread is not None:  # said once, by the trainer that published the model; pdps status says it too
                 log.warning("trainer %s: %s", self.trainer_id, spread)
             for part in group.parts + group.backups_only:
@@ -334,11 +358,49 @@ class TrainerContext(SyncRound, AsyncCadence):
         self._pull_fresh()
         if self.config.mode is Mode.SYNC:
             self._join()
-        replica.zero_grad()
+        self._zero_grad()
         if self._pipeline is None and self._overlaps():
             self._pipeline = Pipeline(self)
         self._back_to_user()
         return model
+
+    def _zero_grad(self) -> None:
+        """The step is over (pushed, refused or dropped): zero the gradients, forget its rows."""
+        assert self._replica is not None
+        self._replica.zero_grad()
+        if self._tables is not None:
+            self._tables.clear()
+
+    def _pull_rows(self, asks: Mapping[int, list[tuple[str, Any]]]) -> dict[int, list[Any]]:
+        """Rows for a table's forward: one pull per pserver (``asks``: pserver -> [(table,
+        ids)]), their rows in the same order. A rollback meanwhile is followed (the step
+        is then dropped); a resize raises SlotMapChanged once followed, for the caller to
+        route the ids again."""
+        assert self._group is not None
+        by_index = {p.index: p for p in self._group.parts}
+        requests = []
+        for index, sections in asks.items():
+            part = by_index.get(index)
+            if part is None:
+                self._follow_map()
+                raise SlotMapChanged(f"pserver {index} holds no part of this trainer's slot map any more", sent=self._slot_version, current=self._slot_version)
+            requests.append((part, PullRequest(
+                self.trainer_id, epoch=self._epoch, version=self._slot_version, blocks=(),
+                tables=tuple((name, int(ids.numel())) for name, ids in sections), tensors=tuple(ids for _, ids in sections),
+            )))
+        while True:
+            try:
+                replies = self._call_each(requests)
+                break
+            except (EpochChanged, NotInitialized) as exc:
+                log.warning("trainer %s: %s", self.trainer_id, exc)
+                self._resync()  # the step this forward is for is dropped (batches() moves on)
+                requests = [(part, attrs.evolve(req, epoch=self._epoch, version=self._slot_version)) for part, req in requests]
+        for reply in replies:
+            if isinstance(reply, SlotMapChanged):
+                self._follow_map()
+                raise reply
+        return {part.index: list(reply.tensors) for (part, _), reply in zip(requests, replies)}
 
     @property
     def overlapping(self) -> bool:
@@ -353,6 +415,12 @@ class TrainerContext(SyncRound, AsyncCadence):
         threads. On a host whose cores the trainer's threads already fill, serializing
         for gRPC beside backward slows both (measured on 2 cores: 0.34x of torch with
         overlap, 0.38-0.45x without)."""
+        if self._tables is not None:
+            # a table's rows are pulled by its forward and pushed after backward: the
+            # pipeline's per-slot pushes do not carry them (yet)
+            if self.config.overlap == "on":
+                log.warning("trainer %s: overlap is off for a model with sparse tables", self.trainer_id)
+            return False
         if self.config.overlap != "auto":
             return self.config.overlap == "on"
         if self.device != "cpu" or not (isinstance(self._transport, ConcurrentCalls) and self._transport.concurrent):
@@ -538,7 +606,7 @@ class TrainerContext(SyncRound, AsyncCadence):
             if self._abandon:
                 # a pull during this batch's forward found the job rolled back: its
                 # gradient belongs to the old epoch, and batches() moves on
-                self._replica.zero_grad()
+                self._zero_grad()
                 return
             sync = self.config.mode is Mode.SYNC
             # with overlap, backward runs inside the push: each slot leaves when it is ready
@@ -676,7 +744,7 @@ class TrainerContext(SyncRound, AsyncCadence):
         assert self._replica is not None
         self._abandon = self._batch is not None
         self._batch_no = 0
-        self._replica.zero_grad()
+        self._zero_grad()
         while True:  # a second rollback while we follow the first: follow that one
             epoch = recovery.read_epoch(self._store, self._keys)[0]
             if epoch.epoch > self._epoch:

@@ -68,8 +68,12 @@ class PserverGroup:
         *,
         waits: Waits | None = None,
         patience: float = DISCOVERY_TIMEOUT,
+        tables: bool = False,
     ) -> None:
         keys = Keys(config.name)
+        #: the model has sparse tables: rows hash into every slot, so every pserver that
+        #: is the primary of a slot is a part, whether it holds a block or not
+        self._tables = tables
         self._store, self._transport, self._keys = store, transport, keys
         self._waits = waits
         self.patience = patience
@@ -92,6 +96,15 @@ class PserverGroup:
         slot_of = {b.key: s for b, s in zip(layout.blocks, layout.slots)}
         for i in range(slot_map.num_pservers):
             blocks = layout.blocks_of(i)
+            if not blocks and self._tables and i in slot_map.owners:
+                prev = old.pop(i, None)
+                addr = prev.address if prev is not None else self._address_of(i, wait=True)
+                assert addr is not None
+                slots = tuple(s for s, o in enumerate(slot_map.owners) if o == i)
+                channel = prev.channel if prev is not None else self._transport.connect(addr)
+                keep = {} if prev is None else {"round_no": prev.round_no, "version": prev.version, "incarnation": prev.incarnation}
+                parts.append(Part(i, channel, [], addr, layout.blocks_held(i), slots=slots, **({"round_no": round_no} | keep)))
+                continue
             if not blocks:
                 held = layout.blocks_held(i)
                 if held:  # replicas: it holds backup copies only, and is called only to give them their initial values

@@ -128,6 +128,8 @@ class SyncRound:
                     replies = self._pipeline.push(loss, [push] * len(self._group.parts))
                 else:
                     self._replica.check_finite(self.trainer_id)  # all pservers or none: fail before the first push
+                    if self._tables is not None:
+                        self._tables.check_finite(self.trainer_id)
                     replies = self._push_each(push)
             except GradientRejected as exc:
                 refused, replies = exc, []
@@ -147,7 +149,7 @@ class SyncRound:
         if loss is None or self._pipeline is None:
             # pushed or refused, the next step starts clean (the pipeline's workers zeroed
             # each piece they pushed, refused or not)
-            self._replica.zero_grad()
+            self._zero_grad()
         if stale:
             self._pull_fresh()
         else:
@@ -162,12 +164,32 @@ class SyncRound:
         assert self._replica is not None and self._group is not None
         for _ in range(MAP_CHANGES_PER_CALL):
             push = attrs.evolve(push, version=self._slot_version)
-            requests = [(part, attrs.evolve(push, blocks=tuple(part.keys), tensors=self._replica.grads(part.blocks))) for part in self._group.parts]
+            rows = self._row_sections()
+            requests = [(part, self._with_rows(attrs.evolve(push, blocks=tuple(part.keys), tensors=self._replica.grads(part.blocks)), rows, part)) for part in self._group.parts]
             replies = self._call_each(requests)
             if not any(isinstance(r, SlotMapChanged) for r in replies):
                 break
             self._follow_map()
         return replies
+
+    def _row_sections(self) -> dict[int, list[tuple[str, Any, Any]]] | None:
+        """The step's gradient rows of the model's tables, per pserver (None: no tables)."""
+        if self._tables is None:
+            return None
+        assert self._group is not None
+        return self._tables.sections([p.index for p in self._group.parts])
+
+    @staticmethod
+    def _with_rows(push: PushRequest, rows: dict[int, list[tuple[str, Any, Any]]] | None, part: Part) -> PushRequest:
+        """``push`` to ``part`` with its row sections (a table's ids, then their gradient
+        rows, after the dense tensors)."""
+        if rows is None:
+            return push
+        sections = rows.get(part.index, [])
+        tensors = list(push.tensors)
+        for _, ids, grads in sections:
+            tensors += [ids, grads]
+        return attrs.evolve(push, tables=tuple((name, int(ids.numel())) for name, ids, _ in sections), tensors=tuple(tensors))
 
     def _commit(self, round_no: int, contribution: Contribution) -> bool:
         """Commit our contribution to round ``round_no``; False if the round had closed.
@@ -360,10 +382,13 @@ class AsyncCadence:
         else:
             try:
                 self._replica.check_finite(self.trainer_id)
-                requests = [(part, attrs.evolve(meta, tensors=self._replica.grads(part.blocks))) for part, meta in zip(self._group.parts, metas)]
+                if self._tables is not None:
+                    self._tables.check_finite(self.trainer_id)
+                rows = self._row_sections()
+                requests = [(part, self._with_rows(attrs.evolve(meta, tensors=self._replica.grads(part.blocks)), rows, part)) for part, meta in zip(self._group.parts, metas)]
                 replies = self._call_each(requests)
             finally:
-                self._replica.zero_grad()  # pushed or refused: the next step starts clean
+                self._zero_grad()  # pushed or refused: the next step starts clean
         stale = False
         for part, reply in zip(self._group.parts, replies):
             if isinstance(reply, (StalePush, SlotMapChanged)):

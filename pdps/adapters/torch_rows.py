@@ -48,7 +48,6 @@ from pdps.core import rowpolicy
 from pdps.core.errors import BadRequest, ConfigError, GradientRejected
 from pdps.core.rowindex import IdIndex
 from pdps.core.tables import (
-    ROW_ENTRY_KINDS,
     ROW_RULES,
     TableSpec,
     check_row_rule,
@@ -64,10 +63,6 @@ from pdps.core.tables import (
 CHUNK_ROWS = 1 << 16
 #: The job setting ``sparse_max_ids``'s default: ids in one section of a push or pull.
 DEFAULT_MAX_IDS = 1 << 20
-
-# The step of each pending id's last touch travels as its age where the core names
-# that entry; elsewhere a moved or restored pending id counts as touched at the move.
-_PENDING_AGE = "pending_age" in ROW_ENTRY_KINDS
 
 
 # --- storage ---------------------------------------------------------------------------------
@@ -734,8 +729,7 @@ class TorchRows:
                     continue
                 out[row_entry(name, s, "pending_ids")] = torch.from_numpy(p_ids[a:b].copy())
                 out[row_entry(name, s, "pending_counts")] = torch.from_numpy(p_counts[a:b].astype(np.int32))
-                if _PENDING_AGE:
-                    out[row_entry(name, s, "pending_age")] = torch.from_numpy(self.step - p_seen[a:b])
+                out[row_entry(name, s, "pending_age")] = torch.from_numpy(self.step - p_seen[a:b])  # the step of its last touch, as an age
         return out, end < len(self._ordered(want)[0])
 
     def snapshot(self, slots: Collection[int]) -> dict[str, Any]:

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 
-from pdps.adapters import torch_rows
 from pdps.adapters.torch_compute import TorchCompute
 from pdps.adapters.torch_rows import TorchRows
 from pdps.core import rowpolicy
@@ -464,11 +463,7 @@ def test_stats_count_rows_and_the_bytes_held():
     "pending_capacity",
     [
         0,
-        pytest.param(128, marks=pytest.mark.xfail(
-            not torch_rows._PENDING_AGE, strict=True,
-            reason="pdps.core.tables names no pending_age entry: a copy's pending ids all count as touched at the copy, "
-            "so which of them the full pending map drops first differs from the original",
-        )),
+        128,
     ],
 )
 def test_a_copy_made_by_import_then_fed_the_same_pushes_stays_equal(pending_capacity):

@@ -188,3 +188,18 @@ def test_hash_embedding_over_a_2_62_id_space_creates_a_row_per_id_touched(tmp_pa
     untrained = pdps.nn.bind(Hashed(), {"emb.weight": pdps.nn.TableRows(rows.spec, rows.ids[:0], rows.values[:0])})
     with torch.no_grad():
         assert float(F.mse_loss(trained(ids), y)) < 0.5 * float(F.mse_loss(untrained(ids), y))
+
+
+@pytest.mark.parametrize(
+    "settings,says",
+    [
+        ({"optimizer": "RMSprop"}, "optimizer 'RMSprop' has no row rule: set sparse_optimizer"),
+        ({"optimizer": "SGD", "sparse_optimizer": "Adagard"}, "Adagrad"),
+        ({"replicas": 2}, "replicas > 1 are not built yet"),
+    ],
+    ids=["no-row-rule", "typo", "replicas"],
+)
+def test_a_job_its_tables_cannot_run_in_is_refused_at_attach(tmp_path, settings, says):
+    source, _ = huge_ids(tmp_path.as_uri())
+    with pytest.raises(pdps.ConfigError, match=says):
+        pdps.simulate(fit_hashed, dataset=source, trainers=1, pservers=2, batch_size=20, **settings)

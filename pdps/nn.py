@@ -144,6 +144,8 @@ def _spec_of(name: str, module: nn.Module, options: TableOptions | None) -> Tabl
             f"table {name!r} sets max_norm: torch renormalizes looked-up rows in place during forward, "
             "and a trainer never writes rows; drop max_norm, or normalize the output instead"
         )
+    if module.scale_grad_by_freq:
+        raise ConfigError(f"table {name!r} sets scale_grad_by_freq, which torch does not support with sparse gradients")
     if isinstance(module, nn.EmbeddingBag) and module.mode == "max":
         raise ConfigError(f"table {name!r} is an EmbeddingBag with mode='max', which torch does not support with sparse gradients")
     num, dim = weight.shape

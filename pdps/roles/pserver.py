@@ -259,6 +259,10 @@ class _InOrder:
             self._cond.notify()
 
 
+#: how often a pserver records its row counts per table (``table_stats/<i>``), at most
+TABLE_STATS_EVERY = 5.0
+
+
 class Pserver:
     def __init__(
         self,
@@ -327,6 +331,7 @@ class Pserver:
         #: sync, (map version, round, shard): the shard of the map this pserver switched
         #: from after that round, served to pulls of that round for that map (_frozen_for)
         self._frozen: tuple[int, int, ParameterShard, list[int] | None] | None = None
+        self._halted = threading.Event()  # set once, when it stops or crashes
         self.departed = threading.Event()  # a resize took every slot away and the job let this pserver go
         #: async: pushes applied here, per slot (a push counts once for each slot it
         #: stepped); a slot's count moves with it, so the job's counts add up across resizes
@@ -437,6 +442,7 @@ class Pserver:
                     self._follow_since()
             if self.config.mode is Mode.SYNC:
                 threading.Thread(target=self._close_rounds, name=f"pdps-ps-rounds-{self.index}", daemon=True).start()
+            threading.Thread(target=self._report_tables, name=f"pdps-ps-tables-{self.index}", daemon=True).start()
             if self.config.mode is Mode.ASYNC:
                 self._watches.append(self._store.watch(self._keys.checkpoints, self._on_checkpoint_event))
             if not restart:
@@ -470,6 +476,7 @@ class Pserver:
             self._closer.notify_all()
         if halted:
             return
+        self._halted.set()
         for sender in self._in_order.values():
             sender.close()
         for w in self._watches:
@@ -479,6 +486,7 @@ class Pserver:
         if not crashed:
             for t in self._writers:
                 t.join(timeout=30)
+            self._put_table_stats()  # what it ends with, for pdps status after the job
         if self._keeper is not None:
             self._keeper.stop(revoke=not crashed)
 
@@ -995,6 +1003,29 @@ class Pserver:
         if ids is None or values is None:  # the slot holds no row of the table
             return PullReply(**self._state(), more=False)
         return PullReply(**self._state(), more=more, tensors=[ids, values])
+
+    def _report_tables(self) -> None:
+        """Put this pserver's row counts per table (``table_stats/<i>``) every
+        :data:`TABLE_STATS_EVERY` seconds while they change: ``pdps status`` sums them.
+        Never on the push path."""
+        last = None
+        while not self._halted.wait(TABLE_STATS_EVERY):
+            last = self._put_table_stats(last)
+
+    def _put_table_stats(self, last: dict | None = None) -> dict | None:
+        with self._cond:
+            if not self._tables or self.index is None:
+                return last
+            stats = {name: rows.stats() for name, rows in self._tables.items()}
+        if stats == last:
+            return last
+        try:
+            record = {"at": time.time(), "incarnation": self.incarnation, "tables": stats}
+            self._store.put(self._keys.table_stats(self.index), json.dumps(record).encode())
+        except StoreError as exc:
+            log.warning("pserver %s could not record its table stats: %s", self.index, exc)
+            return last
+        return stats
 
     def _checked_rows(self, req: PushRequest) -> list[tuple[str, object, object]]:
         """(Lock held) ``req``'s row sections, each checked by its table (ids, shapes,

@@ -327,6 +327,8 @@ class TrainerContext(SyncRound, AsyncCadence):
             sparse_rule(self.config)  # a job whose optimizer has no row rule is refused here, before anything is published
             if self.config.replicas > 1:
                 raise ConfigError("sparse tables with replicas > 1 are not built yet: run the job with replicas = 1")
+            if self.config.export_url:
+                raise ConfigError("the model has sparse tables, and exporting a table's rows is not built yet: run the job without export_url")
         replica = self._compute.replica(model)
         specs_json = json.dumps([s.to_json() for s in replica.specs]).encode()
         tables_json = json.dumps([t.to_json() for t in row_tables.specs]).encode() if row_tables else None

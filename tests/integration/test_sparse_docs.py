@@ -41,6 +41,7 @@ def test_the_page_has_the_examples_it_promises():
         "Row rules",
         "Admission and eviction",
         "Bad input",
+        "Watching tables: `pdps status`",
         "Memory per row",
         "The CTR example",
     ]
@@ -81,4 +82,5 @@ def test_the_guides_link_the_page():
     docs = PAGE.parent
     for page in (docs.parent / "README.md", docs / "user-guide.md", docs / "architecture.md"):
         assert "sparse.md" in page.read_text(), page
-    assert "`model_tables`" in (docs / "architecture.md").read_text()
+    architecture = (docs / "architecture.md").read_text()
+    assert "`model_tables`" in architecture and "`table_stats/<i>`" in architecture

@@ -994,7 +994,7 @@ class Pserver:
         """(Lock held) a page of the rows of one table in one slot (fetching a job's rows)."""
         assert req.dump is not None
         name, slot, offset, limit = req.dump
-        rows = self._table(name, req.trainer)
+        rows = self._table(name, req.trainer, push=False)
         if slot not in rows.slots:
             raise BadRequest(f"pull from {req.trainer!r}: pserver {self.index} holds no rows of slot {slot} (it is the primary of {len(rows.slots)} slots)", field="dump", trainer=req.trainer)
         entries, more = rows.export_slots([slot], offset, limit)
@@ -1035,11 +1035,12 @@ class Pserver:
             self._table(name, req.trainer).check(ids, grads, req.trainer, finite=not isinstance(req, ReplicateRequest))
         return sections
 
-    def _table(self, name: str, trainer: str) -> RowShard:
+    def _table(self, name: str, trainer: str, *, push: bool = True) -> RowShard:
         rows = self._tables.get(name)
         if rows is None:
             known = sorted(self._tables) or "none"
-            raise GradientRejected(f"trainer {trainer!r} sent rows of table {name!r}, which the job's model does not have (its tables: {known})", field="tables", trainer=trainer)
+            error = GradientRejected if push else BadRequest
+            raise error(f"trainer {trainer!r} named table {name!r}, which the job's model does not have (its tables: {known})", field="tables", trainer=trainer)
         return rows
 
     def _looked_up(self, req: PullRequest) -> list[object]:
@@ -1047,7 +1048,7 @@ class Pserver:
         ids_of = req.tensors
         out = []
         for (name, _), ids in zip(req.tables or (), ids_of):
-            rows = self._table(name, req.trainer)
+            rows = self._table(name, req.trainer, push=False)
             rows.check(ids, None, req.trainer)
             out.append(rows.lookup(ids))
         return out

@@ -10,7 +10,8 @@ whose ids fall in the slots this pserver holds, with the row rule's state per ro
   through :class:`~pdps.core.rowindex.IdIndex`. Growth adds a chunk (no doubling, no
   copy); evicted positions go to a free list and are reused first. A gather or scatter
   groups its positions by chunk: one ``index_select`` / ``index_copy_`` per chunk
-  touched, never a loop per row.
+  touched, never a loop per row; an update steps the rows in that chunk order (the
+  rules are row-local), so only the gradient is permuted, once.
 * **Reads never create.** :meth:`TorchRows.lookup` answers an id with no row with the
   table's init value (:func:`~pdps.core.tables.init_rows`, computed, not stored).
   Rows are created when a gradient is applied (sync: at round close; async: at the
@@ -47,7 +48,6 @@ from pdps.core import rowpolicy
 from pdps.core.errors import BadRequest, ConfigError, GradientRejected
 from pdps.core.rowindex import IdIndex
 from pdps.core.tables import (
-    ROW_ENTRY_KINDS,
     ROW_RULES,
     TableSpec,
     check_row_rule,
@@ -64,21 +64,37 @@ CHUNK_ROWS = 1 << 16
 #: The job setting ``sparse_max_ids``'s default: ids in one section of a push or pull.
 DEFAULT_MAX_IDS = 1 << 20
 
-# The step of each pending id's last touch travels as its age where the core names
-# that entry; elsewhere a moved or restored pending id counts as touched at the move.
-_PENDING_AGE = "pending_age" in ROW_ENTRY_KINDS
-
-# (start chunk, positions into the gathered tensor or None for all of them in order, positions in the chunk)
-_Plan = list[tuple[int, "torch.Tensor | None", torch.Tensor]]
-
 
 # --- storage ---------------------------------------------------------------------------------
+
+
+class _Plan:
+    """Positions grouped by chunk. Gathered tensors are in *plan order*: the rows of
+    each chunk touched, one contiguous run per chunk, so a gather is one
+    ``index_select`` per chunk straight into its run, and a scatter one ``index_copy_``
+    from it. The rules are row-local, so they step rows in plan order as well;
+    :meth:`arrange` and :meth:`restore` permute a tensor between the caller's order and
+    plan order (nothing to do when the positions already run chunk by chunk)."""
+
+    def __init__(self, order: torch.Tensor | None, runs: list[tuple[int, int, int, torch.Tensor]], n: int) -> None:
+        self.order, self.runs, self.n = order, runs, n
+
+    def arrange(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (caller's order) in plan order."""
+        return t if self.order is None else t.index_select(0, self.order)
+
+    def restore(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (plan order) in the caller's order."""
+        if self.order is None:
+            return t
+        return torch.empty_like(t).index_copy_(0, self.order, t)
 
 
 class _Column:
     """One per-row quantity in chunks of ``chunk_rows`` rows: ``[chunk_rows, width]``
     tensors, or ``[chunk_rows]`` where ``width`` is None. ``fill`` is what a new row
-    starts from (None: written by the creator)."""
+    starts from (None: written by the creator). Gathers and scatters are in plan
+    order (:class:`_Plan`)."""
 
     def __init__(self, width: int | None, dtype: torch.dtype, device: torch.device, fill: float | None = None) -> None:
         self.width, self.dtype, self.device, self.fill = width, dtype, device, fill
@@ -92,22 +108,19 @@ class _Column:
         shape = (rows,) if self.width is None else (rows, self.width)
         self.chunks.append(torch.empty(shape, dtype=self.dtype, device=self.device))
 
-    def gather(self, plan: _Plan, n: int) -> torch.Tensor:
-        shape = (n,) if self.width is None else (n, self.width)
+    def gather(self, plan: _Plan) -> torch.Tensor:
+        shape = (plan.n,) if self.width is None else (plan.n, self.width)
         out = torch.empty(shape, dtype=self.dtype, device=self.device)
-        for c, at, local in plan:
-            if at is None:
-                torch.index_select(self.chunks[c], 0, local, out=out)
-            else:
-                out.index_copy_(0, at, self.chunks[c].index_select(0, local))
+        for c, a, b, local in plan.runs:
+            torch.index_select(self.chunks[c], 0, local, out=out[a:b])
         return out
 
     def scatter(self, plan: _Plan, values: torch.Tensor) -> None:
-        for c, at, local in plan:
-            self.chunks[c].index_copy_(0, local, values if at is None else values.index_select(0, at))
+        for c, a, b, local in plan.runs:
+            self.chunks[c].index_copy_(0, local, values[a:b])
 
     def put(self, plan: _Plan, value: float) -> None:
-        for c, _, local in plan:
+        for c, _, _, local in plan.runs:
             self.chunks[c].index_fill_(0, local, value)
 
 
@@ -382,20 +395,19 @@ class TorchRows:
         return t if self.device.type == "cpu" else t.to(self.device)
 
     def _plan(self, pos: np.ndarray) -> _Plan:
-        """``pos`` grouped by chunk: one (chunk, where in the gathered tensor, where in
-        the chunk) per chunk touched."""
-        if not len(pos):
-            return []
+        """``pos`` grouped by chunk (one argsort, unless they already run chunk by chunk)."""
+        n = len(pos)
+        if not n:
+            return _Plan(None, [], 0)
         chunk = pos >> self._shift
-        local = pos & self._mask
-        first, last = int(chunk.min()), int(chunk.max())
-        if first == last:
-            return [(first, None, self._tensor(local))]
-        order = np.argsort(chunk, kind="stable")
-        chunk = chunk[order]
-        cuts = [0, *(np.flatnonzero(chunk[1:] != chunk[:-1]) + 1).tolist(), len(pos)]
-        at, local = self._tensor(order), self._tensor(local[order])
-        return [(int(chunk[a]), at[a:b], local[a:b]) for a, b in zip(cuts[:-1], cuts[1:])]
+        order = None
+        if n > 1 and np.any(chunk[1:] < chunk[:-1]):
+            order = np.argsort(chunk, kind="stable")
+            chunk, pos = chunk[order], pos[order]
+        cuts = [0, *(np.flatnonzero(chunk[1:] != chunk[:-1]) + 1).tolist(), n]
+        local = self._tensor(pos & self._mask)
+        runs = [(int(chunk[a]), a, b, local[a:b]) for a, b in zip(cuts[:-1], cuts[1:])]
+        return _Plan(None if order is None else self._tensor(order), runs, n)
 
     def _alloc(self, k: int) -> np.ndarray:
         take = min(k, len(self._free))
@@ -412,7 +424,7 @@ class TorchRows:
         """New rows for ``ids`` (none has one): init values, the rule's start state."""
         pos = self._alloc(len(ids))
         plan = self._plan(pos)
-        self._values.scatter(plan, torch.from_numpy(init_rows(self.spec, ids)).to(self.dtype).to(self.device))
+        self._values.scatter(plan, plan.arrange(torch.from_numpy(init_rows(self.spec, ids)).to(self.dtype).to(self.device)))
         for col in self._state.values():
             col.put(plan, col.fill or 0)
         self._mark(plan, now, fresh=True)
@@ -420,13 +432,13 @@ class TorchRows:
         self._generation += 1
         return pos
 
-    def _mark(self, plan: _Plan, now: float, *, fresh: bool = False, n: int = 0) -> None:
+    def _mark(self, plan: _Plan, now: float, *, fresh: bool = False) -> None:
         """Bookkeeping of an update at this table step (``fresh``: of new rows)."""
         if self._count is not None:
             if fresh:
                 self._count.put(plan, 0)
             else:
-                self._count.scatter(plan, self._count.gather(plan, n) + 1)
+                self._count.scatter(plan, self._count.gather(plan) + 1)
             self._last.put(plan, self.step)
         if self._when is not None:
             self._when.put(plan, now)
@@ -453,11 +465,11 @@ class TorchRows:
         push = grads is not None
         error = GradientRejected if push else BadRequest
         t, dim = self.spec.name, self.spec.dim
-        doing = "pushed" if push else "pulled"
+        doing, outcome = ("pushed", "nothing was applied") if push else ("pulled", "nothing was read")
         field = f"tables.{t}.ids"
 
         def refuse(what: str, field: str = field) -> None:
-            raise error(f"table {t!r}, {field} {doing} by trainer {trainer!r}: {what}; nothing was applied", field=field, trainer=trainer)
+            raise error(f"table {t!r}, {field} {doing} by trainer {trainer!r}: {what}; {outcome}", field=field, trainer=trainer)
 
         if not isinstance(ids, torch.Tensor):
             refuse(f"the ids are a {type(ids).__name__}, not a tensor")
@@ -595,13 +607,13 @@ class TorchRows:
                 pos, grads = pos[kept], grads.index_select(0, self._tensor(kept))
         if len(pos):
             plan = self._plan(pos)
-            rows = self._values.gather(plan, len(pos))
-            state = {k: col.gather(plan, len(pos)) for k, col in self._state.items()}
-            self._kernel.step(rows, state, grads, self.step)
+            rows = self._values.gather(plan)
+            state = {k: col.gather(plan) for k, col in self._state.items()}
+            self._kernel.step(rows, state, plan.arrange(grads), self.step)
             self._values.scatter(plan, rows)
             for k, col in self._state.items():
                 col.scatter(plan, state[k])
-            self._mark(plan, now, n=len(pos))
+            self._mark(plan, now)
         self._evict(now)
 
     # --- eviction --------------------------------------------------------------------------------
@@ -610,7 +622,7 @@ class TorchRows:
         """Every row: ids, positions, update counts, last-update steps."""
         ids, pos = self._index.items()
         plan = self._plan(pos)
-        return ids, pos, _numpy(self._count.gather(plan, len(pos))), _numpy(self._last.gather(plan, len(pos)))
+        return ids, pos, _numpy(plan.restore(self._count.gather(plan))), _numpy(plan.restore(self._last.gather(plan)))
 
     def _evict(self, now: float) -> None:
         spec = self.spec
@@ -627,7 +639,8 @@ class TorchRows:
             if spec.ttl_steps:
                 mask |= rowpolicy.expired(last, self.step, spec.ttl_steps)
             if spec.ttl_seconds:
-                mask |= rowpolicy.expired(_numpy(self._when.gather(self._plan(pos), len(pos))), now, spec.ttl_seconds)
+                plan = self._plan(pos)
+                mask |= rowpolicy.expired(_numpy(plan.restore(self._when.gather(plan))), now, spec.ttl_seconds)
             gone = rowpolicy.ttl_victims(mask, counts, ids, spec.floor)
             self._remove(ids[gone], pos[gone])
             self._counters["evicted_ttl"] += len(gone)
@@ -646,10 +659,13 @@ class TorchRows:
         pos = self._index.lookup(a)
         have = np.flatnonzero(pos >= 0)
         if len(have) == len(a):
-            return self._values.gather(self._plan(pos), len(a))
+            plan = self._plan(pos)
+            return plan.restore(self._values.gather(plan))
         out = torch.empty((len(a), self.spec.dim), dtype=self.dtype, device=self.device)
         if len(have):
-            out.index_copy_(0, self._tensor(have), self._values.gather(self._plan(pos[have]), len(have)))
+            plan = self._plan(pos[have])
+            at = self._tensor(have)
+            out.index_copy_(0, at if plan.order is None else at.index_select(0, plan.order), self._values.gather(plan))
         absent = np.flatnonzero(pos < 0)
         out.index_copy_(0, self._tensor(absent), torch.from_numpy(init_rows(self.spec, a[absent])).to(self.dtype).to(self.device))
         return out
@@ -686,11 +702,11 @@ class TorchRows:
         end = len(ids) if limit is None else min(len(ids), offset + limit)
         ids, pos, where = ids[offset:end], pos[offset:end], where[offset:end]
         plan = self._plan(pos)
-        cols = {"values": self._values.gather(plan, len(pos))}
-        cols.update((f"state.{k}", c.gather(plan, len(pos))) for k, c in self._state.items())
+        cols = {"values": plan.restore(self._values.gather(plan))}
+        cols.update((f"state.{k}", plan.restore(c.gather(plan))) for k, c in self._state.items())
         if self._count is not None:
-            cols["count"] = self._count.gather(plan, len(pos))
-            cols["last_age"] = self.step - self._last.gather(plan, len(pos))
+            cols["count"] = plan.restore(self._count.gather(plan))
+            cols["last_age"] = self.step - plan.restore(self._last.gather(plan))
         name = self.spec.name
         out: dict[str, Any] = {table_entry(name, "step"): torch.tensor(self.step, dtype=torch.int64)}
         lo = np.searchsorted(where, want, side="left")
@@ -713,8 +729,7 @@ class TorchRows:
                     continue
                 out[row_entry(name, s, "pending_ids")] = torch.from_numpy(p_ids[a:b].copy())
                 out[row_entry(name, s, "pending_counts")] = torch.from_numpy(p_counts[a:b].astype(np.int32))
-                if _PENDING_AGE:
-                    out[row_entry(name, s, "pending_age")] = torch.from_numpy(self.step - p_seen[a:b])
+                out[row_entry(name, s, "pending_age")] = torch.from_numpy(self.step - p_seen[a:b])  # the step of its last touch, as an age
         return out, end < len(self._ordered(want)[0])
 
     def snapshot(self, slots: Collection[int]) -> dict[str, Any]:
@@ -755,16 +770,22 @@ class TorchRows:
                     self._index.insert(ids[new], pos[new])
                     self._generation += 1
                 plan = self._plan(pos)
-                self._values.scatter(plan, got["values"])
+                self._values.scatter(plan, plan.arrange(got["values"]))
                 for k, col in self._state.items():
                     if k in got["state"]:
-                        col.scatter(plan, got["state"][k])
+                        col.scatter(plan, plan.arrange(got["state"][k]))
                     else:  # saved under a rule without this state: the rule's start
                         col.put(plan, col.fill or 0)
                 if self._count is not None:
-                    self._count.scatter(plan, got["count"] if "count" in got else torch.zeros(len(ids), dtype=torch.int32))
+                    if "count" in got:
+                        self._count.scatter(plan, plan.arrange(got["count"]))
+                    else:
+                        self._count.put(plan, 0)
                     age = got.get("last_age")
-                    self._last.scatter(plan, self.step - age if age is not None else torch.full((len(ids),), self.step, dtype=torch.int64))
+                    if age is not None:
+                        self._last.scatter(plan, plan.arrange(self.step - age))
+                    else:
+                        self._last.put(plan, self.step)
                 if self._when is not None:
                     self._when.put(plan, now)
             if self._pending is not None and "pending_ids" in got:

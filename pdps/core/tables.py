@@ -507,7 +507,7 @@ def check_row_rule(name: str, args: Mapping[str, Any] | None) -> dict[str, Any]:
 # --- entry names -----------------------------------------------------------------------
 
 #: The entries of a table's slot besides ``state.<k>``.
-ROW_ENTRY_KINDS = ("ids", "values", "count", "last_age", "pending_ids", "pending_counts")
+ROW_ENTRY_KINDS = ("ids", "values", "count", "last_age", "pending_ids", "pending_counts", "pending_age")
 
 
 def _row_kind_ok(kind: str) -> bool:

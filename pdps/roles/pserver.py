@@ -328,6 +328,10 @@ class _InOrder:
             self._cond.notify()
 
 
+#: how often a pserver records its row counts per table (``table_stats/<i>``), at most
+TABLE_STATS_EVERY = 5.0
+
+
 class Pserver:
     def __init__(
         self,
@@ -398,6 +402,7 @@ class Pserver:
         #: sync, (map version, round, shard): the shard of the map this pserver switched
         #: from after that round, served to pulls of that round for that map (_frozen_for)
         self._frozen: tuple[int, int, ParameterShard, list[int] | None] | None = None
+        self._halted = threading.Event()  # set once, when it stops or crashes
         self.departed = threading.Event()  # a resize took every slot away and the job let this pserver go
         #: async: pushes applied here, per slot (a push counts once for each slot it
         #: stepped); a slot's count moves with it, so the job's counts add up across resizes
@@ -508,6 +513,7 @@ class Pserver:
                     self._follow_since()
             if self.config.mode is Mode.SYNC:
                 threading.Thread(target=self._close_rounds, name=f"pdps-ps-rounds-{self.index}", daemon=True).start()
+            threading.Thread(target=self._report_tables, name=f"pdps-ps-tables-{self.index}", daemon=True).start()
             if self.config.mode is Mode.ASYNC:
                 self._watches.append(self._store.watch(self._keys.checkpoints, self._on_checkpoint_event))
             if not restart:
@@ -541,6 +547,7 @@ class Pserver:
             self._closer.notify_all()
         if halted:
             return
+        self._halted.set()
         for sender in self._in_order.values():
             sender.close()
         for w in self._watches:
@@ -550,6 +557,7 @@ class Pserver:
         if not crashed:
             for t in self._writers:
                 t.join(timeout=30)
+            self._put_table_stats()  # what it ends with, for pdps status after the job
         if self._keeper is not None:
             self._keeper.stop(revoke=not crashed)
 
@@ -1057,7 +1065,7 @@ class Pserver:
         """(Lock held) a page of the rows of one table in one slot (fetching a job's rows)."""
         assert req.dump is not None
         name, slot, offset, limit = req.dump
-        rows = self._table(name, req.trainer)
+        rows = self._table(name, req.trainer, push=False)
         if slot not in rows.slots:
             raise BadRequest(f"pull from {req.trainer!r}: pserver {self.index} holds no rows of slot {slot} (it is the primary of {len(rows.slots)} slots)", field="dump", trainer=req.trainer)
         entries, more = rows.export_slots([slot], offset, limit)
@@ -1067,6 +1075,29 @@ class Pserver:
             return PullReply(**self._state(), more=False)
         return PullReply(**self._state(), more=more, tensors=[ids, values])
 
+    def _report_tables(self) -> None:
+        """Put this pserver's row counts per table (``table_stats/<i>``) every
+        :data:`TABLE_STATS_EVERY` seconds while they change: ``pdps status`` sums them.
+        Never on the push path."""
+        last = None
+        while not self._halted.wait(TABLE_STATS_EVERY):
+            last = self._put_table_stats(last)
+
+    def _put_table_stats(self, last: dict | None = None) -> dict | None:
+        with self._cond:
+            if not self._tables or self.index is None:
+                return last
+            stats = {name: rows.stats() for name, rows in self._tables.items()}
+        if stats == last:
+            return last
+        try:
+            record = {"at": time.time(), "incarnation": self.incarnation, "tables": stats}
+            self._store.put(self._keys.table_stats(self.index), json.dumps(record).encode())
+        except StoreError as exc:
+            log.warning("pserver %s could not record its table stats: %s", self.index, exc)
+            return last
+        return stats
+
     def _checked_rows(self, req: PushRequest) -> list[tuple[str, object, object]]:
         """(Lock held) ``req``'s row sections, each checked by its table (ids, shapes,
         finite values, ownership) before anything is staged or applied."""
@@ -1075,11 +1106,12 @@ class Pserver:
             self._table(name, req.trainer).check(ids, grads, req.trainer, finite=not isinstance(req, ReplicateRequest))
         return sections
 
-    def _table(self, name: str, trainer: str) -> RowShard:
+    def _table(self, name: str, trainer: str, *, push: bool = True) -> RowShard:
         rows = self._tables.get(name)
         if rows is None:
             known = sorted(self._tables) or "none"
-            raise GradientRejected(f"trainer {trainer!r} sent rows of table {name!r}, which the job's model does not have (its tables: {known})", field="tables", trainer=trainer)
+            error = GradientRejected if push else BadRequest
+            raise error(f"trainer {trainer!r} named table {name!r}, which the job's model does not have (its tables: {known})", field="tables", trainer=trainer)
         return rows
 
     def _looked_up(self, req: PullRequest) -> list[object]:
@@ -1087,7 +1119,7 @@ class Pserver:
         ids_of = req.tensors
         out = []
         for (name, _), ids in zip(req.tables or (), ids_of):
-            rows = self._table(name, req.trainer)
+            rows = self._table(name, req.trainer, push=False)
             rows.check(ids, None, req.trainer)
             out.append(rows.lookup(ids))
         return out

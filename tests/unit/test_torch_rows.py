@@ -33,10 +33,6 @@ def section(rng: np.random.Generator, n: int, dim: int = DIM, high: int = N) -> 
     return torch.from_numpy(ids), torch.from_numpy(rng.standard_normal((len(ids), dim)))
 
 
-def sparse(ids: torch.Tensor, grads: torch.Tensor, w: float = 1.0) -> torch.Tensor:
-    return torch.sparse_coo_tensor(ids.unsqueeze(0), grads * w, (N, DIM))
-
-
 def exported(r: TorchRows, slots=range(SLOTS)) -> dict[str, np.ndarray]:
     return {k: v.numpy().copy() for k, v in r.export_slots(slots)[0].items()}
 
@@ -71,35 +67,41 @@ ROUNDS = 5
 WEIGHTS = [("t0", 0.5), ("t1", 0.25), ("t2", 0.25)]
 
 
+def reference(cls, args: dict) -> tuple[torch.nn.Embedding, torch.optim.Optimizer]:
+    """torch's own: the full table as an ``nn.Embedding(sparse=True)`` starting from pdps's init."""
+    emb = torch.nn.Embedding(N, DIM, sparse=True, dtype=torch.float64)
+    with torch.no_grad():
+        emb.weight.copy_(torch.from_numpy(init_rows(SPEC, np.arange(N))))
+    return emb, cls(emb.parameters(), **{k: tuple(v) if isinstance(v, list) else v for k, v in args.items()})
+
+
 @pytest.mark.parametrize("rule,args,cls", RULES, ids=[r[0] for r in RULES])
 def test_sync_rounds_of_several_trainers_equal_torch_on_the_full_table(rule, args, cls):
     rng = np.random.default_rng(1)
     r = store(rule=rule, args=args)
     touched: set[int] = set()
-    weight = torch.nn.Parameter(torch.from_numpy(init_rows(SPEC, np.arange(N))))
-    ref = cls([weight], **{k: tuple(v) if isinstance(v, list) else v for k, v in args.items()})
+    emb, ref = reference(cls, args)
     for step in range(ROUNDS):
-        total = torch.sparse_coo_tensor(torch.zeros((1, 0), dtype=torch.int64), torch.zeros((0, DIM), dtype=torch.float64), (N, DIM))
+        ref.zero_grad()
         for k, (trainer, w) in enumerate(WEIGHTS):
             ids, g = section(rng, 0 if step == 3 or (step == 1 and k == 2) else 120)
             r.check(ids, g, trainer)
             r.stage(trainer, ids, g)
             touched |= set(ids.tolist())
-            total = total + sparse(ids, g, w)
+            (emb(ids) * g).sum().mul(w).backward()  # sparse=True: the weight's grad is sparse, its rows w * g
+        assert emb.weight.grad.is_sparse
         assert r.staged() == {"t0", "t1", "t2"}
         assert r.apply_staged(WEIGHTS) is True
         assert r.staged() == set()
-        weight.grad = total
         ref.step()
     assert r.step == ROUNDS
-    got = r.lookup(torch.arange(N))
-    torch.testing.assert_close(got, weight.detach(), rtol=0, atol=1e-12)
+    torch.testing.assert_close(r.lookup(torch.arange(N)), emb.weight.detach(), rtol=0, atol=1e-12)
     # the rule's state too, row by row, where rows exist
     entries = r.export_slots(range(SLOTS))[0]
     for name in r._state:
         ids = torch.cat([v for k, v in sorted(entries.items()) if k.endswith("/ids")])
         state = torch.cat([entries[k.replace("/ids", f"/state.{name}")] for k in sorted(entries) if k.endswith("/ids")])
-        torch.testing.assert_close(state, ref.state[weight][name][ids], rtol=0, atol=1e-12)
+        torch.testing.assert_close(state, ref.state[emb.weight][name][ids], rtol=0, atol=1e-12)
     assert r.stats()["created"] == r.stats()["rows"] == len(touched)
 
 
@@ -107,16 +109,16 @@ def test_sync_rounds_of_several_trainers_equal_torch_on_the_full_table(rule, arg
 def test_async_pushes_equal_torch_stepping_each_push(rule, args, cls):
     rng = np.random.default_rng(2)
     r = store(rule=rule, args=args)
-    weight = torch.nn.Parameter(torch.from_numpy(init_rows(SPEC, np.arange(N))))
-    ref = cls([weight], **{k: tuple(v) if isinstance(v, list) else v for k, v in args.items()})
+    emb, ref = reference(cls, args)
     for step in range(ROUNDS):
         ids, g = section(rng, 0 if step == 2 else 200)
         r.check(ids, g, "t0")
         r.apply(ids, g)
-        weight.grad = sparse(ids, g)
+        ref.zero_grad()
+        (emb(ids) * g).sum().backward()
         ref.step()
     assert r.step == ROUNDS
-    torch.testing.assert_close(r.lookup(torch.arange(N)), weight.detach(), rtol=0, atol=1e-12)
+    torch.testing.assert_close(r.lookup(torch.arange(N)), emb.weight.detach(), rtol=0, atol=1e-12)
 
 
 def test_a_round_where_no_trainer_used_the_table_does_not_step_it():
@@ -455,3 +457,45 @@ def test_stats_count_rows_and_the_bytes_held():
     assert chunk_bytes() == 2 * 2 * 64 * DIM * 8 + 2 * 8 + 2 * DIM * 8  # the staging buffer counts too
     s = r.stats()
     assert (s["rows"], s["created"], s["admitted"]) == (65, 65, 0)
+
+
+@pytest.mark.parametrize(
+    "pending_capacity",
+    [
+        0,
+        128,
+    ],
+)
+def test_a_copy_made_by_import_then_fed_the_same_pushes_stays_equal(pending_capacity):
+    """What a backup replenished through a migration relies on: same pushes, same
+    creations, admissions and evictions, whatever the chunking or the positions."""
+    spec = TableSpec(name="emb", dim=DIM, dtype="float64", num_rows=N, admit_after=2, capacity=80, floor=20, ttl_steps=6,
+                     pending_capacity=pending_capacity)
+    a = store(spec, "SparseAdam", {"lr": 0.01})
+    rng = np.random.default_rng(9)
+    for _ in range(8):
+        a.apply(*section(rng, 120))
+    b = store(spec, "SparseAdam", {"lr": 0.01}, slots=(), chunk_rows=32)
+    b.import_slots(a.export_slots(range(SLOTS))[0])
+    for _ in range(8):
+        ids, g = section(rng, 120)
+        a.apply(ids, g)
+        b.apply(ids, g)
+    assert a.stats()["evicted_lfu"] > 0 and a.stats()["evicted_ttl"] > 0 and a.stats()["pending"] > 0
+    assert_same_entries(exported(a), exported(b))
+
+
+def test_half_precision_rounds_sum_in_float32_and_round_once():
+    spec = TableSpec(name="emb", dim=4, dtype="bfloat16", num_rows=N)
+    r = store(spec, "SGD", {"lr": 1.0})
+    ids = torch.tensor([3, 7])
+    g1 = torch.tensor([[1.0, 2.0, 3.0, 4.0], [0.5, 0.25, 0.125, 1e-3]]).bfloat16()
+    g2 = torch.tensor([[1e-3, 1e-3, 1e-3, 1e-3], [3.0, 3.0, 3.0, 3.0]]).bfloat16()
+    r.stage("t0", ids, g1, keep=True)  # not kept as given: half precision is summed in float32
+    r.stage("t1", ids, g2)
+    sent = g1.clone()
+    g1.zero_()  # the pusher's buffer moves on: the store holds its own copy
+    r.apply_staged([("t0", 0.5), ("t1", 0.5)])
+    want = torch.from_numpy(init_rows(spec, ids.numpy())).bfloat16()
+    want.add_((0.5 * sent.float() + 0.5 * g2.float()).bfloat16(), alpha=-1.0)
+    assert torch.equal(r.lookup(ids), want)

@@ -7,7 +7,7 @@ its values and its row rule's state.
   its checkpoint, finishes, and every row and its Adagrad state equal single-process
   torch over the rounds the job kept (its history); so do the checkpoints it wrote.
 * A sync job resized 2 -> 3 -> 2 while it trains: the same, rows migrating pserver to
-  pserver in pages.
+  pserver in pages; and an async one of one trainer, against torch over its steps.
 
 Small sizes (a 2,000-row table, dim 8, float64): what is proven is exact arithmetic.
 """
@@ -447,6 +447,34 @@ def test_a_sync_job_resized_two_three_two_keeps_every_row_and_its_adagrad_state(
         assert any(more for _, _, more in pages) and 0 < max(n for _, n, _ in pages) <= 7
         assert sum(n for _, n, _ in pages) > 50
         check_against_replay(job, source, {0: 0})
+    finally:
+        job.close()
+
+
+def test_an_async_job_resized_two_three_two_keeps_every_row_and_its_adagrad_state(tmp_path):
+    """Async pservers switch maps at once: a trainer's lookup computed for the old map
+    is answered SlotMapChanged and routed again by the new one. One trainer pulling
+    and pushing every step is sequential SGD: torch over its steps in order."""
+    source = clicks(tmp_path.as_uri(), tasks=6, rows=6 * B)
+    job = start_job(
+        source, name="rows-async-resize", mode="async", trainers=1, pservers=2, num_slots=SLOTS, min_block=1, lease_ttl=2.0,
+        batch_size=B, optimizer="Adagrad", optimizer_args=ADAGRAD,
+    )  # fmt: skip
+
+    def resizes(steps) -> None:
+        for target in (3, 2):
+            before = steps()
+            wait_until(lambda: steps() >= before + 6, 60, "steps before the resize")
+            resize(job, target)
+
+    try:
+        train_on_threads(job, 1, during=resizes, pause=0.05)
+        assert job.trainers[0].map_changes == 2 and len(job.pservers) == 2
+        replay = Replay(source, (job.config.optimizer, job.config.optimizer_args))
+        for step in job.trainers[0].history:
+            replay.apply([(job.trainers[0].trainer_id, step)])
+        assert_rows_equal(on_pservers(job.pservers), replay.rows_now(), "the pservers after the job")
+        assert all(ps._tables[TABLE].step == len(job.trainers[0].history) for ps in job.pservers)
     finally:
         job.close()
 

@@ -1075,6 +1075,10 @@ class Pserver:
             return PullReply(**self._state(), more=False)
         return PullReply(**self._state(), more=more, tensors=[ids, values])
 
+    def _live_pservers(self) -> int | None:
+        """The pservers of the slot map served: one part each in a checkpoint taken now."""
+        return None if self._slot_map is None else self._slot_map.num_pservers
+
     def _report_tables(self) -> None:
         """Put this pserver's row counts per table (``table_stats/<i>``) every
         :data:`TABLE_STATS_EVERY` seconds while they change: ``pdps status`` sums them.
@@ -1279,7 +1283,7 @@ class Pserver:
             since = {"version": flip.version, "epoch": self.epoch, "round": round_no + 1}
             ops.append(Put(self._keys.slotmap_since, json.dumps(since).encode()))
         if ckpt is not None:
-            ops.append(recovery.announce(self._keys, ckpt, self.epoch, round_no + 1, "sync"))
+            ops.append(recovery.announce(self._keys, ckpt, self.epoch, round_no + 1, "sync", self._live_pservers()))
         return Write((Compare.absent(marker),), ops, result=_CLOSED_HERE)
 
     def _live(self, *, fresh: bool) -> set[str]:
@@ -1439,7 +1443,7 @@ class Pserver:
         self._last_checkpoint, self._window_wanted = time.monotonic(), None
         ckpt = recovery.new_checkpoint_id(self.epoch, self.version)
         try:
-            self._store.commit((Compare.absent(self._keys.checkpoint_info(ckpt)),), (recovery.announce(self._keys, ckpt, self.epoch, self.version, "async"),))
+            self._store.commit((Compare.absent(self._keys.checkpoint_info(ckpt)),), (recovery.announce(self._keys, ckpt, self.epoch, self.version, "async", self._live_pservers()),))
         except StoreError as exc:
             log.warning("pserver 0 could not announce checkpoint %s: %s", ckpt, exc)
 

@@ -102,9 +102,10 @@ def describe(store: CoordinationStore, keys: Keys) -> list[dict[str, Any]]:
 # --- taking a checkpoint ------------------------------------------------------------
 
 
-def announce(keys: Keys, ckpt_id: str, epoch: int, round_no: int, mode: str) -> Put:
-    """The op that starts checkpoint ``ckpt_id`` (goes into the caller's transaction)."""
-    info = CheckpointInfo(ckpt_id, epoch, round_no, mode, State.WRITING, started=time.time())
+def announce(keys: Keys, ckpt_id: str, epoch: int, round_no: int, mode: str, pservers: int | None = None) -> Put:
+    """The op that starts checkpoint ``ckpt_id`` (goes into the caller's transaction);
+    ``pservers``: the count of the slot map it is taken in, one part each."""
+    info = CheckpointInfo(ckpt_id, epoch, round_no, mode, State.WRITING, started=time.time(), pservers=pservers)
     return Put(keys.checkpoint_info(ckpt_id), json.dumps(info.to_json()).encode())
 
 

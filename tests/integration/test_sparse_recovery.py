@@ -424,6 +424,7 @@ def test_a_sync_job_resized_two_three_two_keeps_every_row_and_its_adagrad_state(
     job = start_job(
         source, name="rows-resize", mode="sync", trainers=2, pservers=2, num_slots=SLOTS, min_block=1, lease_ttl=2.0,
         batch_size=B, optimizer="Adagrad", optimizer_args=ADAGRAD, keep_rounds=100_000, passes=2,
+        checkpoint_url=f"{tmp_path.as_uri()}/ckpt", checkpoint_every=4, checkpoint_keep=100,
     )  # fmt: skip
     keys = Keys(job.config.name)
     moved = []
@@ -446,7 +447,13 @@ def test_a_sync_job_resized_two_three_two_keeps_every_row_and_its_adagrad_state(
         # rows moved, one slot at a time, in pages of at most 1 KiB (7 rows of 8 + 64 + 64 bytes)
         assert any(more for _, _, more in pages) and 0 < max(n for _, n, _ in pages) <= 7
         assert sum(n for _, n, _ in pages) > 50
-        check_against_replay(job, source, {0: 0})
+        replay_checked = check_against_replay(job, source, {0: 0})
+        assert replay_checked is not None
+        # checkpoints commit whatever the slot map's pserver count (one part per pserver of
+        # the map it was taken in): one taken while the job had 3 pservers is among them
+        files = open_checkpoint_files(job.config.checkpoint_url)
+        counts = {sum(n.startswith("ps-") for n in files.read_manifest(c).parts) for c in recovery.read_pointer(job.store, keys)[0].history}
+        assert counts == {2, 3}, counts
     finally:
         job.close()
 

@@ -59,7 +59,7 @@ from pdps.core.job import JobConfig, Keys, decode_as, decode_json, says_done
 from pdps.core.lifecycle import HALTED, UNSETTLED, PserverEvent, PserverState, next_state
 from pdps.core.sgd import Mode, RoundRecord, check_staleness, participants
 from pdps.core.slots import Block, Layout, ParamSpec, SlotMap
-from pdps.core.tables import TableSpec, check_row_rule, row_entry, row_rule_for, row_slots
+from pdps.core.tables import TableSpec, check_row_rule, parse_row_entry, row_entry, row_rule_for, row_slots
 from pdps.core.txn import Decision, Done, Write
 from pdps.core.wire import (
     AppliedReply,
@@ -213,6 +213,75 @@ class _Forward:
     error: BaseException | None = None
 
 
+@attrs.define(eq=False)
+class _LeavingRows:
+    """The rows of the slots a pserver gave up in a resize, copied when it switched maps
+    (its row stores dropped them then), kept until the resize is done: ``steps``, each
+    table's step entry (:func:`~pdps.core.tables.table_entry`); ``slots``, slot -> table
+    -> kind -> tensor (the kinds of :func:`~pdps.core.tables.row_entry`; a slot without
+    rows maps to nothing). A receiver pages through one slot's rows at a time
+    (:meth:`page`)."""
+
+    steps: dict[str, object]
+    slots: dict[int, dict[str, dict[str, object]]]
+
+    @classmethod
+    def of(cls, tables: dict[str, RowShard], give: Sequence[int]) -> _LeavingRows:
+        steps: dict[str, object] = {}
+        slots: dict[int, dict[str, dict[str, object]]] = {s: {} for s in give}
+        for name, rows in sorted(tables.items()):
+            entries, _ = rows.export_slots(give)  # one gather per table, split by slot below
+            for key, t in entries.items():
+                row = parse_row_entry(key)
+                if row is None:
+                    steps[key] = t  # the table's step
+                else:
+                    slots[row[1]].setdefault(row[0], {})[row[2]] = t
+        return cls(steps, slots)
+
+    def page(self, slot: int, offset: int, budget: int) -> tuple[list[str], list[object], bool]:
+        """Entries of ``slot``'s rows from the ``offset``-th on (table by table in name
+        order, each in id order), at most ``budget`` bytes of them (one row at least),
+        with every table's step and, in the first page, the ids awaiting admission; and
+        whether rows remain past them."""
+        names: list[str] = list(self.steps)
+        tensors: list[object] = list(self.steps.values())
+        tables = sorted(self.slots[slot].items())
+        if offset == 0:
+            for table, kinds in tables:
+                for kind in sorted(k for k in kinds if k.startswith("pending_")):
+                    names.append(row_entry(table, slot, kind))
+                    tensors.append(kinds[kind])
+                    budget -= int(kinds[kind].nbytes)  # type: ignore[attr-defined]
+        start = 0  # the first row of the table, counted over the slot's tables in order
+        end = offset  # rows before this one are sent (by earlier pages, or this one)
+        for table, kinds in tables:
+            n = _rows_in(kinds)
+            lo = end - start
+            start += n
+            if lo >= n:
+                continue
+            per_row = sum(int(t.nbytes) for k, t in kinds.items() if not k.startswith("pending_")) / n  # type: ignore[attr-defined]
+            room = int(budget // per_row)
+            if room < 1 and end > offset:
+                break
+            hi = min(n, lo + max(room, 1))
+            for kind, t in sorted(kinds.items()):
+                if not kind.startswith("pending_"):
+                    names.append(row_entry(table, slot, kind))
+                    tensors.append(t[lo:hi])  # type: ignore[index]
+            budget -= int((hi - lo) * per_row)
+            end += hi - lo
+            if hi < n:
+                break
+        return names, tensors, end < sum(_rows_in(kinds) for _, kinds in tables)
+
+
+def _rows_in(kinds: dict[str, object]) -> int:
+    ids = kinds.get("ids")
+    return 0 if ids is None else int(ids.shape[0])  # type: ignore[attr-defined]
+
+
 class _InOrder:
     """Async, at a primary: the gradients one backup must apply, sent one call at a time
     in the order they were queued (the order the primary applied them), on a thread of
@@ -312,6 +381,8 @@ class Pserver:
         self._outgoing: dict[int, dict[int, dict[str, object]]] = {}
         self._outgoing_applied: dict[int, dict[int, int]] = {}  # ... and their applied_by_slot
         self._outgoing_forwarded: dict[int, dict[int, int]] = {}  # ... and the forwards queued by then (async replicas)
+        #: ... and the rows of those slots' tables, copied when it switched (paged to receivers)
+        self._outgoing_rows: dict[int, _LeavingRows] = {}
         #: slots this pserver receives in the map it serves, by source pserver: until they
         #: are all here, it serves no parameters (NotReady)
         self._pending: dict[int, list[int]] = {}
@@ -333,7 +404,6 @@ class Pserver:
         #: ... block key -> (its primary, its incarnation, seq): a copy received holds that
         #: primary's forwards up to seq (queued before it switched, they may still come)
         self._copied: dict[str, tuple[int, str | None, int]] = {}
-        self._copied_slots: dict[int, tuple[int, str | None, int]] = {}  # ... and the same per slot, for its rows
         self._ready: dict[int, set[int]] = {}  # map version -> the pservers whose shard of it is built ahead
         self._migrating_since: tuple[int, float] | None = None  # (map version, when this pserver saw it migrating)
         #: sync, (map version, round, shard): the shard of the map this pserver switched
@@ -677,22 +747,17 @@ class Pserver:
         last = self._streams.get(primary)
         if last is not None and last[0] == req.incarnation and req.seq <= last[1]:
             return PushReply(**self._state(), update_s=time.perf_counter() - began, duplicate=True)
-        # slots whose copy came from this primary (a replenished or resized copy) after it
-        # had queued this forward: the copy holds it already
-        copied = {s for s, c in self._copied_slots.items() if c[:2] == (primary, req.incarnation) and req.seq <= c[2]}
-        held_already = [k for k in blocks if self._slot_of[k] in copied or ((c := self._copied.get(k)) is not None and c[:2] == (primary, req.incarnation) and req.seq <= c[2])]
-        rows_slots = set() if backed is None or not req.tables else set(np.flatnonzero(backed).tolist())
-        if (blocks or rows_slots) and len(held_already) == len(blocks) and rows_slots <= copied:
+        # A copy received from this primary holds the forwards it had queued when it
+        # switched maps. (Rows need no such care: a forward's sections are cut by the map
+        # the primary served when it queued it, which gave a new copy's slot no rows here.)
+        held_already = [k for k in blocks if (c := self._copied.get(k)) is not None and c[:2] == (primary, req.incarnation) and req.seq <= c[2]]
+        if blocks and len(held_already) == len(blocks) and not sections:
             return PushReply(**self._state(), update_s=time.perf_counter() - began, duplicate=True)
         dense = list(req.dense_tensors)
         at = list(indices) if indices is not None else list(range(len(shard.blocks)))
         if held_already:
             keep = [i for i, k in enumerate(blocks) if k not in held_already]
             dense, at = [dense[i] for i in keep], [at[i] for i in keep]
-        if copied and sections:
-            gone = np.zeros(self._slot_map.num_slots, dtype=bool)
-            gone[sorted(copied)] = True
-            sections = [self._rows_outside(name, ids, grads, gone) for name, ids, grads in sections]
         if dense:
             shard.check(dense, req.trainer, indices=at, finite=False)  # the primary checked their values
             shard.apply(dense, at)
@@ -700,7 +765,8 @@ class Pserver:
         for name, ids, grads in sections:
             self._tables[name].apply(ids, grads, step=steps[name])  # at the primary's table step
         self._streams[primary] = (req.incarnation, req.seq)
-        for slot in {self._slot_of[k] for i, k in enumerate(blocks) if k not in held_already} | (rows_slots - copied):
+        rows_slots = set() if backed is None or not req.tables else set(np.flatnonzero(backed).tolist())
+        for slot in {self._slot_of[k] for k in blocks if k not in held_already} | rows_slots:
             self.applied_by_slot[slot] = self.applied_by_slot.get(slot, 0) + 1
         return PushReply(**self._state(), update_s=time.perf_counter() - began)
 
@@ -729,11 +795,6 @@ class Pserver:
                 )
         return sections
 
-    def _rows_outside(self, name: str, ids: object, grads: object, slots: np.ndarray) -> tuple[str, object, object]:
-        """A row section without its ids in ``slots`` (a mask)."""
-        assert self._slot_map is not None
-        keep = np.flatnonzero(~slots[row_slots(name, np.asarray(ids), self._slot_map.num_slots)])
-        return (name, ids, grads) if len(keep) == len(ids) else (name, ids[keep], grads[keep])  # type: ignore[arg-type,index]
 
     def _stage_round(self, req: PushRequest, shard: ParameterShard, indices: list[int] | None) -> None:
         """Sync (lock held): stage ``req``'s gradient for the open round it names."""
@@ -1102,7 +1163,7 @@ class Pserver:
         """(Lock held) a page of the rows of one table in one slot (fetching a job's rows)."""
         assert req.dump is not None
         name, slot, offset, limit = req.dump
-        rows = self._table(name, req.trainer)
+        rows = self._table(name, req.trainer, push=False)
         if slot not in rows.slots:
             raise BadRequest(f"pull from {req.trainer!r}: pserver {self.index} holds no rows of slot {slot} (it holds copies of {len(rows.slots)} slots)", field="dump", trainer=req.trainer)
         entries, more = rows.export_slots([slot], offset, limit)
@@ -1145,11 +1206,12 @@ class Pserver:
             self._table(name, req.trainer).check(ids, grads, req.trainer, finite=not forward, slots=slots if forward else self._row_primary)
         return sections
 
-    def _table(self, name: str, trainer: str) -> RowShard:
+    def _table(self, name: str, trainer: str, *, push: bool = True) -> RowShard:
         rows = self._tables.get(name)
         if rows is None:
             known = sorted(self._tables) or "none"
-            raise GradientRejected(f"trainer {trainer!r} sent rows of table {name!r}, which the job's model does not have (its tables: {known})", field="tables", trainer=trainer)
+            error = GradientRejected if push else BadRequest
+            raise error(f"trainer {trainer!r} named table {name!r}, which the job's model does not have (its tables: {known})", field="tables", trainer=trainer)
         return rows
 
     def _looked_up(self, req: PullRequest) -> list[object]:
@@ -1157,7 +1219,7 @@ class Pserver:
         ids_of = req.tensors
         out = []
         for (name, _), ids in zip(req.tables or (), ids_of):
-            rows = self._table(name, req.trainer)
+            rows = self._table(name, req.trainer, push=False)
             rows.check(ids, None, req.trainer, slots=self._row_primary)  # pulls are served by primaries
             out.append(rows.lookup(ids))
         return out
@@ -1506,8 +1568,11 @@ class Pserver:
         assert self._shard is not None
         self._seen_checkpoints.add(ckpt_id)
         self._last_checkpoint = time.monotonic()
-        # with replicas, each block is written by its primary only (once per checkpoint)
+        # with replicas, each block and each slot's rows are written by its primary only (once
+        # per checkpoint)
         state = self._shard.snapshot({"pdps.version": self.version}, self._primary)
+        for rows in self._tables.values():
+            state.update(rows.snapshot(self._my_slots))  # copies: rows move on while the part is written
         t = threading.Thread(target=self._write_part, args=(ckpt_id, state), name=f"pdps-ckpt-{ckpt_id}", daemon=True)
         self._writers = [w for w in self._writers if w.is_alive()] + [t]
         t.start()
@@ -1572,11 +1637,11 @@ class Pserver:
             self._move(PserverEvent.LOAD)
             self._round_checkpoint = None
             self._outgoing.clear()  # every pserver loads its slots of the map it serves from the checkpoint
+            self._outgoing_rows.clear()
             self._frozen = None
             self._outgoing_applied.clear()
             self._outgoing_forwarded.clear()
             self._copied.clear()
-            self._copied_slots.clear()
             self._pending, self._received = {}, {}
             self._marks.clear()  # the parameters go back: so does what they hold
             self._ledger.clear()
@@ -1589,6 +1654,7 @@ class Pserver:
                 shard = None  # no trainer ever attached: nothing to restore
             if shard is not None:
                 shard.unstage()
+                self._tables = self._build_tables()  # empty: rows start from init, or from the checkpoint
                 if epoch.checkpoint is None:
                     shard.initialized = False  # a trainer initializes it again with its values
                 else:
@@ -1607,7 +1673,7 @@ class Pserver:
         files = self._files
 
         def load() -> int:
-            version = recovery.load_shard(self._store, files, self.config, ckpt_id, shard)
+            version = recovery.load_shard(self._store, files, self.config, ckpt_id, shard, self._tables)
             log.info("pserver %s loaded checkpoint %s (version %d)", self.index, ckpt_id, version)
             return version
 
@@ -1677,6 +1743,8 @@ class Pserver:
                 self._start_preparing(resize)
             if resize.state is not ResizeState.DONE or resize.to_map is None:
                 return
+            for v in [v for v in self._outgoing_rows if v <= resize.to_map.version]:
+                del self._outgoing_rows[v]
             for v in [v for v in self._outgoing if v <= resize.to_map.version]:
                 del self._outgoing[v]  # every receiver has its slots
                 self._outgoing_applied.pop(v, None)
@@ -1782,7 +1850,9 @@ class Pserver:
         """Serve ``new`` from now on (lock held). The blocks this pserver gives up are kept
         aside (aliasing the old shard, which nothing writes any more) for their receivers;
         those it keeps go into a new shard; those it receives are fetched from their old
-        owners, and until they are all here it serves no parameters."""
+        owners, and until they are all here it serves no parameters. The rows of the
+        model's tables follow the map the same way (:meth:`_move_rows`), every slot
+        moving with its rows."""
         old = self._slot_map
         if old is None or new.version <= old.version or self.index is None:
             return
@@ -1826,18 +1896,21 @@ class Pserver:
                 outgoing: dict[int, dict[str, object]] = {}
                 for i in give:
                     outgoing.setdefault(slot_of[before.blocks[i].key], {}).update(before.export_blocks([i]))
-                if outgoing:
-                    self._outgoing[new.version] = outgoing
+                counted = set(outgoing) | (sending if self._tables else set())  # a slot of rows only counts its pushes too
+                if counted:
+                    if outgoing:
+                        self._outgoing[new.version] = outgoing
                     kept = {slot_of[k] for k in mine}
                     self._outgoing_applied[new.version] = {
-                        slot: self.applied_by_slot.get(slot, 0) if slot in kept else self.applied_by_slot.pop(slot, 0) for slot in outgoing
+                        slot: self.applied_by_slot.get(slot, 0) if slot in kept else self.applied_by_slot.pop(slot, 0) for slot in sorted(counted)
                     }
                     self._outgoing_forwarded[new.version] = dict(self._sent_seq)
                 self._received = dict(before.export_blocks(keep))
                 has_blocks = {slot_of[b.key] for b in self._shard.blocks}
                 for slot, src, dst in old.moves(new):
-                    if dst == self.index and slot in has_blocks:
+                    if dst == self.index and (slot in has_blocks or self._tables):  # every slot holds rows
                         self._pending.setdefault(src, []).append(slot)
+            self._move_rows(new, sending, send=before.initialized)
             if self._pending:
                 # sync pushes are staged while the slots come (the round applies once they are in)
                 self._shard.expect_import()
@@ -1852,6 +1925,24 @@ class Pserver:
         self._closer.notify_all()
         if got is not None and any(dst == self.index for _, _, dst in old.moves(new)):  # only receivers report
             threading.Thread(target=self._report_got, args=(got,), daemon=True).start()
+
+    def _move_rows(self, new: SlotMap, sending: set[int], *, send: bool) -> None:
+        """(Lock held, switching to ``new``) the row stores follow the map: the rows of the
+        slots this pserver gives up are copied aside for their receivers (``send``: the
+        job has values; kept until the resize is done) and dropped from the stores, so a
+        section of one of those ids is refused here from now on; the slots it receives
+        are held (their rows come through :meth:`_fetch`; a push for them is staged
+        meanwhile)."""
+        if not self._tables:
+            return
+        assert self.index is not None
+        mine = set(new.held_by(self.index))  # every copy: a backup's rows are its primary's
+        if send and sending:
+            self._outgoing_rows[new.version] = _LeavingRows.of(self._tables, sorted(sending))
+        for rows in self._tables.values():
+            held = rows.slots
+            rows.drop_slots(sorted(held - mine))
+            rows.hold(sorted(mine - held))
 
     def _drop_own_copies(self) -> bool:
         """A restarted pserver (replicas, sync) that the live map still names as a holder:
@@ -1900,6 +1991,8 @@ class Pserver:
                 raise NotReady(f"pserver {self.index} is starting")
             if self._slot_map.version < (req.version or 0):
                 self._check_slot_map(req)  # not switched yet (NotReady), or a map that never was
+            if req.row_offset is not None:
+                return self._migrate_rows(req, req.row_offset)
             held = self._outgoing.get(req.version or 0, {})
             missing = [slot for slot in req.slots if slot not in held]
             if missing:
@@ -1916,6 +2009,24 @@ class Pserver:
             forwarded = tuple(sorted(self._outgoing_forwarded.get(req.version or 0, {}).items()))
             return MigrateReply(**self._state(), names=tuple(names), applied=applied, forwarded=forwarded, tensors=tuple(tensors))
 
+    def _migrate_rows(self, req: MigrateRequest, offset: int) -> MigrateReply:
+        """(Lock held) a page of the rows of the one slot ``req`` names, as it was when
+        this pserver switched to map ``req.version``: at most MIGRATE_CALL_BYTES of them
+        from the ``offset``-th on, ``more`` if rows follow. The first page of a slot
+        holding no block carries its async push count (a block's migration carries it
+        otherwise)."""
+        version = req.version or 0
+        leaving = self._outgoing_rows.get(version)
+        slot = req.slots[0]
+        if leaving is None or slot not in leaving.slots:
+            raise NotInitialized(f"pserver {self.index} no longer holds the rows of slot {slot} of slot map version {version} (it restarted, or the job rolled back)")
+        names, tensors, more = leaving.page(slot, offset, MIGRATE_CALL_BYTES)
+        self.sent_bytes += sum(int(t.nbytes) for t in tensors)  # type: ignore[attr-defined]
+        with_blocks = slot in self._outgoing.get(version, {})
+        counts = self._outgoing_applied.get(version, {})
+        applied = ((slot, counts.get(slot, 0)),) if offset == 0 and not with_blocks and slot in counts else ()
+        return MigrateReply(**self._state(), names=tuple(names), more=more, applied=applied, tensors=tuple(tensors))
+
     def _fetch(self, version: int, epoch: int) -> None:
         """Receive this pserver's new slots of map ``version`` from their old owners (one
         thread and one connection per source, reused for every call: a fresh gRPC
@@ -1927,13 +2038,14 @@ class Pserver:
             layout = self._layout
         assert layout is not None
         sizes = layout.slot_bytes()
+        with_blocks = set(layout.slots)  # the slots holding some block of the model
         outcome: dict[int, object] = {}  # source -> bytes received, or why it stopped (None: the map moved on; _LOST)
         lost: list[str] = []
 
         def receive(src: int, slots: list[int]) -> None:
-            batches: list[list[int]] = [[]]
-            for slot in slots:
-                if batches[-1] and sum(sizes[x] for x in batches[-1]) + sizes[slot] > MIGRATE_CALL_BYTES:
+            batches: list[list[int]] = []
+            for slot in (s for s in slots if s in with_blocks):
+                if not batches or (batches[-1] and sum(sizes[x] for x in batches[-1]) + sizes[slot] > MIGRATE_CALL_BYTES):
                     batches.append([])
                 batches[-1].append(slot)
             fetched, channel = 0, _Connection()
@@ -1961,6 +2073,14 @@ class Pserver:
                         got = sum(int(t.nbytes) for t in reply.tensors)
                         self.received_bytes += got
                         fetched += got
+                for slot in slots if self._tables else ():
+                    got = self._fetch_rows(src, slot, version, epoch, channel)
+                    if not isinstance(got, int):
+                        if got is _LOST:
+                            lost.append(f"pserver {self.index} cannot receive the rows of slot {slot} of slot map version {version} from pserver {src}")
+                        outcome[src] = got
+                        return
+                    fetched += got
                 outcome[src] = fetched
             finally:
                 channel.close()
@@ -1989,12 +2109,46 @@ class Pserver:
         log.warning("pserver %s received its slots of slot map version %d (%d bytes) in %.2fs", self.index, version, fetched, time.monotonic() - began)
         self._report_got(version)
 
-    def _ask_source(self, src: int, slots: list[int], version: int, epoch: int, connection: _Connection) -> object:
+    def _fetch_rows(self, src: int, slot: int, version: int, epoch: int, channel: _Connection) -> object:
+        """Receive the rows of ``slot`` from pserver ``src``, page after page, each
+        imported into the row stores as it comes (nothing reads them before every slot
+        is in): the bytes received; None once the epoch or map moved on; _LOST when the
+        source lost them or sent what does not fit."""
+        offset = fetched = 0
+        while True:
+            reply = self._ask_source(src, [slot], version, epoch, channel, row_offset=offset)
+            if not isinstance(reply, MigrateReply):
+                return reply
+            entries = dict(zip(reply.names, reply.tensors))
+            rows = sum(int(t.shape[0]) for key, t in entries.items() if (e := parse_row_entry(key)) is not None and e[2] == "ids")  # type: ignore[attr-defined]
+            with self._cond:
+                if self.epoch != epoch or self._slot_map is None or self._slot_map.version != version:
+                    return None
+                try:
+                    for table in self._tables.values():
+                        table.import_slots(entries)  # (entries of other tables are ignored)
+                except ConfigError as exc:
+                    log.error("pserver %s cannot import the rows of slot %d from pserver %d: %s", self.index, slot, src, exc)
+                    return _LOST
+                for s, n in reply.applied:
+                    self.applied_by_slot[s] = self.applied_by_slot.get(s, 0) + n
+                got = sum(int(t.nbytes) for t in reply.tensors)
+                self.received_bytes += got
+                fetched += got
+            if not reply.more:
+                return fetched
+            if not rows:
+                log.error("pserver %s: pserver %d says rows of slot %d follow row %d, but sent none", self.index, src, slot, offset)
+                return _LOST
+            offset += rows
+
+    def _ask_source(self, src: int, slots: list[int], version: int, epoch: int, connection: _Connection, *, row_offset: int | None = None) -> object:
         """One migrate call to pserver ``src`` (over ``connection``), retried while it is
         unreachable or has not switched yet: its reply; None once this pserver's epoch
         or map has moved on; _LOST when the source restarted without the slots, or has
-        been gone SOURCE_GONE lease TTLs (then the job must roll back)."""
-        request = MigrateRequest(f"pserver-{self.index}", epoch=epoch, version=version, slots=tuple(slots))
+        been gone SOURCE_GONE lease TTLs (then the job must roll back). ``row_offset``:
+        a page of the one slot's rows (:meth:`_fetch_rows`)."""
+        request = MigrateRequest(f"pserver-{self.index}", epoch=epoch, version=version, slots=tuple(slots), row_offset=row_offset)
         waiting = Retry(MIGRATE_BACKOFF)
         unregistered_since: float | None = None
         while True:

@@ -104,29 +104,18 @@ def test_launch_trains_digits_across_processes(etcd_server, mode):
     assert f"pass {PASSES}/{PASSES}" in proc.stderr
 
 
-def test_launch_trains_the_ctr_example_over_grpc_with_its_table_on_the_pservers(etcd_server):
-    """A sparse table across processes: 2 trainers and 2 pservers over gRPC, etcd for
-    discovery; the example's held-out AUC clears 0.70 (chance is 0.5)."""
+def test_launch_over_redis_trains_the_ctr_example_with_its_table_on_the_pservers(redis_server):
+    """Redis serves as the store just as etcd does, here for the CTR example: its sparse
+    table lives on 2 pserver processes, 2 trainers pull and push its rows over gRPC; the
+    held-out AUC clears 0.70 (chance is 0.5)."""
     proc = run_pdps(
-        "launch", "--job", job_name(), "--trainers", "2", "--pservers", "2", "--store", etcd_server.url,
+        "launch", "--job", job_name(), "--trainers", "2", "--pservers", "2", "--store", redis_server.url,
         "--transport", "grpc", "--restart", "never", "--json", "pdps.examples.ctr:train",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = last_json(proc.stdout)
     assert summary["auc"] >= 0.70, summary
-    assert (summary["tasks_done"], summary["tasks_failed"], summary["passes"]) == (2 * 16, 0, 2)
-
-
-def test_launch_over_redis(redis_server):
-    """Redis serves as the store just as etcd does (a short job: the bar is etcd's test's)."""
-    proc = run_pdps(
-        "launch", "--job", job_name(), "--trainers", "2", "--pservers", "2", "--store", redis_server.url,
-        "--passes", "3", "--restart", "never", "--json", "pdps.examples.digits:train",
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = last_json(proc.stdout)
-    assert (summary["passes"], summary["tasks_done"], summary["tasks_failed"]) == (3, 3 * 36, 0)
-    assert summary["accuracy"] > 0.5  # trained, far above the 0.1 of chance
+    assert (summary["passes"], summary["tasks_done"], summary["tasks_failed"]) == (2, 2 * 16, 0)
 
 
 def test_the_same_function_in_process_reaches_the_bar():

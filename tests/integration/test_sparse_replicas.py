@@ -21,16 +21,18 @@ from torch import nn
 
 import pdps
 from pdps.adapters.parquet import ParquetSource, write_parquet_shards
+from pdps.core.errors import TransportError
 from pdps.core.job import Keys
 from pdps.core.tables import parse_row_entry
 from pdps.runtime.resizing import read_map
 from tests.integration.jobkit import start_job
+from tests.integration.test_replicas import replace_and_replenish
 
 ROWS = 5000
 DIM = 8
 BAG = 4
 B = 8  # batch per trainer
-STEPS = 24  # steps per trainer: one task of STEPS * B samples each
+STEPS = 40  # steps per trainer: one task of STEPS * B samples each
 TABLE = "emb.weight"
 
 
@@ -59,10 +61,27 @@ def clicks(tmp_path) -> ParquetSource:
     return ParquetSource(f"{tmp_path.as_uri()}/clicks")
 
 
-def train(job, *, crash: int | None = None, after: int = 0) -> None:
-    """Two trainers on threads through the whole job; with ``crash``, that pserver dies
-    (as a killed process) once ``after`` steps are done, and the test waits for the
-    master to fail it over while training goes on."""
+def die_after_forwarding(ps) -> None:
+    """Make ``ps`` die (as a killed process) in the middle of its next sync push: once
+    its backups have staged the push's rows, before the trainer is answered, which then
+    pushes again by the map without it (the rows its backups staged from the forward
+    must not count twice)."""
+    forward = ps._forward
+
+    def forward_then_die(forwards) -> None:
+        forward(forwards)
+        ps.crash()
+        raise TransportError(f"pserver {ps.index} was killed before it answered")
+
+    ps._forward = forward_then_die
+
+
+def train(job, *, crash: int | None = None, after: int = 0, delay: float = 0.0, mid_push: bool = False) -> None:
+    """Two trainers on threads through the whole job (``delay`` seconds between steps);
+    with ``crash``, that pserver dies (as a killed process) once ``after`` steps are
+    done (``mid_push``: in its next push, once forwarded); the test waits for the master
+    to fail it over, then starts a replacement at its index and waits for every slot to
+    have its two copies again, while training goes on."""
     lock = threading.Lock()
     steps = [0]
     errors: list[BaseException] = []
@@ -78,6 +97,7 @@ def train(job, *, crash: int | None = None, after: int = 0) -> None:
                 ctx.step(F.mse_loss(model(batch["ids"]), batch["y"]))
                 with lock:
                     steps[0] += 1
+                time.sleep(delay)
         except BaseException as exc:  # noqa: BLE001 - the test reports it
             errors.append(exc)
 
@@ -90,12 +110,17 @@ def train(job, *, crash: int | None = None, after: int = 0) -> None:
             assert not errors, errors
             assert time.monotonic() < deadline, f"no {after} steps in 30s"
             time.sleep(0.005)
-        job.pservers[crash].crash()
+        if mid_push:
+            die_after_forwarding(job.pservers[crash])
+        else:
+            job.pservers[crash].crash()
         keys = Keys(job.config.name)
         while read_map(job.store, keys).held_by(crash):
             assert time.monotonic() < deadline, "no failover"
             time.sleep(0.01)
-        assert steps[0] < 2 * STEPS - 4, "the job ended before the failover: nothing was trained after it"
+        replace_and_replenish(job, crash, deadline)
+        assert read_map(job.store, keys).held_by(crash)  # the replacement holds copies again, their rows copied to it
+        assert steps[0] < 2 * STEPS - 4, "the job ended before its copies were made again: nothing was trained after"
     for th in threads:
         th.join(timeout=60)
     assert not errors, errors
@@ -146,10 +171,13 @@ def settings(mode: str, name: str) -> dict:
 
 
 def test_sync_a_crashed_pserver_costs_nothing_every_row_and_its_state_as_an_uncrashed_twin(clicks):
-    """Sync: pserver 1 dies mid-job; its backups take its slots over with every row and
-    its SparseAdam state, nothing rolls back, and the job ends with the rows, their
-    state and the dense parameters of a twin run nobody crashed (float64, 1e-10);
-    every copy of each slot equals its primary's, bit for bit, in both runs."""
+    """Sync: pserver 1 dies mid-job, in the middle of a push (its backups staged the
+    push's rows, the trainer was not answered and pushes again by the new map); its
+    backups take its slots over with every row and its SparseAdam state, nothing rolls
+    back, a replacement gets copies again (rows paged to it) while training goes on, and
+    the job ends with the rows, their state and the dense parameters of a twin run
+    nobody crashed (float64, 1e-10); every copy of each slot equals its primary's, bit
+    for bit, in both runs."""
     twin = start_job(clicks, **settings("sync", "sparse-replicas-twin"))
     try:
         train(twin)
@@ -159,7 +187,7 @@ def test_sync_a_crashed_pserver_costs_nothing_every_row_and_its_state_as_an_uncr
         twin.close()
     job = start_job(clicks, **settings("sync", "sparse-replicas-crash"))
     try:
-        train(job, crash=1, after=8)
+        train(job, crash=1, after=8, delay=0.03, mid_push=True)
         assert all(ps.epoch == 0 and ps.rollbacks == 0 for ps in job.pservers)  # no rollback
         assert all(ctx.rollbacks == 0 for ctx in job.trainers)
         got_rows = assert_copies_agree(job)
@@ -190,7 +218,7 @@ def test_async_a_crashed_pserver_costs_no_rollback_and_the_copies_stay_equal(cli
     each slot equal to its primary's, SparseAdam state included."""
     job = start_job(clicks, **settings("async", "sparse-replicas-async"))
     try:
-        train(job, crash=1, after=8)
+        train(job, crash=1, after=8, delay=0.03)
         assert all(ps.epoch == 0 and ps.rollbacks == 0 for ps in job.pservers)
         assert all(ctx.rollbacks == 0 for ctx in job.trainers)
         primaries = assert_copies_agree(job)

@@ -205,3 +205,13 @@ def test_a_job_its_tables_cannot_run_in_is_refused_at_attach(tmp_path, settings,
     options = settings.pop("options", {})
     with pytest.raises(pdps.ConfigError, match=says):
         pdps.simulate(lambda ctx: fit_hashed(ctx, **options), dataset=source, trainers=1, pservers=2, batch_size=20, **settings)
+
+
+def test_a_model_of_tables_only_is_refused_at_attach(tmp_path):
+    source, _ = huge_ids(tmp_path.as_uri())
+
+    def tables_only(ctx: pdps.TrainerContext) -> None:
+        ctx.attach(nn.Sequential(pdps.nn.HashEmbedding(4, mode="sum")))
+
+    with pytest.raises(pdps.ConfigError, match="sparse tables and no dense parameter"):
+        pdps.simulate(tables_only, dataset=source, trainers=1, pservers=1, batch_size=20)

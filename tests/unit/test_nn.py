@@ -50,6 +50,10 @@ def test_a_tied_table_and_options_for_no_table_are_refused():
     other.weight = shared.weight
     with pytest.raises(ConfigError, match="shares its weight"):
         tables_of(Two(shared, other))
+    tied = Two(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 10, bias=False))
+    tied.b.weight = tied.a.weight
+    with pytest.raises(ConfigError, match="table 'a.weight' shares its weight with parameter 'b.weight'"):
+        tables_of(tied)
     with pytest.raises(ConfigError, match=r"table options name \['c.weight'\]"):
         tables_of(Two(nn.Embedding(10, 4, sparse=True), nn.Linear(1, 1)), {"c.weight": TableOptions()})
 

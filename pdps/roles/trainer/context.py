@@ -322,6 +322,8 @@ class TrainerContext(SyncRound, AsyncCadence):
             publisher = self._keys.trainer(self._publisher)
             wait_for_key(self._store, self._keys.model, f"trainer {self._publisher}'s model", unless=lambda: self._store.get(publisher) is None)
         row_tables = self._compute.tables(model, tables)  # before the replica: the tables leave the model
+        if row_tables and not any(p.requires_grad for p in model.parameters()):
+            raise ConfigError("the model holds sparse tables and no dense parameter: pdps needs at least one trainable dense parameter beside its tables")
         if row_tables:
             from pdps.roles.pserver import sparse_rule
 

@@ -352,8 +352,8 @@ class TorchRows:
         self._hold(slots)
         self.step = 0
         self._last_sweep = clock() if spec.ttl_seconds else 0.0
-        #: sync: the open round's sections, by (key, source) -> (ids, grads, map version)
-        self._staged: dict[tuple[str, int], tuple[np.ndarray, torch.Tensor, int]] = {}
+        #: sync: the open round's sections, key -> source -> (ids, grads, map version)
+        self._staged: dict[str, dict[int, tuple[np.ndarray, torch.Tensor, int]]] = {}
         self._buffers: dict[tuple[str, int], tuple[np.ndarray, torch.Tensor]] = {}
         self._generation = 0  # moves whenever the set of rows changes (export pages are planned against it)
         self._order: tuple[Any, ...] | None = None
@@ -557,8 +557,9 @@ class TorchRows:
         n = len(a)
         if covers is not None:
             self._uncover(key, source, version, covers)
+        staged = self._staged.setdefault(key, {})
         if keep and grads.dtype == self._sum_dtype and grads.device == self.device:
-            self._staged[key, source] = (a, grads, version)
+            staged[source] = (a, grads, version)
             return
         buf_ids, buf = self._buffers.get((key, source), (np.empty(0, dtype=np.int64), None))
         if buf is None or buf.shape[0] < n:
@@ -568,31 +569,35 @@ class TorchRows:
             self._buffers[key, source] = (buf_ids, buf)
         buf_ids[:n] = a
         buf[:n].copy_(grads)
-        self._staged[key, source] = (buf_ids[:n], buf[:n], version)
+        staged[source] = (buf_ids[:n], buf[:n], version)
 
     def _uncover(self, key: str, source: int, version: int, covers: Collection[int] | np.ndarray) -> None:
         """Take the rows of slots ``covers`` out of ``key``'s sections from other
         sources staged by a map older than ``version`` (none, but after a failover)."""
-        stale = [k for k, (_, _, v) in self._staged.items() if k[0] == key and k[1] != source and v < version]
+        staged = self._staged.get(key, {})
+        stale = [s for s, (_, _, v) in staged.items() if s != source and v < version]
         if not stale:
             return
         mask = self._slot_mask(covers)
-        for k in stale:
-            a, g, v = self._staged[k]
+        for s in stale:
+            a, g, v = staged[s]
             keep = np.flatnonzero(~mask[row_slots(self.spec.name, a, self.num_slots)])
             if len(keep) < len(a):
-                self._staged[k] = (a[keep], g.index_select(0, self._tensor(keep)), v)
+                staged[s] = (a[keep], g.index_select(0, self._tensor(keep)), v)
 
     def staged(self) -> set[str]:
-        return {key for key, _ in self._staged}
+        return {key for key, sections in self._staged.items() if sections}
 
     def unstage(self, key: str | None = None, *, forget: bool = False) -> None:
         """Drop ``key``'s staged sections, from every source (all keys' if None);
         ``forget`` also frees their buffers."""
-        for k in [k for k in self._buffers.keys() | self._staged.keys() if key is None or k[0] == key]:
-            self._staged.pop(k, None)
-            if forget:
-                self._buffers.pop(k, None)
+        if key is None:
+            self._staged.clear()
+        else:
+            self._staged.pop(key, None)
+        if forget:
+            for k in [k for k in self._buffers if key is None or k[0] == key]:
+                del self._buffers[k]
 
     def apply_staged(self, weights: Sequence[tuple[str, float]]) -> bool:
         """Close a sync round: the union of the staged sections of the keys in
@@ -603,10 +608,7 @@ class TorchRows:
         A key's sections from several sources hold disjoint ids, so each id's sum runs
         over the keys in the order given wherever its rows are staged: every copy of a
         slot sums, and steps, its rows alike."""
-        sources: dict[str, list[int]] = {}
-        for key, source in sorted(self._staged):
-            sources.setdefault(key, []).append(source)
-        parts = [(self._staged[k, s][:2], float(w)) for k, w in weights for s in sources.get(k, ())]
+        parts = [(section[:2], float(w)) for k, w in weights for _, section in sorted(self._staged.get(k, {}).items())]
         self._staged.clear()
         if not parts:
             return False
@@ -914,7 +916,7 @@ class TorchRows:
         pending map, staging buffers); and the counters."""
         held = sum(c.nbytes for c in self._columns()) + self._index.nbytes + self._free.nbytes + self._held.nbytes
         held += sum(a.nbytes + g.nbytes for a, g in self._buffers.values())
-        held += sum(a.nbytes + g.nbytes for k, (a, g, _) in self._staged.items() if k not in self._buffers)
+        held += sum(a.nbytes + g.nbytes for k, sections in self._staged.items() for s, (a, g, _) in sections.items() if (k, s) not in self._buffers)
         pending = 0
         if self._pending is not None:
             held += self._pending.nbytes

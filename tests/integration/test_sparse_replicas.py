@@ -24,6 +24,8 @@ from pdps.adapters.parquet import ParquetSource, write_parquet_shards
 from pdps.core.errors import TransportError
 from pdps.core.job import Keys
 from pdps.core.tables import parse_row_entry
+from pdps.registry import open_checkpoint_files
+from pdps.runtime import recovery
 from pdps.runtime.resizing import read_map
 from tests.integration.jobkit import start_job
 from tests.integration.test_replicas import replace_and_replenish
@@ -163,6 +165,27 @@ def assert_copies_agree(job) -> dict[int, dict[str, torch.Tensor]]:
     return primaries
 
 
+def last_checkpoint_rows(job, rounds: int) -> dict[str, torch.Tensor]:
+    """The row entries of the job's checkpoint after its last round (``rounds`` closed),
+    from every part, each entry found in one part only (a slot's rows are written by its
+    primary alone)."""
+    keys = Keys(job.config.name)
+    deadline = time.monotonic() + 10
+    while (pointer := recovery.read_pointer(job.store, keys)[0]) is None or pointer.round < rounds:
+        assert time.monotonic() < deadline, f"no checkpoint after round {rounds - 1} committed"
+        time.sleep(0.02)
+    files = open_checkpoint_files(job.config.checkpoint_url)
+    out: dict[str, torch.Tensor] = {}
+    for name, part in files.read_manifest(pointer.id).parts.items():
+        if not name.startswith("ps-"):
+            continue  # the master's part: progress, no tensors
+        for k, v in files.read_part(part).items():
+            if parse_row_entry(k) is not None:
+                assert k not in out, f"{k} is in two parts of checkpoint {pointer.id}"
+                out[k] = v
+    return out
+
+
 def settings(mode: str, name: str) -> dict:
     return dict(
         name=name, mode=mode, pservers=3, replicas=2, num_slots=12, lease_ttl=1.0, batch_size=B, passes=1, task_timeout=60.0,
@@ -170,30 +193,37 @@ def settings(mode: str, name: str) -> dict:
     )
 
 
-def test_sync_a_crashed_pserver_costs_nothing_every_row_and_its_state_as_an_uncrashed_twin(clicks):
+def test_sync_a_crashed_pserver_costs_nothing_every_row_and_its_state_as_an_uncrashed_twin(clicks, tmp_path):
     """Sync: pserver 1 dies mid-job, in the middle of a push (its backups staged the
     push's rows, the trainer was not answered and pushes again by the new map); its
     backups take its slots over with every row and its SparseAdam state, nothing rolls
     back, a replacement gets copies again (rows paged to it) while training goes on, and
     the job ends with the rows, their state and the dense parameters of a twin run
     nobody crashed (float64, 1e-10); every copy of each slot equals its primary's, bit
-    for bit, in both runs."""
+    for bit, in both runs; the checkpoint of the last round holds each slot's rows once
+    (its primary's part), as the copies hold them."""
     twin = start_job(clicks, **settings("sync", "sparse-replicas-twin"))
     try:
         train(twin)
         want_rows = assert_copies_agree(twin)
+        (rounds,) = {ps.round_no for ps in twin.pservers}  # the rounds the job closed
         want = pdps.fetch_parameters(twin.store, twin.transport, twin.config)
     finally:
         twin.close()
-    job = start_job(clicks, **settings("sync", "sparse-replicas-crash"))
+    # one checkpoint, after the last round: it holds every slot's rows once, as the copies end
+    job = start_job(clicks, **settings("sync", "sparse-replicas-crash"), checkpoint_url=f"{tmp_path.as_uri()}/ckpt", checkpoint_every=rounds)
     try:
         train(job, crash=1, after=8, delay=0.03, mid_push=True)
         assert all(ps.epoch == 0 and ps.rollbacks == 0 for ps in job.pservers)  # no rollback
         assert all(ctx.rollbacks == 0 for ctx in job.trainers)
         got_rows = assert_copies_agree(job)
         got = pdps.fetch_parameters(job.store, job.transport, job.config)
+        assert {ps.round_no for ps in job.pservers} == {rounds}  # as many rounds as the twin: none trained again
+        saved = last_checkpoint_rows(job, rounds)
     finally:
         job.close()
+    assert saved.keys() == {k for entries in got_rows.values() for k in entries}
+    assert all(torch.equal(saved[k], v) for entries in got_rows.values() for k, v in entries.items())
     assert sorted(got_rows) == sorted(want_rows)
     compared = 0
     for slot, entries in got_rows.items():

@@ -352,8 +352,9 @@ class TorchRows:
         self._hold(slots)
         self.step = 0
         self._last_sweep = clock() if spec.ttl_seconds else 0.0
-        self._staged: dict[str, tuple[np.ndarray, torch.Tensor]] = {}
-        self._buffers: dict[str, tuple[np.ndarray, torch.Tensor]] = {}
+        #: sync: the open round's sections, key -> source -> (ids, grads, map version)
+        self._staged: dict[str, dict[int, tuple[np.ndarray, torch.Tensor, int]]] = {}
+        self._buffers: dict[tuple[str, int], tuple[np.ndarray, torch.Tensor]] = {}
         self._generation = 0  # moves whenever the set of rows changes (export pages are planned against it)
         self._order: tuple[Any, ...] | None = None
         self._counters = dict.fromkeys(("created", "admitted", "pending_dropped", "evicted_ttl", "evicted_lfu", "refused"), 0)
@@ -492,11 +493,7 @@ class TorchRows:
         if n > self.max_ids:
             refuse(f"{n} ids in one section, more than sparse_max_ids = {self.max_ids}: raise sparse_max_ids or cut the batch")
         if n:
-            if slots is None:
-                held = self._held
-            else:
-                held = np.zeros(self.num_slots, dtype=bool)
-                held[np.asarray(sorted(slots), dtype=np.int64)] = True
+            held = self._held if slots is None else self._slot_mask(slots)
             where = row_slots(t, a, self.num_slots)
             out = np.flatnonzero(~held[where])
             if len(out):
@@ -529,44 +526,89 @@ class TorchRows:
             nan, inf = int(torch.isnan(grads).sum()), int(torch.isinf(grads).sum())
             refuse(f"the gradient of id {int(a[k])} is not finite ({nan} NaN and {inf} infinite values in the section)", gfield)
 
+    def _slot_mask(self, slots: Collection[int] | np.ndarray) -> np.ndarray:
+        """``slots`` as a mask over the table's slots (a bool array is taken as one)."""
+        if isinstance(slots, np.ndarray) and slots.dtype == bool:
+            if slots.shape != (self.num_slots,):
+                raise ConfigError(f"table {self.spec.name!r}: a slot mask of shape {slots.shape} for {self.num_slots} slots")
+            return slots
+        mask = np.zeros(self.num_slots, dtype=bool)
+        mask[np.asarray(sorted(slots), dtype=np.int64)] = True
+        return mask
+
     # --- sync rounds: stage per trainer, apply the union ----------------------------------------
 
-    def stage(self, key: str, ids: Any, grads: Any, *, keep: bool = False) -> None:
-        """Keep ``key``'s section for the open round, replacing an earlier one: copied
-        into a buffer of ``key``'s own, reused round after round, or (``keep``: the
-        caller gives the tensors away) held as given. Half-precision gradients are kept
-        in float32, where the round sums them."""
+    def stage(
+        self, key: str, ids: Any, grads: Any, *, keep: bool = False, source: int = -1, version: int = 0,
+        covers: Collection[int] | np.ndarray | None = None,
+    ) -> None:
+        """Keep ``key``'s section for the open round, replacing an earlier one from the
+        same ``source``: copied into a buffer of its own, reused round after round, or
+        (``keep``: the caller gives the tensors away) held as given. Half-precision
+        gradients are kept in float32, where the round sums them.
+
+        With replicas a pserver stages a trainer's section from several sources: the
+        trainer's own push (``source`` -1) and each primary's forward of the rows it
+        backs up (``source``: that primary), of disjoint slots. ``covers``, the slots
+        this section carries ``key``'s rows of in slot map ``version``, takes those rows
+        out of ``key``'s sections staged by an older map: after a failover a trainer
+        pushes again, by the newer map, rows a forward staged here already."""
         a = _numpy(ids)
         n = len(a)
+        if covers is not None:
+            self._uncover(key, source, version, covers)
+        staged = self._staged.setdefault(key, {})
         if keep and grads.dtype == self._sum_dtype and grads.device == self.device:
-            self._staged[key] = (a, grads)
+            staged[source] = (a, grads, version)
             return
-        buf_ids, buf = self._buffers.get(key, (np.empty(0, dtype=np.int64), None))
+        buf_ids, buf = self._buffers.get((key, source), (np.empty(0, dtype=np.int64), None))
         if buf is None or buf.shape[0] < n:
             size = max(n, 2 * (0 if buf is None else buf.shape[0]))
             buf_ids = np.empty(size, dtype=np.int64)
             buf = torch.empty((size, self.spec.dim), dtype=self._sum_dtype, device=self.device)
-            self._buffers[key] = (buf_ids, buf)
+            self._buffers[key, source] = (buf_ids, buf)
         buf_ids[:n] = a
         buf[:n].copy_(grads)
-        self._staged[key] = (buf_ids[:n], buf[:n])
+        staged[source] = (buf_ids[:n], buf[:n], version)
+
+    def _uncover(self, key: str, source: int, version: int, covers: Collection[int] | np.ndarray) -> None:
+        """Take the rows of slots ``covers`` out of ``key``'s sections from other
+        sources staged by a map older than ``version`` (none, but after a failover)."""
+        staged = self._staged.get(key, {})
+        stale = [s for s, (_, _, v) in staged.items() if s != source and v < version]
+        if not stale:
+            return
+        mask = self._slot_mask(covers)
+        for s in stale:
+            a, g, v = staged[s]
+            keep = np.flatnonzero(~mask[row_slots(self.spec.name, a, self.num_slots)])
+            if len(keep) < len(a):
+                staged[s] = (a[keep], g.index_select(0, self._tensor(keep)), v)
 
     def staged(self) -> set[str]:
-        return set(self._staged)
+        return {key for key, sections in self._staged.items() if sections}
 
     def unstage(self, key: str | None = None, *, forget: bool = False) -> None:
-        keys = list(self._buffers.keys() | self._staged.keys()) if key is None else [key]
-        for k in keys:
-            self._staged.pop(k, None)
-            if forget:
-                self._buffers.pop(k, None)
+        """Drop ``key``'s staged sections, from every source (all keys' if None);
+        ``forget`` also frees their buffers."""
+        if key is None:
+            self._staged.clear()
+        else:
+            self._staged.pop(key, None)
+        if forget:
+            for k in [k for k in self._buffers if key is None or k[0] == key]:
+                del self._buffers[k]
 
     def apply_staged(self, weights: Sequence[tuple[str, float]]) -> bool:
         """Close a sync round: the union of the staged sections of the keys in
         ``weights`` (ascending ids), each id's gradient summed as ``w * g`` in that order,
         one step of the rule. Keys that staged nothing did not use the table. Then
-        nothing is staged. False, with nothing applied, if no key staged a section."""
-        parts = [(self._staged[k], float(w)) for k, w in weights if k in self._staged]
+        nothing is staged. False, with nothing applied, if no key staged a section.
+
+        A key's sections from several sources hold disjoint ids, so each id's sum runs
+        over the keys in the order given wherever its rows are staged: every copy of a
+        slot sums, and steps, its rows alike."""
+        parts = [(section[:2], float(w)) for k, w in weights for _, section in sorted(self._staged.get(k, {}).items())]
         self._staged.clear()
         if not parts:
             return False
@@ -583,13 +625,26 @@ class TorchRows:
         self._apply(ids, grads.to(self.dtype))
         return True
 
-    def apply(self, ids: Any, grads: Any) -> None:
-        """Async: one step of the rule with this section (checked before)."""
-        self._apply(_numpy(ids), grads.to(self.device))
+    def apply(self, ids: Any, grads: Any, *, step: int | None = None) -> None:
+        """Async: one step of the rule with this section (checked before). ``step``: the
+        table step to apply it at, leaving this store's own unchanged (a backup applying
+        its primary's push at the primary's step: an async table step is per pserver);
+        it evicts nothing then (async jobs with replicas evict by no step)."""
+        self._apply(_numpy(ids), grads.to(self.device), step)
 
-    def _apply(self, ids: np.ndarray, grads: torch.Tensor) -> None:
-        self.step += 1
+    def _apply(self, ids: np.ndarray, grads: torch.Tensor, at_step: int | None = None) -> None:
+        own = self.step
         now = self._clock() if self._when is not None else 0.0
+        self.step = own + 1 if at_step is None else at_step  # the kernels, the marks and admission read self.step
+        try:
+            self._step_rows(ids, grads, now)
+        finally:
+            if at_step is not None:
+                self.step = own
+        if at_step is None:
+            self._evict(now)
+
+    def _step_rows(self, ids: np.ndarray, grads: torch.Tensor, now: float) -> None:
         pos = self._index.lookup(ids)
         missing = np.flatnonzero(pos < 0)
         if len(missing):
@@ -614,7 +669,6 @@ class TorchRows:
             for k, col in self._state.items():
                 col.scatter(plan, state[k])
             self._mark(plan, now)
-        self._evict(now)
 
     # --- eviction --------------------------------------------------------------------------------
 
@@ -862,7 +916,7 @@ class TorchRows:
         pending map, staging buffers); and the counters."""
         held = sum(c.nbytes for c in self._columns()) + self._index.nbytes + self._free.nbytes + self._held.nbytes
         held += sum(a.nbytes + g.nbytes for a, g in self._buffers.values())
-        held += sum(a.nbytes + g.nbytes for k, (a, g) in self._staged.items() if k not in self._buffers)
+        held += sum(a.nbytes + g.nbytes for k, sections in self._staged.items() for s, (a, g, _) in sections.items() if (k, s) not in self._buffers)
         pending = 0
         if self._pending is not None:
             held += self._pending.nbytes

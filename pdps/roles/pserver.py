@@ -32,6 +32,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 
 import attrs
+import numpy as np
 
 from pdps.core.backoff import Backoff
 from pdps.core.checkpoints import Epoch
@@ -58,7 +59,7 @@ from pdps.core.job import JobConfig, Keys, decode_as, decode_json, says_done
 from pdps.core.lifecycle import HALTED, UNSETTLED, PserverEvent, PserverState, next_state
 from pdps.core.sgd import Mode, RoundRecord, check_staleness, participants
 from pdps.core.slots import Block, Layout, ParamSpec, SlotMap
-from pdps.core.tables import TableSpec, check_row_rule, parse_row_entry, row_entry, row_rule_for
+from pdps.core.tables import TableSpec, check_row_rule, parse_row_entry, row_entry, row_rule_for, row_slots
 from pdps.core.txn import Decision, Done, Write
 from pdps.core.wire import (
     AppliedReply,
@@ -363,9 +364,15 @@ class Pserver:
         self._waiters = 0  # pulls waiting at the barrier
         self._shard: ParameterShard | None = None
         #: the model's sparse tables (``model_tables``; None: not read yet), and the rows of
-        #: each in the slots this pserver is the primary of
+        #: each in the slots this pserver holds a copy of (primary or backup)
         self._table_specs: list[TableSpec] | None = None
         self._tables: dict[str, RowShard] = {}
+        #: ... masks over the slots of the map served: those this pserver is the primary of
+        #: (trainers push and pull their rows here), per backup pserver those of them it
+        #: backs up (forwarded their rows), and per primary pserver its slots held here
+        self._row_primary: np.ndarray | None = None
+        self._row_backups: dict[int, np.ndarray] = {}
+        self._row_backed: dict[int, np.ndarray] = {}
         self._slot_map: SlotMap | None = None  # the map served: read at start, switched by resizes
         self._layout: Layout | None = None  # the model's blocks on _slot_map (once the model is known)
         self._specs: list[ParamSpec] | None = None
@@ -653,10 +660,9 @@ class Pserver:
                 indices = self._claim(req, shard.blocks, self._primary)  # before any state changes
                 sections = self._checked_rows(req)
                 self._stage_round(req, shard, indices)
-                for name, ids, grads in sections:
-                    self._tables[name].stage(trainer, ids, grads, keep=req.owned)
+                self._stage_rows(req, sections, source=-1, covers=self._row_primary)
                 reply = PushReply(**self._state(), update_s=time.perf_counter() - began)
-                forwards = self._forwards_of(req, indices, req.dense_tensors, samples=req.samples, round_no=req.round_no)
+                forwards = self._forwards_of(req, indices, req.dense_tensors, sections, samples=req.samples, round_no=req.round_no, primary=self.index)
         # off the lock: the trainer is answered once every backup has it
         if self.config.mode is not Mode.SYNC:
             for item in queued:
@@ -683,8 +689,31 @@ class Pserver:
                 if round_no > self.round_no:
                     raise NotReady(f"pserver {self.index} is still at round {self.round_no}; the gradient forwarded is for round {round_no}")
             shard = self._receiving_shard()
-            self._stage_round(req, shard, req.claim(shard.blocks, self.index))
+            indices = req.claim(shard.blocks, self.index)
+            primary, backed = self._forwarder(req)
+            sections = self._checked_rows(req, backed)
+            self._stage_round(req, shard, indices)
+            self._stage_rows(req, sections, source=primary, covers=backed)
             return PushReply(**self._state(), update_s=time.perf_counter() - began)
+
+    def _forwarder(self, req: ReplicateRequest) -> tuple[int, np.ndarray | None]:
+        """(Lock held) the primary that forwarded ``req``, and the mask of its slots this
+        pserver holds (None: the job has no tables): a forward's rows are of those."""
+        if req.primary is None:
+            if req.tables:
+                raise GradientRejected(f"a forward of trainer {req.trainer!r}'s rows to pserver {self.index} names no primary", field="primary", trainer=req.trainer)
+            return -1, None
+        if self._row_primary is None:
+            return req.primary, None
+        return req.primary, self._row_backed.get(req.primary, np.zeros_like(self._row_primary))
+
+    def _stage_rows(self, req: PushRequest, sections: list[tuple[str, object, object]], *, source: int, covers: np.ndarray | None) -> None:
+        """(Lock held) stage ``req``'s row sections (checked) for the open round: a
+        trainer's own (``source`` -1) or a primary's forward, carrying the rows of slots
+        ``covers`` in the map served."""
+        assert self._slot_map is not None
+        for name, ids, grads in sections:
+            self._tables[name].stage(req.trainer, ids, grads, keep=req.owned, source=source, version=self._slot_map.version, covers=covers)
 
     def _replicate_async(self, req: ReplicateRequest, began: float) -> PushReply:
         """Async (lock held): apply a forwarded gradient, if its sender is still the
@@ -702,30 +731,70 @@ class Pserver:
             if getattr(req, name) is None:
                 raise GradientRejected(f"a forward of trainer {req.trainer!r}'s gradient to async pserver {self.index} lacks field {name!r}", field=name, trainer=req.trainer)
         shard = self._ready_shard()
-        req.claim(shard.blocks, self.index)  # a malformed forward is refused by name first
+        indices = req.claim(shard.blocks, self.index)  # a malformed forward is refused by name first
         primary = req.primary
         owners = self._slot_map.owners
-        wrong = [k for k in req.blocks or () if owners[self._slot_of[k]] != primary]
+        blocks = req.blocks or ()
+        wrong = [k for k in blocks if owners[self._slot_of[k]] != primary]
         if wrong:
             raise SlotMapChanged(
                 f"pserver {self.index} backs up none of blocks {wrong[:4]} for pserver {primary} in slot map version {self._slot_map.version} "
                 f"(the forward was sent by version {req.version})",
                 sent=req.version or 0, current=self._slot_map.version,
             )
+        _, backed = self._forwarder(req)
+        sections = self._forwarded_rows(req, backed)
         last = self._streams.get(primary)
-        held_already = [k for k in req.blocks or () if (c := self._copied.get(k)) is not None and c[:2] == (primary, req.incarnation) and req.seq <= c[2]]
-        if (last is not None and last[0] == req.incarnation and req.seq <= last[1]) or len(held_already) == len(req.blocks or ()):
+        if last is not None and last[0] == req.incarnation and req.seq <= last[1]:
             return PushReply(**self._state(), update_s=time.perf_counter() - began, duplicate=True)
+        # A copy received from this primary holds the forwards it had queued when it
+        # switched maps. (Rows need no such care: a forward's sections are cut by the map
+        # the primary served when it queued it, which gave a new copy's slot no rows here.)
+        held_already = [k for k in blocks if (c := self._copied.get(k)) is not None and c[:2] == (primary, req.incarnation) and req.seq <= c[2]]
+        if blocks and len(held_already) == len(blocks) and not sections:
+            return PushReply(**self._state(), update_s=time.perf_counter() - began, duplicate=True)
+        dense = list(req.dense_tensors)
+        at = list(indices) if indices is not None else list(range(len(shard.blocks)))
         if held_already:
-            keep = [i for i, k in enumerate(req.blocks or ()) if k not in held_already]
-            req = attrs.evolve(req, blocks=tuple(req.blocks[i] for i in keep), tensors=tuple(req.tensors[i] for i in keep))  # type: ignore[index]
-        indices = req.claim(shard.blocks, self.index)
-        shard.check(req.tensors, req.trainer, indices=indices, finite=False)  # the primary checked their values
-        shard.apply(req.tensors, indices)
+            keep = [i for i, k in enumerate(blocks) if k not in held_already]
+            dense, at = [dense[i] for i in keep], [at[i] for i in keep]
+        if dense:
+            shard.check(dense, req.trainer, indices=at, finite=False)  # the primary checked their values
+            shard.apply(dense, at)
+        steps = dict(req.steps or ())
+        for name, ids, grads in sections:
+            self._tables[name].apply(ids, grads, step=steps[name])  # at the primary's table step
         self._streams[primary] = (req.incarnation, req.seq)
-        for slot in {self._slot_of[k] for k in req.blocks or ()}:
+        rows_slots = set() if backed is None or not req.tables else set(np.flatnonzero(backed).tolist())
+        for slot in {self._slot_of[k] for k in blocks if k not in held_already} | rows_slots:
             self.applied_by_slot[slot] = self.applied_by_slot.get(slot, 0) + 1
         return PushReply(**self._state(), update_s=time.perf_counter() - began)
+
+    def _forwarded_rows(self, req: ReplicateRequest, backed: np.ndarray | None) -> list[tuple[str, object, object]]:
+        """Async (lock held): a forward's row sections, checked: each table's step given,
+        and every id in a slot of the forwarding primary held here (SlotMapChanged if
+        not: a late forward from a pserver that lost them in a failover)."""
+        sections = req.row_sections
+        if not sections:
+            return sections
+        assert self._slot_map is not None
+        steps = dict(req.steps or ())
+        for name, ids, grads in sections:
+            rows = self._table(name, req.trainer)
+            rows.check(ids, grads, req.trainer, finite=False)  # the primary checked their values
+            if name not in steps:
+                raise GradientRejected(f"a forward of trainer {req.trainer!r}'s rows of table {name!r} to async pserver {self.index} names no table step (field 'steps')", field="steps", trainer=req.trainer)
+            where = row_slots(name, np.asarray(ids), self._slot_map.num_slots)
+            outside = np.flatnonzero(~backed[where]) if backed is not None else np.arange(len(where))
+            if len(outside):
+                slot = int(where[outside[0]])
+                raise SlotMapChanged(
+                    f"pserver {self.index} backs up no rows of slot {slot} (table {name!r}) for pserver {req.primary} in slot map version "
+                    f"{self._slot_map.version} (the forward was sent by version {req.version})",
+                    sent=req.version or 0, current=self._slot_map.version,
+                )
+        return sections
+
 
     def _stage_round(self, req: PushRequest, shard: ParameterShard, indices: list[int] | None) -> None:
         """Sync (lock held): stage ``req``'s gradient for the open round it names."""
@@ -752,21 +821,39 @@ class Pserver:
         picked = req.claim([blocks[i] for i in primary], self.index)
         return primary if picked is None else [primary[i] for i in picked]
 
-    def _forwards_of(self, req: PushRequest, indices: Sequence[int] | None, tensors: Sequence[object], **fields: object) -> list[tuple[int, ReplicateRequest]]:
+    def _forwards_of(
+        self, req: PushRequest, indices: Sequence[int] | None, tensors: Sequence[object], rows: Sequence[tuple[str, object, object]] = (), **fields: object,
+    ) -> list[tuple[int, ReplicateRequest]]:
         """(Lock held) what of ``req``'s gradient (``tensors``, at shard positions
-        ``indices``, None: all) each backup of its blocks must have too."""
-        if not self._forwards:
+        ``indices``, None: all; ``rows``, its row sections) each backup must have too:
+        the blocks it backs up, and of each section the ids whose slots it backs up.
+        A push with row sections reaches every backup of this pserver's slots, whether
+        it holds one of their blocks or not, with a section per table, empty if none of
+        the ids is its: each copy's table step moves with the primary's."""
+        backups = set(self._forwards) | (set(self._row_backups) if rows else set())
+        if not backups:
             return []
-        assert self._shard is not None
+        assert self._shard is not None and self._slot_map is not None
         at = {i: n for n, i in enumerate(indices if indices is not None else range(len(self._shard.blocks)))}
+        where = [row_slots(name, np.asarray(ids), self._slot_map.num_slots) for name, ids, _ in rows]
         out = []
-        for backup, mine in sorted(self._forwards.items()):
-            pos = [i for i in mine if i in at]
-            if pos:
-                out.append((backup, ReplicateRequest(
-                    req.trainer, epoch=req.epoch, version=req.version, blocks=tuple(self._shard.blocks[i].key for i in pos), part=True,
-                    tensors=tuple(tensors[at[i]] for i in pos), **fields,  # type: ignore[arg-type]
-                )))
+        for backup in sorted(backups):
+            pos = [i for i in self._forwards.get(backup, ()) if i in at]
+            if not pos and not rows:
+                continue
+            dense = [tensors[at[i]] for i in pos]
+            mask = self._row_backups.get(backup)
+            sections = []
+            for (name, ids, grads), slots in zip(rows, where):
+                take = np.flatnonzero(mask[slots]) if mask is not None else np.empty(0, dtype=np.int64)
+                if len(take) < len(slots):  # (all of them: the tensors as they are)
+                    ids, grads = ids[take], grads[take]  # type: ignore[index]
+                sections.append((name, ids, grads))
+            out.append((backup, ReplicateRequest(
+                req.trainer, epoch=req.epoch, version=req.version, blocks=tuple(self._shard.blocks[i].key for i in pos), part=True,
+                tables=tuple((name, len(ids)) for name, ids, _ in sections) if rows else None,  # type: ignore[arg-type]
+                tensors=(*dense, *(t for _, ids, grads in sections for t in (ids, grads))), **fields,  # type: ignore[arg-type]
+            )))
         return out
 
     def _call_peer(self, backup: int, request: ReplicateRequest) -> None:
@@ -789,16 +876,21 @@ class Pserver:
                 self._peers.pop(backup, _Connection()).close()
             raise
 
-    def _queue_forwards(self, req: PushRequest, indices: Sequence[int] | None, tensors: Sequence[object]) -> list[_Forward]:
+    def _queue_forwards(
+        self, req: PushRequest, indices: Sequence[int] | None, tensors: Sequence[object], rows: Sequence[tuple[str, object, object]] = (),
+    ) -> list[_Forward]:
         """Async (lock held, a step checked and about to be applied here): queue its
         gradient for each backup, behind what was queued for it before (so each backup
-        applies in the order this pserver does)."""
+        applies in the order this pserver does). Its row sections go with the table
+        steps this pserver applies them at (each moves by one), which the backups
+        apply them at."""
         assert self._slot_map is not None
         if self._forwards and self.config.optimizer_args.get("maximize"):
             # a maximizing rule may negate its gradients in place while the forwards are read
             tensors = [t.clone() for t in tensors]  # type: ignore[attr-defined]
+        steps = tuple((name, self._tables[name].step + 1) for name, _, _ in rows) if rows else None
         queued = []
-        for backup, request in self._forwards_of(req, indices, tensors, primary=self.index, incarnation=self.incarnation):
+        for backup, request in self._forwards_of(req, indices, tensors, rows, primary=self.index, incarnation=self.incarnation, steps=steps):
             seq = self._sent_seq[backup] = self._sent_seq.get(backup, 0) + 1
             request = attrs.evolve(request, epoch=self.epoch, version=self._slot_map.version, seq=seq)
             sender = self._in_order.get(backup)
@@ -841,15 +933,21 @@ class Pserver:
             waiting.pause()
 
     def _still_backs(self, backup: int, request: ReplicateRequest) -> bool:
-        """(Lock held) whether ``backup`` still backs up ``request``'s blocks, which this
-        pserver must still be the primary of (SlotMapChanged otherwise)."""
+        """(Lock held) whether ``backup`` still backs up ``request``'s blocks or rows,
+        which this pserver must still be the primary of (SlotMapChanged otherwise). A
+        forward with row sections is owed to every backup of this pserver's slots (its
+        sections, even empty, move the backup's table step)."""
         assert self._slot_map is not None
         slots = {self._slot_of.get(k) for k in request.blocks or ()}
+        for name, ids, _ in request.row_sections:
+            slots.update(np.unique(row_slots(name, np.asarray(ids), self._slot_map.num_slots)).tolist())
         if None in slots or any(self._slot_map.owners[s] != self.index for s in slots):  # type: ignore[index]
             raise SlotMapChanged(
-                f"pserver {self.index} is no longer the primary of the blocks trainer {request.trainer!r} pushed (slot map version "
+                f"pserver {self.index} is no longer the primary of the blocks or rows trainer {request.trainer!r} pushed (slot map version "
                 f"{self._slot_map.version}): the push counts for nothing", sent=request.version or 0, current=self._slot_map.version,
             )
+        if request.tables:
+            slots.update(s for s, owner in enumerate(self._slot_map.owners) if owner == self.index)
         return any(backup in self._slot_map.backups[s] for s in slots)  # type: ignore[index]
 
     def _forward(self, forwards: list[tuple[int, ReplicateRequest]]) -> None:
@@ -906,7 +1004,7 @@ class Pserver:
             self._check_updates(seen, trainer)
             if self._applied_already(req.records):
                 return PushReply(**self._state(), update_s=time.perf_counter() - began, duplicate=True), []
-            queued = self._queue_forwards(req, indices, dense)
+            queued = self._queue_forwards(req, indices, dense, sections)
             shard.apply(dense, indices)
             for name, ids, grads in sections:
                 self._tables[name].apply(ids, grads)
@@ -1067,7 +1165,7 @@ class Pserver:
         name, slot, offset, limit = req.dump
         rows = self._table(name, req.trainer, push=False)
         if slot not in rows.slots:
-            raise BadRequest(f"pull from {req.trainer!r}: pserver {self.index} holds no rows of slot {slot} (it is the primary of {len(rows.slots)} slots)", field="dump", trainer=req.trainer)
+            raise BadRequest(f"pull from {req.trainer!r}: pserver {self.index} holds no rows of slot {slot} (it holds copies of {len(rows.slots)} slots)", field="dump", trainer=req.trainer)
         entries, more = rows.export_slots([slot], offset, limit)
         ids = entries.get(row_entry(name, slot, "ids"))
         values = entries.get(row_entry(name, slot, "values"))
@@ -1102,12 +1200,14 @@ class Pserver:
             return last
         return stats
 
-    def _checked_rows(self, req: PushRequest) -> list[tuple[str, object, object]]:
+    def _checked_rows(self, req: PushRequest, slots: np.ndarray | None = None) -> list[tuple[str, object, object]]:
         """(Lock held) ``req``'s row sections, each checked by its table (ids, shapes,
-        finite values, ownership) before anything is staged or applied."""
+        finite values, ownership) before anything is staged or applied: a trainer's ids
+        in the slots this pserver is the primary of; a forward's in ``slots``."""
         sections = req.row_sections
+        forward = isinstance(req, ReplicateRequest)
         for name, ids, grads in sections:
-            self._table(name, req.trainer).check(ids, grads, req.trainer, finite=not isinstance(req, ReplicateRequest))
+            self._table(name, req.trainer).check(ids, grads, req.trainer, finite=not forward, slots=slots if forward else self._row_primary)
         return sections
 
     def _table(self, name: str, trainer: str, *, push: bool = True) -> RowShard:
@@ -1124,7 +1224,7 @@ class Pserver:
         out = []
         for (name, _), ids in zip(req.tables or (), ids_of):
             rows = self._table(name, req.trainer, push=False)
-            rows.check(ids, None, req.trainer)
+            rows.check(ids, None, req.trainer, slots=self._row_primary)  # pulls are served by primaries
             out.append(rows.lookup(ids))
         return out
 
@@ -1472,11 +1572,11 @@ class Pserver:
         assert self._shard is not None
         self._seen_checkpoints.add(ckpt_id)
         self._last_checkpoint = time.monotonic()
-        # with replicas, each block is written by its primary only (once per checkpoint); a
-        # row store holds the slots this pserver is the primary of
+        # with replicas, each block and each slot's rows are written by its primary only (once
+        # per checkpoint)
         state = self._shard.snapshot({"pdps.version": self.version}, self._primary)
         for rows in self._tables.values():
-            state.update(rows.snapshot(rows.slots))  # copies: rows move on while the part is written
+            state.update(rows.snapshot(self._my_slots))  # copies: rows move on while the part is written
         t = threading.Thread(target=self._write_part, args=(ckpt_id, state), name=f"pdps-ckpt-{ckpt_id}", daemon=True)
         self._writers = [w for w in self._writers if w.is_alive()] + [t]
         t.start()
@@ -1840,7 +1940,7 @@ class Pserver:
         if not self._tables:
             return
         assert self.index is not None
-        mine = {s for s, owner in enumerate(new.owners) if owner == self.index}
+        mine = set(new.held_by(self.index))  # every copy: a backup's rows are its primary's
         if send and sending:
             self._outgoing_rows[new.version] = _LeavingRows.of(self._tables, sorted(sending))
         for rows in self._tables.values():
@@ -2115,15 +2215,16 @@ class Pserver:
         return self._shard
 
     def _build_tables(self) -> dict[str, RowShard]:
-        """A row store per table of the model, for the slots this pserver is the primary
-        of, stepped by the job's row rule (``sparse_optimizer``, or the row rule of
-        ``optimizer``)."""
+        """A row store per table of the model, for the slots this pserver holds a copy of
+        (primary or backup: a backup applies every section its primary does, so a
+        failover promotes it with every row and its state), stepped by the job's row
+        rule (``sparse_optimizer``, or the row rule of ``optimizer``)."""
         specs = self._table_specs or []
         if not specs:
             return {}
         assert self._slot_map is not None and self.index is not None
         rule, args = sparse_rule(self.config)
-        slots = [s for s, owner in enumerate(self._slot_map.owners) if owner == self.index]
+        slots = self._slot_map.held_by(self.index)
         clock = time.time
         return {
             spec.name: self._compute.rows(spec, rule, args, slots, self._slot_map.num_slots, clock, max_ids=self.config.sparse_max_ids)
@@ -2154,7 +2255,22 @@ class Pserver:
         if self._table_specs:  # rows hash into every slot: every pserver owning a slot is a part
             idle = {p for p in range(layout.slot_map.num_pservers) if p not in layout.slot_map.owners}
             self._my_slots = tuple(s for s, owner in enumerate(layout.slot_map.owners) if owner == self.index)
+            self._use_row_masks(layout.slot_map)
         self._closers = tuple(p for p in range(layout.slot_map.num_pservers) if p not in idle)
+
+    def _use_row_masks(self, slot_map: SlotMap) -> None:
+        """The slot masks rows are checked and forwarded by, for ``slot_map``."""
+        assert self.index is not None
+        owners = np.asarray(slot_map.owners, dtype=np.int64)
+        held = np.zeros(slot_map.num_slots, dtype=bool)
+        held[slot_map.held_by(self.index)] = True
+        self._row_primary = owners == self.index
+        self._row_backed = {int(p): (owners == p) & held for p in np.unique(owners[held & ~self._row_primary])}
+        backups: dict[int, np.ndarray] = {}
+        for s in np.flatnonzero(self._row_primary).tolist():
+            for b in slot_map.backups[s]:
+                backups.setdefault(b, np.zeros(slot_map.num_slots, dtype=bool))[s] = True
+        self._row_backups = backups
 
     def _receiving_shard(self) -> ParameterShard:
         """Sync, where a push is staged: the shard, even while slots are being received

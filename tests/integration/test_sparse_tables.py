@@ -165,8 +165,8 @@ def huge_ids(root: str, n: int = 240, bag: int = 3, distinct: int = 150) -> tupl
     return ParquetSource(f"{root}/huge"), np.unique(ids)
 
 
-def fit_hashed(ctx: pdps.TrainerContext) -> None:
-    model = ctx.attach(Hashed())
+def fit_hashed(ctx: pdps.TrainerContext, **options) -> None:
+    model = ctx.attach(Hashed(**options))
     for batch in ctx.batches():
         loss = F.mse_loss(model(batch["ids"]), batch["y"])
         ctx.step(loss)
@@ -195,14 +195,16 @@ def test_hash_embedding_over_a_2_62_id_space_creates_a_row_per_id_touched(tmp_pa
     [
         ({"optimizer": "RMSprop"}, "optimizer 'RMSprop' has no row rule: set sparse_optimizer"),
         ({"optimizer": "SGD", "sparse_optimizer": "Adagard"}, "Adagrad"),
-        ({"replicas": 2}, "replicas > 1 are not built yet"),
+        ({"replicas": 2, "options": {"admit_after": 2}}, "table 'emb.weight': admit_after=2 cannot run with replicas=2"),
+        ({"replicas": 2, "mode": "async", "options": {"ttl_steps": 8}}, "ttl_steps=8 cannot run in an async job with replicas=2"),
     ],
-    ids=["no-row-rule", "typo", "replicas"],
+    ids=["no-row-rule", "typo", "replicas-admission", "replicas-async-ttl"],
 )
 def test_a_job_its_tables_cannot_run_in_is_refused_at_attach(tmp_path, settings, says):
     source, _ = huge_ids(tmp_path.as_uri())
+    options = settings.pop("options", {})
     with pytest.raises(pdps.ConfigError, match=says):
-        pdps.simulate(fit_hashed, dataset=source, trainers=1, pservers=2, batch_size=20, **settings)
+        pdps.simulate(lambda ctx: fit_hashed(ctx, **options), dataset=source, trainers=1, pservers=2, batch_size=20, **settings)
 
 
 def test_a_model_of_tables_only_is_refused_at_attach(tmp_path):

@@ -339,6 +339,92 @@ def test_drop_slots_forgets_their_rows_and_stops_holding_them():
     assert a.stats()["rows"] == rows and len(a._values.chunks) == chunks
 
 
+# --- replicas: a backup's copies stepped as its primaries' ---------------------------------------
+
+SPARSE_ADAM = {"lr": 0.05, "betas": [0.8, 0.9]}
+
+
+def split(name: str, ids: torch.Tensor, g: torch.Tensor, slots) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ids of a section (and their gradient rows) in ``slots``."""
+    keep = torch.from_numpy(np.flatnonzero(np.isin(row_slots(name, ids.numpy(), SLOTS), list(slots))))
+    return ids[keep], g[keep]
+
+
+def test_a_backup_staging_each_primarys_forward_steps_its_copies_bit_for_bit_as_the_primary():
+    """Sync, two pservers each the primary of half the slots and the backup of the other
+    half: each stages a trainer's own section and its primary's forward (disjoint ids)
+    and applies the round's union; every copy of a slot ends equal to its primary's
+    bit for bit, and both equal one store fed every section whole."""
+    rng = np.random.default_rng(21)
+    left, right = range(SLOTS // 2), range(SLOTS // 2, SLOTS)
+    a, b = store(rule="SparseAdam", args=SPARSE_ADAM), store(rule="SparseAdam", args=SPARSE_ADAM)  # each holds every slot
+    whole = store(rule="SparseAdam", args=SPARSE_ADAM)
+    for step in range(ROUNDS):
+        for trainer, _ in WEIGHTS:
+            ids, g = section(rng, 0 if step == 3 else 150)
+            whole.stage(trainer, ids, g)
+            mine_a, mine_b = split("emb", ids, g, left), split("emb", ids, g, right)
+            a.check(*mine_a, trainer, slots=left)
+            a.stage(trainer, *mine_a, covers=left, version=1)
+            a.stage(trainer, *mine_b, source=1, covers=right, version=1)  # pserver 1's forward
+            b.stage(trainer, *mine_b, covers=right, version=1)
+            b.stage(trainer, *mine_a, source=0, covers=left, version=1)
+        assert a.staged() == b.staged() == {"t0", "t1", "t2"}
+        for r in (a, b, whole):
+            assert r.apply_staged(WEIGHTS) is True
+    assert a.step == b.step == whole.step == ROUNDS
+    assert_same_entries(exported(a), exported(b))
+    for k, v in exported(a).items():
+        np.testing.assert_allclose(v, exported(whole)[k], rtol=0, atol=1e-12, err_msg=k)
+
+
+def test_a_push_sent_again_by_a_newer_map_replaces_the_rows_a_forward_staged():
+    """After a failover a trainer pushes again, by the newer map, to the pserver now the
+    primary of slots whose rows an older forward of its push staged there already: the
+    forward's rows of those slots go (they are not summed twice); a forward of another
+    trainer, who does not push again, stays; rows of slots the new push does not cover
+    stay too."""
+    rng = np.random.default_rng(22)
+    left, right = list(range(SLOTS // 2)), list(range(SLOTS // 2, SLOTS))
+    b = store(rule="SparseAdam", args=SPARSE_ADAM)
+    whole = store(rule="SparseAdam", args=SPARSE_ADAM)
+    sections = {t: section(rng, 150) for t, _ in WEIGHTS}
+    for trainer, (ids, g) in sections.items():
+        whole.stage(trainer, ids, g)
+        b.stage(trainer, *split("emb", ids, g, right), covers=right, version=1)
+        b.stage(trainer, *split("emb", ids, g, left), source=0, covers=left, version=1)  # pserver 0's forward, then it dies
+    # t0's push to pserver 0 failed: it pushes again by map 2, where pserver 1 is the
+    # primary of every slot; t1 and t2 were answered and push nothing again
+    b.stage("t0", *sections["t0"], covers=left + right, version=2)
+    b.stage("t1", *split("emb", *sections["t1"], right), covers=left[:0], version=2)  # covers nothing new: the forward stays
+    assert b.apply_staged(WEIGHTS) and whole.apply_staged(WEIGHTS)
+    for k, v in exported(b).items():
+        np.testing.assert_allclose(v, exported(whole)[k], rtol=0, atol=1e-12, err_msg=k)
+
+
+def test_async_a_backup_applies_its_primarys_pushes_at_the_primarys_table_step():
+    """Async: a backup's own table step counts its own pushes; it applies a primary's
+    forwarded section at the step the primary applied it at, so its copies equal the
+    primary's (SparseAdam's bias correction reads the step), and its own step stays."""
+    left, right = range(SLOTS // 2), range(SLOTS // 2, SLOTS)
+    a, b = store(rule="SparseAdam", args=SPARSE_ADAM), store(rule="SparseAdam", args=SPARSE_ADAM)
+    counted = store(rule="SparseAdam", args=SPARSE_ADAM)  # b, were its own step to count the forwards too
+    rng = np.random.default_rng(23)
+    for k in range(7):
+        ids, g = section(rng, 100)
+        if k % 3 == 2:  # a push to b alone: b's own step moves, a's does not
+            b.apply(*split("emb", ids, g, right))
+            counted.apply(*split("emb", ids, g, right))
+            continue
+        a.apply(*split("emb", ids, g, left))
+        b.apply(*split("emb", ids, g, left), step=a.step)  # a's forward
+        counted.apply(*split("emb", ids, g, left))
+    assert (a.step, b.step) == (5, 2)
+    rows_of = lambda r: {k: v for k, v in exported(r, left).items() if "#" in k}  # noqa: E731 - the slots' entries, not the step
+    assert_same_entries(rows_of(a), rows_of(b))
+    assert not np.array_equal(rows_of(counted)["emb#0/values"], rows_of(a)["emb#0/values"])
+
+
 # --- admission and eviction, counted ------------------------------------------------------------
 
 

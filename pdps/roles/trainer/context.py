@@ -42,6 +42,7 @@ from pdps.core.headcount import parse_count, surplus
 from pdps.core.job import JobConfig, Keys, decode_json
 from pdps.core.sgd import Mode
 from pdps.core.slots import ParamSpec
+from pdps.core.tables import check_tables
 from pdps.core.tasks import TaskSpec
 from pdps.core.wire import (
     AppliedRequest,
@@ -327,8 +328,8 @@ class TrainerContext(SyncRound, AsyncCadence):
             from pdps.roles.pserver import sparse_rule
 
             sparse_rule(self.config)  # a job whose optimizer has no row rule is refused here, before anything is published
-            if self.config.replicas > 1:
-                raise ConfigError("sparse tables with replicas > 1 are not built yet: run the job with replicas = 1")
+            # with replicas, a policy by which a slot's copies would diverge is refused here
+            check_tables(row_tables.specs, replicas=self.config.replicas, asynchronous=self.config.mode is Mode.ASYNC)
             if self.config.export_url:
                 raise ConfigError("the model has sparse tables, and exporting a table's rows is not built yet: run the job without export_url")
         replica = self._compute.replica(model)

@@ -68,8 +68,20 @@ DEFAULT_MAX_IDS = 1 << 20
 # that entry; elsewhere a moved or restored pending id counts as touched at the move.
 _PENDING_AGE = "pending_age" in ROW_ENTRY_KINDS
 
-# (start chunk, positions into the gathered tensor or None for all of them in order, positions in the chunk)
-_Plan = list[tuple[int, "torch.Tensor | None", torch.Tensor]]
+
+class _Plan:
+    """Positions grouped by chunk. Taken in chunk order, the positions are ``pieces``:
+    (chunk, start, end, the positions in that chunk) of a run ``[start, end)``;
+    ``order[k]`` is which of the given positions the k-th of the run is, ``inverse`` the
+    way back (both None when the positions were in chunk order already). A gather
+    writes each chunk's rows straight into its run, then puts them back in the given
+    order with one ``index_select``; a scatter picks each chunk's rows from the given
+    order (while they are in cache) and copies them in."""
+
+    __slots__ = ("pieces", "order", "inverse")
+
+    def __init__(self, pieces: list[tuple[int, int, int, torch.Tensor]], order: torch.Tensor | None = None, inverse: torch.Tensor | None = None) -> None:
+        self.pieces, self.order, self.inverse = pieces, order, inverse
 
 
 # --- storage ---------------------------------------------------------------------------------
@@ -95,19 +107,17 @@ class _Column:
     def gather(self, plan: _Plan, n: int) -> torch.Tensor:
         shape = (n,) if self.width is None else (n, self.width)
         out = torch.empty(shape, dtype=self.dtype, device=self.device)
-        for c, at, local in plan:
-            if at is None:
-                torch.index_select(self.chunks[c], 0, local, out=out)
-            else:
-                out.index_copy_(0, at, self.chunks[c].index_select(0, local))
-        return out
+        for c, a, b, local in plan.pieces:
+            torch.index_select(self.chunks[c], 0, local, out=out[a:b])
+        return out if plan.inverse is None else out.index_select(0, plan.inverse)
 
     def scatter(self, plan: _Plan, values: torch.Tensor) -> None:
-        for c, at, local in plan:
-            self.chunks[c].index_copy_(0, local, values if at is None else values.index_select(0, at))
+        order = plan.order
+        for c, a, b, local in plan.pieces:
+            self.chunks[c].index_copy_(0, local, values[a:b] if order is None else values.index_select(0, order[a:b]))
 
     def put(self, plan: _Plan, value: float) -> None:
-        for c, _, local in plan:
+        for c, _, _, local in plan.pieces:
             self.chunks[c].index_fill_(0, local, value)
 
 
@@ -382,20 +392,26 @@ class TorchRows:
         return t if self.device.type == "cpu" else t.to(self.device)
 
     def _plan(self, pos: np.ndarray) -> _Plan:
-        """``pos`` grouped by chunk: one (chunk, where in the gathered tensor, where in
-        the chunk) per chunk touched."""
-        if not len(pos):
-            return []
+        """``pos`` grouped by chunk (:class:`_Plan`)."""
+        n = len(pos)
+        if not n:
+            return _Plan([])
         chunk = pos >> self._shift
         local = pos & self._mask
         first, last = int(chunk.min()), int(chunk.max())
         if first == last:
-            return [(first, None, self._tensor(local))]
-        order = np.argsort(chunk, kind="stable")
-        chunk = chunk[order]
-        cuts = [0, *(np.flatnonzero(chunk[1:] != chunk[:-1]) + 1).tolist(), len(pos)]
-        at, local = self._tensor(order), self._tensor(local[order])
-        return [(int(chunk[a]), at[a:b], local[a:b]) for a, b in zip(cuts[:-1], cuts[1:])]
+            return _Plan([(first, 0, n, self._tensor(local))])
+        order = inverse = None
+        if not np.all(chunk[1:] >= chunk[:-1]):
+            # a stable sort by chunk; numpy radix-sorts 16-bit keys (20x a 64-bit sort at 32k positions)
+            by = np.argsort(chunk.astype(np.uint16) if last < 1 << 16 else chunk, kind="stable")
+            chunk, local = chunk[by], local[by]
+            back = np.empty(n, dtype=np.int64)
+            back[by] = np.arange(n, dtype=np.int64)
+            order, inverse = self._tensor(by), self._tensor(back)
+        cuts = [0, *(np.flatnonzero(chunk[1:] != chunk[:-1]) + 1).tolist(), n]
+        local_t = self._tensor(local)
+        return _Plan([(int(chunk[a]), a, b, local_t[a:b]) for a, b in zip(cuts[:-1], cuts[1:])], order, inverse)
 
     def _alloc(self, k: int) -> np.ndarray:
         take = min(k, len(self._free))

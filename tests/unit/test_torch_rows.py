@@ -455,3 +455,29 @@ def test_stats_count_rows_and_the_bytes_held():
     assert chunk_bytes() == 2 * 2 * 64 * DIM * 8 + 2 * 8 + 2 * DIM * 8  # the staging buffer counts too
     s = r.stats()
     assert (s["rows"], s["created"], s["admitted"]) == (65, 65, 0)
+
+
+@pytest.mark.parametrize("case", ["one chunk", "chunk order", "any order", "repeats"])
+def test_a_plan_gathers_and_scatters_rows_at_positions_in_the_order_given(case):
+    r = store(rule="SGD", args={"lr": 0.1})
+    col = r._values
+    for _ in range(5):
+        col.grow(64)
+    table = torch.arange(5 * 64 * DIM, dtype=torch.float64).reshape(5 * 64, DIM)
+    for c, chunk in enumerate(col.chunks):
+        chunk.copy_(table[64 * c : 64 * (c + 1)])
+    rng = np.random.default_rng(3)
+    pos = {
+        "one chunk": rng.permutation(np.arange(128, 192))[:40],
+        "chunk order": np.sort(rng.choice(5 * 64, 90, replace=False)),
+        "any order": rng.choice(5 * 64, 90, replace=False),
+        "repeats": rng.integers(0, 5 * 64, 90),  # a gather may read a position twice
+    }[case]
+    plan = r._plan(pos)
+    assert (plan.order is None) == (case in ("one chunk", "chunk order"))
+    assert torch.equal(col.gather(plan, len(pos)), table[torch.from_numpy(pos)])
+    if case != "repeats":
+        new = -torch.arange(len(pos) * DIM, dtype=torch.float64).reshape(len(pos), DIM)
+        col.scatter(plan, new)
+        table[torch.from_numpy(pos)] = new
+        assert torch.equal(torch.cat(col.chunks), table)

@@ -457,13 +457,14 @@ def test_stats_count_rows_and_the_bytes_held():
     assert (s["rows"], s["created"], s["admitted"]) == (65, 65, 0)
 
 
+@pytest.mark.parametrize("dtype", ["float64", "bfloat16"])  # numpy's row copies, and torch's where numpy has no such dtype
 @pytest.mark.parametrize("case", ["one chunk", "chunk order", "any order", "repeats"])
-def test_a_plan_gathers_and_scatters_rows_at_positions_in_the_order_given(case):
-    r = store(rule="SGD", args={"lr": 0.1})
+def test_a_plan_gathers_and_scatters_rows_at_positions_in_the_order_given(case, dtype):
+    r = store(TableSpec(name="emb", dim=DIM, dtype=dtype, num_rows=N), rule="SGD", args={"lr": 0.1})
     col = r._values
     for _ in range(5):
         col.grow(64)
-    table = torch.arange(5 * 64 * DIM, dtype=torch.float64).reshape(5 * 64, DIM)
+    table = torch.randn(5 * 64, DIM, generator=torch.Generator().manual_seed(0)).to(getattr(torch, dtype))
     for c, chunk in enumerate(col.chunks):
         chunk.copy_(table[64 * c : 64 * (c + 1)])
     rng = np.random.default_rng(3)
@@ -476,8 +477,13 @@ def test_a_plan_gathers_and_scatters_rows_at_positions_in_the_order_given(case):
     plan = r._plan(pos)
     assert (plan.order is None) == (case in ("one chunk", "chunk order"))
     assert torch.equal(col.gather(plan, len(pos)), table[torch.from_numpy(pos)])
+    in_runs = pos if plan.order is None else pos[plan.order.numpy()]  # runs: in the plan's chunk order
+    assert torch.equal(col.gather(plan, len(pos), runs=True), table[torch.from_numpy(in_runs)])
     if case != "repeats":
-        new = -torch.arange(len(pos) * DIM, dtype=torch.float64).reshape(len(pos), DIM)
+        new = torch.randn(len(pos), DIM, generator=torch.Generator().manual_seed(1)).to(table.dtype)
         col.scatter(plan, new)
         table[torch.from_numpy(pos)] = new
+        assert torch.equal(torch.cat(col.chunks), table)
+        col.scatter(plan, 2 * new, runs=True)
+        table[torch.from_numpy(in_runs)] = 2 * new
         assert torch.equal(torch.cat(col.chunks), table)

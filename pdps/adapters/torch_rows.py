@@ -68,6 +68,10 @@ DEFAULT_MAX_IDS = 1 << 20
 # --- storage ---------------------------------------------------------------------------------
 
 
+#: dtypes numpy holds as they are (bfloat16 it does not)
+_NUMPY_DTYPES = frozenset((torch.float16, torch.float32, torch.float64, torch.int32, torch.int64))
+
+
 class _Plan:
     """Positions grouped by chunk. Gathered tensors are in *plan order*: the rows of
     each chunk touched, one contiguous run per chunk, so a gather is one
@@ -116,8 +120,14 @@ class _Column:
         return out
 
     def scatter(self, plan: _Plan, values: torch.Tensor) -> None:
+        # On the CPU, numpy's row assignment copies a row at a time: 1.75x torch's index_copy_
+        # (measured at 32k rows of 64 float32 into 77 chunks). Same dtype only: it would cast.
+        rows = self.device.type == "cpu" and values.device.type == "cpu" and values.dtype == self.dtype and self.dtype in _NUMPY_DTYPES
         for c, a, b, local in plan.runs:
-            self.chunks[c].index_copy_(0, local, values[a:b])
+            if rows:
+                self.chunks[c].numpy()[local.numpy()] = values[a:b].detach().numpy()
+            else:
+                self.chunks[c].index_copy_(0, local, values[a:b])
 
     def put(self, plan: _Plan, value: float) -> None:
         for c, _, _, local in plan.runs:
@@ -403,7 +413,8 @@ class TorchRows:
         chunk = pos >> self._shift
         order = None
         if n > 1 and np.any(chunk[1:] < chunk[:-1]):
-            order = np.argsort(chunk, kind="stable")
+            # a stable sort by chunk; numpy radix-sorts 16-bit keys (20x a 64-bit sort at 32k positions)
+            order = np.argsort(chunk.astype(np.uint16) if int(chunk.max()) < 1 << 16 else chunk, kind="stable")
             chunk, pos = chunk[order], pos[order]
         cuts = [0, *(np.flatnonzero(chunk[1:] != chunk[:-1]) + 1).tolist(), n]
         local = self._tensor(pos & self._mask)

@@ -158,8 +158,29 @@ def online_json(on=4.0, off=10.0, stream=30_000.0, parquet=80_000.0):
     }
 
 
+def sparse_json(grpc=2.4e6, tcp=4.0e6, inproc=1.8e6, local=2.0e6, rss_per_row=(300.0, 290.0, 560.0, 550.0), ctr=True):
+    def route(route, label, rate):
+        return {"route": route, "label": label, "ids_per_step": 65536, "rows_per_s": rate, "step_s": 65536 / rate, "steps_s": [65536 / rate] * 7}
+
+    memory = [{"rule": rule, "pserver": p, "rows": 5_000_000, "row_bytes": raw, "bytes_per_row": b, "ratio": b / raw}
+              for (rule, p, raw), b in zip((("SGD", 0, 256), ("SGD", 1, 256), ("Adagrad", 0, 512), ("Adagrad", 1, 512)), rss_per_row)]
+    worst = max(memory, key=lambda r: r["ratio"])
+    labels = {"grpc": "grpc (pdps)", "tcp": "raw TCP echo", "inproc": "inproc (pdps)", "local": "local index_select + index_add_"}
+    rows = [route(k, labels[k], v) for k, v in (("inproc", inproc), ("local", local), ("grpc", grpc), ("tcp", tcp))]
+    ratios = {
+        "grpc_vs_tcp": {"value": grpc / tcp, "rows_per_s": grpc, "baseline_rows_per_s": tcp, "row": labels["grpc"], "baseline": labels["tcp"]},
+        "inproc_vs_local": {"value": inproc / local, "rows_per_s": inproc, "baseline_rows_per_s": local, "row": labels["inproc"], "baseline": labels["local"]},
+        "memory": {"value": worst["ratio"], "rule": worst["rule"], "pserver": worst["pserver"], "bytes_per_row": worst["bytes_per_row"], "row_bytes": worst["row_bytes"]},
+    }
+    ctr_row = None
+    if ctr:
+        ctr_row = {"samples": 20_000, "passes": 2, "pdps": {"samples_per_s": 3_000.0}, "torch": {"samples_per_s": 12_000.0}}
+        ratios["ctr_vs_torch"] = {"value": 0.25, "pdps_samples_per_s": 3_000.0, "torch_samples_per_s": 12_000.0}
+    return {"config": {"rows": 10_000_000, "ids": 65536}, "throughput": rows, "memory": memory, "ctr": ctr_row, "ratios": ratios}
+
+
 FAKES = {"transport": transport_json, "master": master_json, "checkpoint": checkpoint_json, "end-to-end": e2e_json, "scale": scale_json,
-         "elastic": elastic_json, "replicas": replicas_json, "online": online_json}
+         "elastic": elastic_json, "replicas": replicas_json, "online": online_json, "sparse": sparse_json}
 MACHINE = {"cpu_count": 2, "cpu_model": "Fake CPU 9000", "memory_gib": 7.5, "python": "3.11.7", "torch": "2.13.0", "etcd": "etcd Version: 3.4.23"}
 
 
@@ -314,6 +335,22 @@ def test_the_online_target_is_the_job_time_with_speculation_over_without_at_most
     assert figures["speculation off: job time"] == (10.0, "s")
 
 
+def test_the_sparse_targets_are_rows_per_s_against_their_baselines_and_rss_against_the_raw_bytes():
+    verdicts = by_id(tg.evaluate({"sparse": [sparse_json(grpc=1.9e6), sparse_json(grpc=2.1e6, rss_per_row=(300.0, 290.0, 800.0, 550.0))]}))
+    assert verdicts["sparse.grpc_vs_tcp"]["values"] == [pytest.approx(0.475), pytest.approx(0.525)]
+    assert verdicts["sparse.grpc_vs_tcp"]["status"] == tg.MISSED  # run 1 is short of 0.5
+    assert verdicts["sparse.inproc_vs_local"]["status"] == tg.MET and verdicts["sparse.inproc_vs_local"]["values"] == [pytest.approx(0.9)] * 2
+    memory = verdicts["sparse.memory"]
+    assert memory["comparison"] == "<=" and memory["values"] == [pytest.approx(300 / 256), pytest.approx(800 / 512)]
+    assert memory["status"] == tg.MISSED and "Adagrad pserver 0, 800 B of RSS a row against 512 B" in memory["details"][1]
+    assert "grpc (pdps): 2,100,000 rows/s; raw TCP echo: 4,000,000 rows/s" in verdicts["sparse.grpc_vs_tcp"]["details"][1]
+    assert {v for v in verdicts if not v.startswith("stability.")} == {"sparse.grpc_vs_tcp", "sparse.inproc_vs_local", "sparse.memory"}  # no CTR target
+    figures = {name: (value, unit) for name, value, unit in tg.suite_figures("sparse", sparse_json())}
+    assert figures["raw TCP echo"] == (4.0e6, "rows/s") and figures["Adagrad, pserver 1: RSS a row"] == (550.0, "B")
+    assert figures["CTR pdps / torch, samples/s"] == (pytest.approx(0.25), "x") and figures["CTR: torch, single process"] == (12_000.0, "samples/s")
+    assert "CTR: torch, single process" not in {name for name, _, _ in tg.suite_figures("sparse", sparse_json(ctr=False))}
+
+
 def test_suites_not_run_have_no_verdicts():
     assert {v["suite"] for v in tg.evaluate({"checkpoint": [checkpoint_json()]})} == {"checkpoint"}
 
@@ -404,6 +441,7 @@ def full_results(**checkpoint):
         "elastic": ran(elastic_json(), elastic_json()),
         "replicas": ran(replicas_json(), replicas_json()),
         "online": ran(online_json(), online_json()),
+        "sparse": ran(sparse_json(), sparse_json()),
     })
 
 

@@ -43,6 +43,8 @@ PLOTS: dict[str, PlotSpec] = {
                          "s", "seconds after the kill", lines=("lease TTL",)),
     "online": PlotSpec("Online: records/s from a Redis stream / from Parquet; job time with one 10x straggler, speculation on / off",
                        "x", "ratio (target: speculation on / off <= 0.6)"),
+    "sparse": PlotSpec("Sparse tables: pull + push rows/s against their baselines; pserver RSS a row against its raw bytes",
+                       "x", "ratio (targets: rows/s >= 0.5x the baseline; RSS <= 1.5x the raw bytes)"),
 }
 
 

@@ -149,6 +149,21 @@ SUITE_SPECS: dict[str, Suite] = {
             (),
             ("--quick",),
         ),
+        Suite(
+            "sparse",
+            "sparse.py",
+            "Sparse tables on the pservers (pdps.nn). Per step, a pull and a push (SGD) of 64k distinct rows x 64 float32 "
+            "(8k with --quick) of a 10M-row table (1M), pre-filled by pushing every id once in a random order, through the "
+            "real pserver path: a TrainerContext attaches the model and sends the trainer's requests to 2 pservers, in "
+            "process over inproc against index_select + index_add_ on a local [rows, 64] tensor, and as 2 `pdps pserver` "
+            "processes (throwaway etcd) over gRPC against the raw loopback TCP echo of the same bytes (ids and rows, half "
+            "to each of 2 server processes); rows/s over the median step, the routes interleaved. Memory: each pserver "
+            "process's RSS growth over the fill against the raw bytes of its rows and their optimizer state, SGD and "
+            "Adagrad. Reported, no target: the CTR example (pdps.simulate, 2 trainers x 2 pservers, inproc) against "
+            "single-process torch (EmbeddingBag sparse=True + Adagrad) on the same samples, samples/s.",
+            (),
+            ("--quick",),
+        ),
     )
 }
 assert tuple(SUITE_SPECS) == SUITES

@@ -24,7 +24,7 @@ from pdps.core.errors import PdpsError
 
 MET, MISSED, ERROR, NOT_RUN, NOT_CHECKED = "MET", "MISSED", "ERROR", "NOT RUN", "NOT CHECKED"
 STABILITY = 0.15  # two consecutive runs agree on each ratio within 15%
-SUITES = ("transport", "master", "checkpoint", "end-to-end", "scale", "elastic", "replicas", "online")
+SUITES = ("transport", "master", "checkpoint", "end-to-end", "scale", "elastic", "replicas", "online", "sparse")
 
 
 class BenchError(PdpsError):
@@ -362,6 +362,32 @@ def online_speculation_detail(report: Report) -> str:
     )
 
 
+# sparse: {"throughput": [{"route", "label", "rows_per_s", "step_s", ...}], "memory": [{"rule", "pserver", "rows", "ratio",
+#          "bytes_per_row", "row_bytes", ...}], "ctr": {"pdps": {"samples_per_s"}, "torch": {"samples_per_s"}} | None,
+#          "ratios": {"grpc_vs_tcp" | "inproc_vs_local": {"value", "rows_per_s", "baseline_rows_per_s", "row", "baseline"},
+#                     "memory": {"value", "rule", "pserver", "bytes_per_row", "row_bytes"}, "ctr_vs_torch": {"value", ...}}}
+
+
+def sparse_ratio(name: str) -> Callable[[Report], float]:
+    def figure(report: Report) -> float:
+        return number(get(report, "ratios", name, "value", suite="sparse"), f"ratios.{name}.value", suite="sparse")
+
+    return figure
+
+
+def sparse_detail(name: str) -> Callable[[Report], str]:
+    def detail(report: Report) -> str:
+        r = get(report, "ratios", name, suite="sparse")
+        if name == "memory":
+            return (
+                f"worst: {r.get('rule')} pserver {r.get('pserver')}, {float(r['bytes_per_row']):,.0f} B of RSS a row against "
+                f"{r.get('row_bytes')} B of row and optimizer state"
+            )
+        return f"{r.get('row')}: {float(r['rows_per_s']):,.0f} rows/s; {r.get('baseline')}: {float(r['baseline_rows_per_s']):,.0f} rows/s"
+
+    return detail
+
+
 # --- the table ---------------------------------------------------------------------------
 
 TARGETS: tuple[Target, ...] = (
@@ -407,6 +433,13 @@ TARGETS: tuple[Target, ...] = (
     _replicas("async_r2_vs_r1", "training samples/s with replicas = 2 / replicas = 1, async, 10M-parameter MLP, 2 trainers + 2 pservers over gRPC", 0.8),
     Target("online.speculation_on_vs_off", "online", "job time with one trainer slowed 10x, speculation on / off, async, 3 trainers, "
            "8 tasks, median of the repeats", 0.6, online_ratio("speculation_on_vs_off"), online_speculation_detail, at_most=True),
+    Target("sparse.grpc_vs_tcp", "sparse", "pull + push of 64k distinct rows x 64 float32 a step, 10M-row table, 2 pserver processes "
+           "over gRPC / raw loopback TCP echo of the same bytes, rows/s", 0.5, sparse_ratio("grpc_vs_tcp"), sparse_detail("grpc_vs_tcp")),
+    Target("sparse.inproc_vs_local", "sparse", "pull + push of 64k distinct rows x 64 float32 a step, 10M-row table, 2 pservers over "
+           "inproc / local index_select + index_add_ on a [10M, 64] tensor, rows/s", 0.5, sparse_ratio("inproc_vs_local"),
+           sparse_detail("inproc_vs_local")),
+    Target("sparse.memory", "sparse", "pserver RSS growth over filling 10M rows / the raw bytes of its rows and their optimizer state, "
+           "the worst pserver of SGD and Adagrad", 1.5, sparse_ratio("memory"), sparse_detail("memory"), at_most=True),
 )
 
 
@@ -493,6 +526,21 @@ def suite_figures(suite: str, report: Report) -> list[tuple[str, float, str]]:
             once = number(r.get("records_exactly_once"), f"{label} records_exactly_once", suite=suite)
             out.append((f"{label}: records trained exactly once", once, "records"))
         out.append(("speculation on / off, job time", online_ratio("speculation_on_vs_off")(report), "x"))
+    elif suite == "sparse":
+        for r in get(report, "throughput", suite=suite):
+            label = str(r.get("label"))
+            out.append((label, number(r.get("rows_per_s"), f"{label} rows_per_s", suite=suite), "rows/s"))
+        for r in get(report, "memory", suite=suite):
+            label = f"{r.get('rule')}, pserver {r.get('pserver')}: RSS a row"
+            out.append((label, number(r.get("bytes_per_row"), f"{label} bytes_per_row", suite=suite), "B"))
+        ctr = report.get("ctr")
+        if isinstance(ctr, Mapping):
+            out.append(("CTR: pdps, 2 trainers x 2 pservers", number(get(ctr, "pdps", "samples_per_s", suite=suite), "ctr.pdps.samples_per_s", suite=suite), "samples/s"))
+            out.append(("CTR: torch, single process", number(get(ctr, "torch", "samples_per_s", suite=suite), "ctr.torch.samples_per_s", suite=suite), "samples/s"))
+        names = {"grpc_vs_tcp": "grpc / raw TCP, rows/s", "inproc_vs_local": "inproc / local, rows/s", "memory": "pserver RSS / raw bytes, worst",
+                 "ctr_vs_torch": "CTR pdps / torch, samples/s"}  # fmt: skip
+        for name, r in get(report, "ratios", suite=suite).items():
+            out.append((names.get(name, name), number(r.get("value"), f"ratios.{name}.value", suite=suite), "x"))
     else:
         raise BenchError(f"unknown suite {suite!r}; choose from {', '.join(SUITES)}")
     return out

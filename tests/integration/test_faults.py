@@ -1,12 +1,14 @@
 """Fault injection: a multi-process job over gRPC and etcd, run by ``pdps launch
---restart on-failure``, with one role SIGKILLed at a seeded point inside a pass.
+--restart on-failure``, with roles SIGKILLed at seeded points inside passes.
 
 Each run trains the digits example for a few passes with coordinated checkpoints to a
-local directory. The master, pserver 1 and trainer 0 are each killed under three
-seeds, and pserver 1 once more in the middle of writing its checkpoint part. Every
-run must finish all its passes, reach held-out accuracy 0.95, account for every task
-of every pass in the audit as done or failed, and leave only committed checkpoints
-that pass their checksums. A last test restarts etcd itself under a running job.
+local directory. Under each of three seeds one job has the master, pserver 1 and
+trainer 0 killed, each at its own seeded point of a different pass; pserver 1 is
+killed once more, in another job, in the middle of writing its checkpoint part.
+Every run must finish all its passes, reach held-out accuracy 0.95, account for
+every task of every pass in the audit as done or failed, and leave only committed
+checkpoints that pass their checksums. A last test restarts etcd itself under a
+running job.
 """
 
 from __future__ import annotations
@@ -143,7 +145,11 @@ class Job:
 def at_seeded_point(job: Job, seed: int) -> tuple[int, float]:
     """Wait for the seeded moment: a pass in 1..PASSES-3, a fraction of its tasks done."""
     rng = random.Random(seed)
-    target_pass, fraction = rng.randint(1, PASSES - 3), rng.uniform(0.2, 0.8)
+    return at_point(job, rng.randint(1, PASSES - 3), rng.uniform(0.2, 0.8))
+
+
+def at_point(job: Job, target_pass: int, fraction: float) -> tuple[int, float]:
+    """Wait until pass ``target_pass`` has ``fraction`` of its tasks done (or a later pass began)."""
 
     def reached() -> bool:
         st = job.status()
@@ -171,18 +177,41 @@ def check_run(job: Job, summary: dict) -> None:
         assert files.verify(storage, files.read_manifest(storage, ckpt)) == [], ckpt
 
 
-@pytest.mark.parametrize("role", ["master", "pserver-1", "trainer-0"])
+def seeded_kills(seed: int) -> list[tuple[str, int, float]]:
+    """(role, pass, fraction) for each of the master, pserver 1 and trainer 0, in the order
+    they are killed: three different passes in 1..PASSES-3, each at a seeded fraction of
+    its tasks; seeds 1, 2 and 3 put each role first, second and last once."""
+    rng = random.Random(seed)
+    roles = ["master", "pserver-1", "trainer-0"]
+    roles = roles[seed % 3 :] + roles[: seed % 3]
+    passes = sorted(rng.sample(range(1, PASSES - 2), len(roles)))
+    return [(role, p, rng.uniform(0.2, 0.8)) for role, p in zip(roles, passes)]
+
+
 @pytest.mark.parametrize("seed", [1, 2, 3])
-def test_job_survives_a_sigkill(etcd_server, tmp_path, role, seed):
+def test_job_survives_a_sigkill_of_each_role(etcd_server, tmp_path, seed):
+    """One job per seed; each role is SIGKILLed once, at its own seeded point, a pass
+    after the last kill at least (so each role's restart, and a pserver's rollback, is
+    over before the next kill). Each is restarted, and only a pserver's loss rolls the
+    job back: the epoch, read at the next kill's point and at the end, rises by one
+    across the pserver's kill and by none across the others'."""
+    kills = seeded_kills(seed)
+    print(f"seed {seed}: kills (role, pass, fraction) {kills}")
     job = Job(etcd_server.url, tmp_path)
     try:
-        at_seeded_point(job, seed)
-        job.kill(role)
+        epochs = []
+        for role, target_pass, fraction in kills:
+            at_point(job, target_pass, fraction)
+            epochs.append(recovery.read_epoch(job.store, job.keys)[0].epoch)
+            killed = job.kill(role)
+            job.wait_for(lambda: role_pid(job.proc, role) not in (None, killed), 60, f"{role} restarted")
         summary = job.finish()
         check_run(job, summary)
-        assert f"{role} exited with signal SIGKILL; restarting it" in job.tail(10**7)
-        epoch, _ = recovery.read_epoch(job.store, job.keys)
-        assert epoch.epoch == (1 if role.startswith("pserver") else 0), epoch  # only a pserver's loss rolls back
+        epochs.append(recovery.read_epoch(job.store, job.keys)[0].epoch)
+        log = job.tail(10**7)
+        for (role, _, _), before, after in zip(kills, epochs, epochs[1:]):
+            assert f"{role} exited with signal SIGKILL; restarting it" in log, role
+            assert after - before == (1 if role.startswith("pserver") else 0), (role, epochs)  # only a pserver's loss rolls back
     finally:
         job.close()
 

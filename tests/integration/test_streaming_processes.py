@@ -16,7 +16,7 @@ from pdps import streams
 from pdps.core.job import Keys
 from pdps.core.progress import TaskProgress
 from pdps.registry import open_store
-from pdps.shell.status import job_status, window_audit
+from pdps.shell.status import job_status
 from tests.integration.test_processes import TARGETS, job_name, last_json, procs, run_pdps, wait_until  # noqa: F401 - procs is a fixture
 
 pytestmark = pytest.mark.integration
@@ -34,29 +34,14 @@ def fill_stream(redis_server, job: str, records: int, seed: int) -> str:
     return url
 
 
-def status_by_cli(store_url: str, job: str, window: int | None = None) -> dict:
-    """``pdps status [--window N] --json``, as an operator runs it."""
-    proc = run_pdps("status", store_url, "--job", job, *(() if window is None else ("--window", str(window))), "--json", timeout=60)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout)
-
-
-def status_in_process(store_url: str, job: str, window: int | None = None) -> dict:
-    """What :func:`status_by_cli` prints, from the functions the command calls (no process
-    to start: the launch test below checks the command itself)."""
-    store = open_store(store_url)
-    try:
-        return job_status(store, job) if window is None else window_audit(store, job, window)
-    finally:
-        store.close()
-
-
-def check_windows_by_cli(store_url: str, job: str, windows: int = W, status=status_by_cli) -> list[dict]:
+def check_windows_by_cli(store_url: str, job: str, windows: int = W) -> list[dict]:
     """``pdps status --window N --json`` for each window: closed, each record trained
     exactly once; the audits."""
     audits = []
     for w in range(windows):
-        a = status(store_url, job, w)
+        proc = run_pdps("status", store_url, "--job", job, "--window", str(w), "--json", timeout=60)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        a = json.loads(proc.stdout)
         s = a["summary"]
         assert a["state"] == "closed", a
         assert a["records"] == N and s["failed"] == 0, (w, s)
@@ -65,9 +50,11 @@ def check_windows_by_cli(store_url: str, job: str, windows: int = W, status=stat
     return audits
 
 
-def check_stream_by_cli(store_url: str, job: str, records: int, untasked: tuple = (0,), windows: int = W, status=status_by_cli) -> dict:
+def check_stream_by_cli(store_url: str, job: str, records: int, untasked: tuple = (0,), windows: int = W) -> dict:
     """``pdps status --json``'s ``stream``: ended, every window closed, no lag."""
-    stream = status(store_url, job)["stream"]
+    proc = run_pdps("status", store_url, "--job", job, "--json", timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    stream = json.loads(proc.stdout)["stream"]
     assert stream["ended"] and stream["windows_closed"] == windows and stream["records"] == records, stream
     assert stream["records_untasked"] in untasked and (stream["tasks_untrained"], stream["records_untrained"]) == (0, 0), stream
     return stream
@@ -119,13 +106,13 @@ def test_a_trainer_sigkilled_mid_task_on_a_stream_leaves_every_record_once(etcd_
     finally:
         store.close()
 
-    audits = check_windows_by_cli(etcd_server.url, job, W, status=status_in_process)
+    audits = check_windows_by_cli(etcd_server.url, job, W)
     attempts = {e["task"]: e["attempts"] for a in audits for e in a["entries"]}
     killed = [a for a in attempts[task] if a["trainer"] == victim]
     assert [a["outcome"] for a in killed] == ["trainer_lost"] and killed[0].get("applied", 0) >= applied, attempts[task]
     resumed = attempts[task][attempts[task].index(killed[0]) + 1]
     assert resumed["outcome"] == "done" and resumed["offset"] == killed[0]["applied"] > 0, attempts[task]
-    check_stream_by_cli(etcd_server.url, job, W * N, status=status_in_process)
+    check_stream_by_cli(etcd_server.url, job, W * N)
 
 
 def test_launch_runs_a_streaming_job_and_sums_it_up_in_windows(etcd_server, redis_server):
@@ -220,7 +207,7 @@ def test_a_standby_master_process_takes_over_a_stream_from_a_sigkilled_one(etcd_
             assert t.wait(timeout=15) == 0
     finally:
         store.close()
-    check_windows_by_cli(etcd_server.url, job, windows, status=status_in_process)
+    check_windows_by_cli(etcd_server.url, job, windows)
     # the standby polls the stream no more: it cannot tell what lies beyond the cursor (None)
     # unless the dead master had said
-    check_stream_by_cli(etcd_server.url, job, windows * N, untasked=(0, None), windows=windows, status=status_in_process)
+    check_stream_by_cli(etcd_server.url, job, windows * N, untasked=(0, None), windows=windows)

@@ -38,7 +38,7 @@ def publish(url: str, tensors: Mapping[str, torch.Tensor], *, meta: Mapping[str,
     written; ExportConflict when other writers kept taking the number; StorageError
     when the storage fails.
     """
-    tables = [name for name, t in tensors.items() if hasattr(t, "lookup") and hasattr(t, "spec")]
+    tables = [name for name, t in tensors.items() if hasattr(t, "lookup") and hasattr(t, "spec")] if isinstance(tensors, Mapping) else []
     if tables:
         raise ConfigError(
             f"the model has sparse tables {tables}: exporting a table's rows is not built yet, so a model with "

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from pdps.adapters.safetensors_files import SafetensorsFormat
+from pdps.core.errors import ConfigError
 from pdps.core.exports import Export, TensorSpec, check_url
 from pdps.registry import open_storage
 from pdps.runtime import exports as _exports
@@ -37,6 +38,12 @@ def publish(url: str, tensors: Mapping[str, torch.Tensor], *, meta: Mapping[str,
     written; ExportConflict when other writers kept taking the number; StorageError
     when the storage fails.
     """
+    tables = [name for name, t in tensors.items() if hasattr(t, "lookup") and hasattr(t, "spec")]
+    if tables:
+        raise ConfigError(
+            f"the model has sparse tables {tables}: exporting a table's rows is not built yet, so a model with "
+            "tables cannot be exported (export the dense parameters yourself, or fetch the rows with pdps.fetch_parameters)"
+        )
     return _exports.publish(open_storage(check_url(url)), _FORMAT, tensors, meta=meta, keep=keep)
 
 

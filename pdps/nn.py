@@ -144,6 +144,8 @@ def _spec_of(name: str, module: nn.Module, options: TableOptions | None) -> Tabl
             f"table {name!r} sets max_norm: torch renormalizes looked-up rows in place during forward, "
             "and a trainer never writes rows; drop max_norm, or normalize the output instead"
         )
+    if module.scale_grad_by_freq:
+        raise ConfigError(f"table {name!r} sets scale_grad_by_freq, which torch does not support with sparse gradients")
     if isinstance(module, nn.EmbeddingBag) and module.mode == "max":
         raise ConfigError(f"table {name!r} is an EmbeddingBag with mode='max', which torch does not support with sparse gradients")
     num, dim = weight.shape
@@ -171,11 +173,9 @@ def tables_of(model: nn.Module, options: Mapping[str, TableOptions] | None = Non
     if options:
         names = [n for n, _, _ in found]
         raise ConfigError(f"table options name {sorted(options)}, which are not tables of the model (its tables: {names})")
-    dense = {id(p): n for n, p in model.named_parameters() if id(p) not in weights}
-    for name, module, _ in found:
-        w = getattr(module, "weight", None)
-        if isinstance(w, torch.Tensor) and id(w) in dense:
-            raise ConfigError(f"table {name!r} shares its weight with parameter {dense[id(w)]!r}")
+    for other, p in model.named_parameters(remove_duplicate=False):  # a table's weight under another name: tied
+        if id(p) in weights and other != weights[id(p)]:
+            raise ConfigError(f"table {weights[id(p)]!r} shares its weight with parameter {other!r}: a table lives on the pservers, so it cannot be tied")
     return found
 
 

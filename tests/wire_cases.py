@@ -30,7 +30,8 @@ BAD_SECTIONS: tuple[Any, ...] = (
 SPANNING: dict[type, list[tuple[str, Any]]] = {
     wire.PushRequest: [("samples", -3), ("records", [0, 1, 1, 5, 2]), ("records", [0, 1]), ("first", True), ("final", True)]
     + [("tables", v) for v in BAD_SECTIONS],
-    wire.ReplicateRequest: [("tables", v) for v in BAD_SECTIONS] + [("created", v) for v in BAD_SECTIONS],
+    wire.ReplicateRequest: [("tables", v) for v in BAD_SECTIONS] + [("created", v) for v in BAD_SECTIONS]
+    + [("steps", v) for v in ([["emb"]], [["emb", 0]], [["", 3]], [["emb", 1.5]], [["emb", True]], ["emb"], [[3, 1]], [["emb", 1, 2]])],
     wire.PullRequest: [("tables", v) for v in BAD_SECTIONS] + [("tables", [["emb", 3]]), ("tables", [["emb", 1]]), ("tables", [])]
     + [("dump", v) for v in (["emb", 0, 0, 10], ["emb", -1, 0, 10], ["emb", 0, -1, 10], ["emb", 0, 0, 0], ["", 0, 0, 1], ["emb", 0, 0], ["emb", "0", 0, 1])],
     wire.MigrateRequest: [("row_offset", 0)],

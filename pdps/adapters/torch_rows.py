@@ -10,7 +10,8 @@ whose ids fall in the slots this pserver holds, with the row rule's state per ro
   through :class:`~pdps.core.rowindex.IdIndex`. Growth adds a chunk (no doubling, no
   copy); evicted positions go to a free list and are reused first. A gather or scatter
   groups its positions by chunk: one ``index_select`` / ``index_copy_`` per chunk
-  touched, never a loop per row.
+  touched, never a loop per row; an update steps the rows in that chunk order (the
+  rules are row-local), so only the gradient is permuted, once.
 * **Reads never create.** :meth:`TorchRows.lookup` answers an id with no row with the
   table's init value (:func:`~pdps.core.tables.init_rows`, computed, not stored).
   Rows are created when a gradient is applied (sync: at round close; async: at the
@@ -47,7 +48,6 @@ from pdps.core import rowpolicy
 from pdps.core.errors import BadRequest, ConfigError, GradientRejected
 from pdps.core.rowindex import IdIndex
 from pdps.core.tables import (
-    ROW_ENTRY_KINDS,
     ROW_RULES,
     TableSpec,
     check_row_rule,
@@ -64,36 +64,41 @@ CHUNK_ROWS = 1 << 16
 #: The job setting ``sparse_max_ids``'s default: ids in one section of a push or pull.
 DEFAULT_MAX_IDS = 1 << 20
 
-# The step of each pending id's last touch travels as its age where the core names
-# that entry; elsewhere a moved or restored pending id counts as touched at the move.
-_PENDING_AGE = "pending_age" in ROW_ENTRY_KINDS
-
-
-class _Plan:
-    """Positions grouped by chunk. Taken in chunk order, the positions are ``pieces``:
-    (chunk, start, end, the positions in that chunk) of a run ``[start, end)``;
-    ``order[k]`` is which of the given positions the k-th of the run is, ``inverse`` the
-    way back (both None when the positions were in chunk order already). A gather
-    writes each chunk's rows straight into its run, then puts them back in the given
-    order with one ``index_select``; a scatter picks each chunk's rows from the given
-    order (while they are in cache) and copies them in."""
-
-    __slots__ = ("pieces", "order", "inverse")
-
-    def __init__(self, pieces: list[tuple[int, int, int, torch.Tensor]], order: torch.Tensor | None = None, inverse: torch.Tensor | None = None) -> None:
-        self.pieces, self.order, self.inverse = pieces, order, inverse
-
 
 # --- storage ---------------------------------------------------------------------------------
+
 
 #: dtypes numpy holds as they are (bfloat16 it does not)
 _NUMPY_DTYPES = frozenset((torch.float16, torch.float32, torch.float64, torch.int32, torch.int64))
 
 
+class _Plan:
+    """Positions grouped by chunk. Gathered tensors are in *plan order*: the rows of
+    each chunk touched, one contiguous run per chunk, so a gather is one
+    ``index_select`` per chunk straight into its run, and a scatter one ``index_copy_``
+    from it. The rules are row-local, so they step rows in plan order as well;
+    :meth:`arrange` and :meth:`restore` permute a tensor between the caller's order and
+    plan order (nothing to do when the positions already run chunk by chunk)."""
+
+    def __init__(self, order: torch.Tensor | None, runs: list[tuple[int, int, int, torch.Tensor]], n: int) -> None:
+        self.order, self.runs, self.n = order, runs, n
+
+    def arrange(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (caller's order) in plan order."""
+        return t if self.order is None else t.index_select(0, self.order)
+
+    def restore(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (plan order) in the caller's order."""
+        if self.order is None:
+            return t
+        return torch.empty_like(t).index_copy_(0, self.order, t)
+
+
 class _Column:
     """One per-row quantity in chunks of ``chunk_rows`` rows: ``[chunk_rows, width]``
     tensors, or ``[chunk_rows]`` where ``width`` is None. ``fill`` is what a new row
-    starts from (None: written by the creator)."""
+    starts from (None: written by the creator). Gathers and scatters are in plan
+    order (:class:`_Plan`)."""
 
     def __init__(self, width: int | None, dtype: torch.dtype, device: torch.device, fill: float | None = None) -> None:
         self.width, self.dtype, self.device, self.fill = width, dtype, device, fill
@@ -107,30 +112,25 @@ class _Column:
         shape = (rows,) if self.width is None else (rows, self.width)
         self.chunks.append(torch.empty(shape, dtype=self.dtype, device=self.device))
 
-    def gather(self, plan: _Plan, n: int, *, runs: bool = False) -> torch.Tensor:
-        """The rows at the plan's positions, in the order given (``runs``: in the plan's
-        chunk order, with no reordering pass: ``plan.order[k]`` is the k-th's position)."""
-        shape = (n,) if self.width is None else (n, self.width)
+    def gather(self, plan: _Plan) -> torch.Tensor:
+        shape = (plan.n,) if self.width is None else (plan.n, self.width)
         out = torch.empty(shape, dtype=self.dtype, device=self.device)
-        for c, a, b, local in plan.pieces:
+        for c, a, b, local in plan.runs:
             torch.index_select(self.chunks[c], 0, local, out=out[a:b])
-        return out if plan.inverse is None or runs else out.index_select(0, plan.inverse)
+        return out
 
-    def scatter(self, plan: _Plan, values: torch.Tensor, *, runs: bool = False) -> None:
-        """Write ``values`` (in the order given, or ``runs``: in the plan's chunk order) at the plan's positions."""
-        order = None if runs else plan.order
+    def scatter(self, plan: _Plan, values: torch.Tensor) -> None:
         # On the CPU, numpy's row assignment copies a row at a time: 1.75x torch's index_copy_
         # (measured at 32k rows of 64 float32 into 77 chunks). Same dtype only: it would cast.
         rows = self.device.type == "cpu" and values.device.type == "cpu" and values.dtype == self.dtype and self.dtype in _NUMPY_DTYPES
-        for c, a, b, local in plan.pieces:
-            src = values[a:b] if order is None else values.index_select(0, order[a:b])
+        for c, a, b, local in plan.runs:
             if rows:
-                self.chunks[c].numpy()[local.numpy()] = src.detach().numpy()
+                self.chunks[c].numpy()[local.numpy()] = values[a:b].detach().numpy()
             else:
-                self.chunks[c].index_copy_(0, local, src)
+                self.chunks[c].index_copy_(0, local, values[a:b])
 
     def put(self, plan: _Plan, value: float) -> None:
-        for c, _, _, local in plan.pieces:
+        for c, _, _, local in plan.runs:
             self.chunks[c].index_fill_(0, local, value)
 
 
@@ -362,8 +362,9 @@ class TorchRows:
         self._hold(slots)
         self.step = 0
         self._last_sweep = clock() if spec.ttl_seconds else 0.0
-        self._staged: dict[str, tuple[np.ndarray, torch.Tensor]] = {}
-        self._buffers: dict[str, tuple[np.ndarray, torch.Tensor]] = {}
+        #: sync: the open round's sections, key -> source -> (ids, grads, map version)
+        self._staged: dict[str, dict[int, tuple[np.ndarray, torch.Tensor, int]]] = {}
+        self._buffers: dict[tuple[str, int], tuple[np.ndarray, torch.Tensor]] = {}
         self._generation = 0  # moves whenever the set of rows changes (export pages are planned against it)
         self._order: tuple[Any, ...] | None = None
         self._counters = dict.fromkeys(("created", "admitted", "pending_dropped", "evicted_ttl", "evicted_lfu", "refused"), 0)
@@ -405,26 +406,20 @@ class TorchRows:
         return t if self.device.type == "cpu" else t.to(self.device)
 
     def _plan(self, pos: np.ndarray) -> _Plan:
-        """``pos`` grouped by chunk (:class:`_Plan`)."""
+        """``pos`` grouped by chunk (one argsort, unless they already run chunk by chunk)."""
         n = len(pos)
         if not n:
-            return _Plan([])
+            return _Plan(None, [], 0)
         chunk = pos >> self._shift
-        local = pos & self._mask
-        first, last = int(chunk.min()), int(chunk.max())
-        if first == last:
-            return _Plan([(first, 0, n, self._tensor(local))])
-        order = inverse = None
-        if not np.all(chunk[1:] >= chunk[:-1]):
+        order = None
+        if n > 1 and np.any(chunk[1:] < chunk[:-1]):
             # a stable sort by chunk; numpy radix-sorts 16-bit keys (20x a 64-bit sort at 32k positions)
-            by = np.argsort(chunk.astype(np.uint16) if last < 1 << 16 else chunk, kind="stable")
-            chunk, local = chunk[by], local[by]
-            back = np.empty(n, dtype=np.int64)
-            back[by] = np.arange(n, dtype=np.int64)
-            order, inverse = self._tensor(by), self._tensor(back)
+            order = np.argsort(chunk.astype(np.uint16) if int(chunk.max()) < 1 << 16 else chunk, kind="stable")
+            chunk, pos = chunk[order], pos[order]
         cuts = [0, *(np.flatnonzero(chunk[1:] != chunk[:-1]) + 1).tolist(), n]
-        local_t = self._tensor(local)
-        return _Plan([(int(chunk[a]), a, b, local_t[a:b]) for a, b in zip(cuts[:-1], cuts[1:])], order, inverse)
+        local = self._tensor(pos & self._mask)
+        runs = [(int(chunk[a]), a, b, local[a:b]) for a, b in zip(cuts[:-1], cuts[1:])]
+        return _Plan(None if order is None else self._tensor(order), runs, n)
 
     def _alloc(self, k: int) -> np.ndarray:
         take = min(k, len(self._free))
@@ -441,7 +436,7 @@ class TorchRows:
         """New rows for ``ids`` (none has one): init values, the rule's start state."""
         pos = self._alloc(len(ids))
         plan = self._plan(pos)
-        self._values.scatter(plan, torch.from_numpy(init_rows(self.spec, ids)).to(self.dtype).to(self.device))
+        self._values.scatter(plan, plan.arrange(torch.from_numpy(init_rows(self.spec, ids)).to(self.dtype).to(self.device)))
         for col in self._state.values():
             col.put(plan, col.fill or 0)
         self._mark(plan, now, fresh=True)
@@ -449,13 +444,13 @@ class TorchRows:
         self._generation += 1
         return pos
 
-    def _mark(self, plan: _Plan, now: float, *, fresh: bool = False, n: int = 0) -> None:
+    def _mark(self, plan: _Plan, now: float, *, fresh: bool = False) -> None:
         """Bookkeeping of an update at this table step (``fresh``: of new rows)."""
         if self._count is not None:
             if fresh:
                 self._count.put(plan, 0)
             else:
-                self._count.scatter(plan, self._count.gather(plan, n) + 1)
+                self._count.scatter(plan, self._count.gather(plan) + 1)
             self._last.put(plan, self.step)
         if self._when is not None:
             self._when.put(plan, now)
@@ -482,11 +477,11 @@ class TorchRows:
         push = grads is not None
         error = GradientRejected if push else BadRequest
         t, dim = self.spec.name, self.spec.dim
-        doing = "pushed" if push else "pulled"
+        doing, outcome = ("pushed", "nothing was applied") if push else ("pulled", "nothing was read")
         field = f"tables.{t}.ids"
 
         def refuse(what: str, field: str = field) -> None:
-            raise error(f"table {t!r}, {field} {doing} by trainer {trainer!r}: {what}; nothing was applied", field=field, trainer=trainer)
+            raise error(f"table {t!r}, {field} {doing} by trainer {trainer!r}: {what}; {outcome}", field=field, trainer=trainer)
 
         if not isinstance(ids, torch.Tensor):
             refuse(f"the ids are a {type(ids).__name__}, not a tensor")
@@ -509,11 +504,7 @@ class TorchRows:
         if n > self.max_ids:
             refuse(f"{n} ids in one section, more than sparse_max_ids = {self.max_ids}: raise sparse_max_ids or cut the batch")
         if n:
-            if slots is None:
-                held = self._held
-            else:
-                held = np.zeros(self.num_slots, dtype=bool)
-                held[np.asarray(sorted(slots), dtype=np.int64)] = True
+            held = self._held if slots is None else self._slot_mask(slots)
             where = row_slots(t, a, self.num_slots)
             out = np.flatnonzero(~held[where])
             if len(out):
@@ -546,44 +537,89 @@ class TorchRows:
             nan, inf = int(torch.isnan(grads).sum()), int(torch.isinf(grads).sum())
             refuse(f"the gradient of id {int(a[k])} is not finite ({nan} NaN and {inf} infinite values in the section)", gfield)
 
+    def _slot_mask(self, slots: Collection[int] | np.ndarray) -> np.ndarray:
+        """``slots`` as a mask over the table's slots (a bool array is taken as one)."""
+        if isinstance(slots, np.ndarray) and slots.dtype == bool:
+            if slots.shape != (self.num_slots,):
+                raise ConfigError(f"table {self.spec.name!r}: a slot mask of shape {slots.shape} for {self.num_slots} slots")
+            return slots
+        mask = np.zeros(self.num_slots, dtype=bool)
+        mask[np.asarray(sorted(slots), dtype=np.int64)] = True
+        return mask
+
     # --- sync rounds: stage per trainer, apply the union ----------------------------------------
 
-    def stage(self, key: str, ids: Any, grads: Any, *, keep: bool = False) -> None:
-        """Keep ``key``'s section for the open round, replacing an earlier one: copied
-        into a buffer of ``key``'s own, reused round after round, or (``keep``: the
-        caller gives the tensors away) held as given. Half-precision gradients are kept
-        in float32, where the round sums them."""
+    def stage(
+        self, key: str, ids: Any, grads: Any, *, keep: bool = False, source: int = -1, version: int = 0,
+        covers: Collection[int] | np.ndarray | None = None,
+    ) -> None:
+        """Keep ``key``'s section for the open round, replacing an earlier one from the
+        same ``source``: copied into a buffer of its own, reused round after round, or
+        (``keep``: the caller gives the tensors away) held as given. Half-precision
+        gradients are kept in float32, where the round sums them.
+
+        With replicas a pserver stages a trainer's section from several sources: the
+        trainer's own push (``source`` -1) and each primary's forward of the rows it
+        backs up (``source``: that primary), of disjoint slots. ``covers``, the slots
+        this section carries ``key``'s rows of in slot map ``version``, takes those rows
+        out of ``key``'s sections staged by an older map: after a failover a trainer
+        pushes again, by the newer map, rows a forward staged here already."""
         a = _numpy(ids)
         n = len(a)
+        if covers is not None:
+            self._uncover(key, source, version, covers)
+        staged = self._staged.setdefault(key, {})
         if keep and grads.dtype == self._sum_dtype and grads.device == self.device:
-            self._staged[key] = (a, grads)
+            staged[source] = (a, grads, version)
             return
-        buf_ids, buf = self._buffers.get(key, (np.empty(0, dtype=np.int64), None))
+        buf_ids, buf = self._buffers.get((key, source), (np.empty(0, dtype=np.int64), None))
         if buf is None or buf.shape[0] < n:
             size = max(n, 2 * (0 if buf is None else buf.shape[0]))
             buf_ids = np.empty(size, dtype=np.int64)
             buf = torch.empty((size, self.spec.dim), dtype=self._sum_dtype, device=self.device)
-            self._buffers[key] = (buf_ids, buf)
+            self._buffers[key, source] = (buf_ids, buf)
         buf_ids[:n] = a
         buf[:n].copy_(grads)
-        self._staged[key] = (buf_ids[:n], buf[:n])
+        staged[source] = (buf_ids[:n], buf[:n], version)
+
+    def _uncover(self, key: str, source: int, version: int, covers: Collection[int] | np.ndarray) -> None:
+        """Take the rows of slots ``covers`` out of ``key``'s sections from other
+        sources staged by a map older than ``version`` (none, but after a failover)."""
+        staged = self._staged.get(key, {})
+        stale = [s for s, (_, _, v) in staged.items() if s != source and v < version]
+        if not stale:
+            return
+        mask = self._slot_mask(covers)
+        for s in stale:
+            a, g, v = staged[s]
+            keep = np.flatnonzero(~mask[row_slots(self.spec.name, a, self.num_slots)])
+            if len(keep) < len(a):
+                staged[s] = (a[keep], g.index_select(0, self._tensor(keep)), v)
 
     def staged(self) -> set[str]:
-        return set(self._staged)
+        return {key for key, sections in self._staged.items() if sections}
 
     def unstage(self, key: str | None = None, *, forget: bool = False) -> None:
-        keys = list(self._buffers.keys() | self._staged.keys()) if key is None else [key]
-        for k in keys:
-            self._staged.pop(k, None)
-            if forget:
-                self._buffers.pop(k, None)
+        """Drop ``key``'s staged sections, from every source (all keys' if None);
+        ``forget`` also frees their buffers."""
+        if key is None:
+            self._staged.clear()
+        else:
+            self._staged.pop(key, None)
+        if forget:
+            for k in [k for k in self._buffers if key is None or k[0] == key]:
+                del self._buffers[k]
 
     def apply_staged(self, weights: Sequence[tuple[str, float]]) -> bool:
         """Close a sync round: the union of the staged sections of the keys in
         ``weights`` (ascending ids), each id's gradient summed as ``w * g`` in that order,
         one step of the rule. Keys that staged nothing did not use the table. Then
-        nothing is staged. False, with nothing applied, if no key staged a section."""
-        parts = [(self._staged[k], float(w)) for k, w in weights if k in self._staged]
+        nothing is staged. False, with nothing applied, if no key staged a section.
+
+        A key's sections from several sources hold disjoint ids, so each id's sum runs
+        over the keys in the order given wherever its rows are staged: every copy of a
+        slot sums, and steps, its rows alike."""
+        parts = [(section[:2], float(w)) for k, w in weights for _, section in sorted(self._staged.get(k, {}).items())]
         self._staged.clear()
         if not parts:
             return False
@@ -600,13 +636,26 @@ class TorchRows:
         self._apply(ids, grads.to(self.dtype))
         return True
 
-    def apply(self, ids: Any, grads: Any) -> None:
-        """Async: one step of the rule with this section (checked before)."""
-        self._apply(_numpy(ids), grads.to(self.device))
+    def apply(self, ids: Any, grads: Any, *, step: int | None = None) -> None:
+        """Async: one step of the rule with this section (checked before). ``step``: the
+        table step to apply it at, leaving this store's own unchanged (a backup applying
+        its primary's push at the primary's step: an async table step is per pserver);
+        it evicts nothing then (async jobs with replicas evict by no step)."""
+        self._apply(_numpy(ids), grads.to(self.device), step)
 
-    def _apply(self, ids: np.ndarray, grads: torch.Tensor) -> None:
-        self.step += 1
+    def _apply(self, ids: np.ndarray, grads: torch.Tensor, at_step: int | None = None) -> None:
+        own = self.step
         now = self._clock() if self._when is not None else 0.0
+        self.step = own + 1 if at_step is None else at_step  # the kernels, the marks and admission read self.step
+        try:
+            self._step_rows(ids, grads, now)
+        finally:
+            if at_step is not None:
+                self.step = own
+        if at_step is None:
+            self._evict(now)
+
+    def _step_rows(self, ids: np.ndarray, grads: torch.Tensor, now: float) -> None:
         pos = self._index.lookup(ids)
         missing = np.flatnonzero(pos < 0)
         if len(missing):
@@ -623,17 +672,14 @@ class TorchRows:
             if len(kept) < len(pos):
                 pos, grads = pos[kept], grads.index_select(0, self._tensor(kept))
         if len(pos):
-            # Every rule is row-local: the rows are stepped in the plan's chunk order (the
-            # gradients put in it), and go back without reordering.
             plan = self._plan(pos)
-            rows = self._values.gather(plan, len(pos), runs=True)
-            state = {k: col.gather(plan, len(pos), runs=True) for k, col in self._state.items()}
-            self._kernel.step(rows, state, grads if plan.order is None else grads.index_select(0, plan.order), self.step)
-            self._values.scatter(plan, rows, runs=True)
+            rows = self._values.gather(plan)
+            state = {k: col.gather(plan) for k, col in self._state.items()}
+            self._kernel.step(rows, state, plan.arrange(grads), self.step)
+            self._values.scatter(plan, rows)
             for k, col in self._state.items():
-                col.scatter(plan, state[k], runs=True)
-            self._mark(plan, now, n=len(pos))
-        self._evict(now)
+                col.scatter(plan, state[k])
+            self._mark(plan, now)
 
     # --- eviction --------------------------------------------------------------------------------
 
@@ -641,7 +687,7 @@ class TorchRows:
         """Every row: ids, positions, update counts, last-update steps."""
         ids, pos = self._index.items()
         plan = self._plan(pos)
-        return ids, pos, _numpy(self._count.gather(plan, len(pos))), _numpy(self._last.gather(plan, len(pos)))
+        return ids, pos, _numpy(plan.restore(self._count.gather(plan))), _numpy(plan.restore(self._last.gather(plan)))
 
     def _evict(self, now: float) -> None:
         spec = self.spec
@@ -658,7 +704,8 @@ class TorchRows:
             if spec.ttl_steps:
                 mask |= rowpolicy.expired(last, self.step, spec.ttl_steps)
             if spec.ttl_seconds:
-                mask |= rowpolicy.expired(_numpy(self._when.gather(self._plan(pos), len(pos))), now, spec.ttl_seconds)
+                plan = self._plan(pos)
+                mask |= rowpolicy.expired(_numpy(plan.restore(self._when.gather(plan))), now, spec.ttl_seconds)
             gone = rowpolicy.ttl_victims(mask, counts, ids, spec.floor)
             self._remove(ids[gone], pos[gone])
             self._counters["evicted_ttl"] += len(gone)
@@ -677,10 +724,13 @@ class TorchRows:
         pos = self._index.lookup(a)
         have = np.flatnonzero(pos >= 0)
         if len(have) == len(a):
-            return self._values.gather(self._plan(pos), len(a))
+            plan = self._plan(pos)
+            return plan.restore(self._values.gather(plan))
         out = torch.empty((len(a), self.spec.dim), dtype=self.dtype, device=self.device)
         if len(have):
-            out.index_copy_(0, self._tensor(have), self._values.gather(self._plan(pos[have]), len(have)))
+            plan = self._plan(pos[have])
+            at = self._tensor(have)
+            out.index_copy_(0, at if plan.order is None else at.index_select(0, plan.order), self._values.gather(plan))
         absent = np.flatnonzero(pos < 0)
         out.index_copy_(0, self._tensor(absent), torch.from_numpy(init_rows(self.spec, a[absent])).to(self.dtype).to(self.device))
         return out
@@ -717,11 +767,11 @@ class TorchRows:
         end = len(ids) if limit is None else min(len(ids), offset + limit)
         ids, pos, where = ids[offset:end], pos[offset:end], where[offset:end]
         plan = self._plan(pos)
-        cols = {"values": self._values.gather(plan, len(pos))}
-        cols.update((f"state.{k}", c.gather(plan, len(pos))) for k, c in self._state.items())
+        cols = {"values": plan.restore(self._values.gather(plan))}
+        cols.update((f"state.{k}", plan.restore(c.gather(plan))) for k, c in self._state.items())
         if self._count is not None:
-            cols["count"] = self._count.gather(plan, len(pos))
-            cols["last_age"] = self.step - self._last.gather(plan, len(pos))
+            cols["count"] = plan.restore(self._count.gather(plan))
+            cols["last_age"] = self.step - plan.restore(self._last.gather(plan))
         name = self.spec.name
         out: dict[str, Any] = {table_entry(name, "step"): torch.tensor(self.step, dtype=torch.int64)}
         lo = np.searchsorted(where, want, side="left")
@@ -744,8 +794,7 @@ class TorchRows:
                     continue
                 out[row_entry(name, s, "pending_ids")] = torch.from_numpy(p_ids[a:b].copy())
                 out[row_entry(name, s, "pending_counts")] = torch.from_numpy(p_counts[a:b].astype(np.int32))
-                if _PENDING_AGE:
-                    out[row_entry(name, s, "pending_age")] = torch.from_numpy(self.step - p_seen[a:b])
+                out[row_entry(name, s, "pending_age")] = torch.from_numpy(self.step - p_seen[a:b])  # the step of its last touch, as an age
         return out, end < len(self._ordered(want)[0])
 
     def snapshot(self, slots: Collection[int]) -> dict[str, Any]:
@@ -786,16 +835,22 @@ class TorchRows:
                     self._index.insert(ids[new], pos[new])
                     self._generation += 1
                 plan = self._plan(pos)
-                self._values.scatter(plan, got["values"])
+                self._values.scatter(plan, plan.arrange(got["values"]))
                 for k, col in self._state.items():
                     if k in got["state"]:
-                        col.scatter(plan, got["state"][k])
+                        col.scatter(plan, plan.arrange(got["state"][k]))
                     else:  # saved under a rule without this state: the rule's start
                         col.put(plan, col.fill or 0)
                 if self._count is not None:
-                    self._count.scatter(plan, got["count"] if "count" in got else torch.zeros(len(ids), dtype=torch.int32))
+                    if "count" in got:
+                        self._count.scatter(plan, plan.arrange(got["count"]))
+                    else:
+                        self._count.put(plan, 0)
                     age = got.get("last_age")
-                    self._last.scatter(plan, self.step - age if age is not None else torch.full((len(ids),), self.step, dtype=torch.int64))
+                    if age is not None:
+                        self._last.scatter(plan, plan.arrange(self.step - age))
+                    else:
+                        self._last.put(plan, self.step)
                 if self._when is not None:
                     self._when.put(plan, now)
             if self._pending is not None and "pending_ids" in got:
@@ -872,7 +927,7 @@ class TorchRows:
         pending map, staging buffers); and the counters."""
         held = sum(c.nbytes for c in self._columns()) + self._index.nbytes + self._free.nbytes + self._held.nbytes
         held += sum(a.nbytes + g.nbytes for a, g in self._buffers.values())
-        held += sum(a.nbytes + g.nbytes for k, (a, g) in self._staged.items() if k not in self._buffers)
+        held += sum(a.nbytes + g.nbytes for k, sections in self._staged.items() for s, (a, g, _) in sections.items() if (k, s) not in self._buffers)
         pending = 0
         if self._pending is not None:
             held += self._pending.nbytes

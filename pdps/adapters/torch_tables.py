@@ -27,10 +27,13 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 import torch
 
-from pdps.core.errors import GradientRejected
+from pdps.core.errors import GradientRejected, SlotMapChanged
 from pdps.core.tables import TableSpec, row_slots
 from pdps.nn import RemoteTable, TableOptions, replace_tables, tables_of
 
+#: A lookup answered SlotMapChanged (a resize moved slots; the trainer then follows the
+#: map) routes its ids again by the new map, up to this many times.
+MAP_CHANGES_PER_PULL = 8
 #: route() -> (slot owners, by slot), as the trainer's slot map says now
 Route = Callable[[], Sequence[int]]
 #: pull({pserver: [(table, ids)]}) -> {pserver: [rows, one per (table, ids)]}
@@ -75,18 +78,25 @@ class TorchTables:
         dtype = getattr(torch, spec.dtype)
         rows = torch.empty((n, spec.dim), dtype=dtype, device=unique.device)
         if n:
-            owner = self._owners(spec.name, unique)
-            order = np.argsort(owner, kind="stable")
-            bounds = np.searchsorted(owner[order], np.arange(owner.max() + 2))
-            asks: dict[int, list[tuple[str, torch.Tensor]]] = {}
-            where: dict[int, torch.Tensor] = {}
-            for p in range(len(bounds) - 1):
-                lo, hi = bounds[p], bounds[p + 1]
-                if hi > lo:
-                    at = torch.from_numpy(order[lo:hi]).to(unique.device)
-                    where[p] = at
-                    asks[p] = [(spec.name, unique[at].cpu())]
-            got = self._pull(asks)
+            for changes in range(MAP_CHANGES_PER_PULL + 1):
+                owner = self._owners(spec.name, unique)
+                order = np.argsort(owner, kind="stable")
+                bounds = np.searchsorted(owner[order], np.arange(owner.max() + 2))
+                asks: dict[int, list[tuple[str, torch.Tensor]]] = {}
+                where: dict[int, torch.Tensor] = {}
+                for p in range(len(bounds) - 1):
+                    lo, hi = bounds[p], bounds[p + 1]
+                    if hi > lo:
+                        at = torch.from_numpy(order[lo:hi]).to(unique.device)
+                        where[p] = at
+                        asks[p] = [(spec.name, unique[at].cpu())]
+                try:
+                    got = self._pull(asks)
+                    break
+                except SlotMapChanged:
+                    # a resize moved slots: the trainer followed the map, so route the ids by it again
+                    if changes == MAP_CHANGES_PER_PULL:
+                        raise
             with torch.no_grad():
                 for p, at in where.items():
                     rows[at] = got[p][0].to(device=rows.device, dtype=dtype)

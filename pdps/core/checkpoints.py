@@ -124,9 +124,11 @@ def pserver_parts(manifest: Manifest) -> dict[int, PartInfo]:
     return found
 
 
-def expected_parts(config: JobConfig) -> set[str]:
-    """The parts a checkpoint of this job commits with: one per pserver and the master's."""
-    return {pserver_part(i) for i in range(config.pservers)} | {MASTER_PART}
+def expected_parts(config: JobConfig, pservers: int | None = None) -> set[str]:
+    """The parts a checkpoint of this job commits with: one per pserver (``pservers``,
+    the count of the slot map it was announced in; None: the job's configured count)
+    and the master's."""
+    return {pserver_part(i) for i in range(config.pservers if pservers is None else pservers)} | {MASTER_PART}
 
 
 # --- states -----------------------------------------------------------------------------
@@ -397,9 +399,15 @@ class CheckpointInfo:
     mode: str
     state: State
     started: float  # when it was announced, seconds since the epoch (the announcer's clock)
+    #: the pservers of the slot map it was announced in, one part each (None: an older
+    #: pdps's record, the job's configured count); a resized job has another count
+    pservers: int | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"id": self.id, "epoch": self.epoch, "round": self.round, "mode": self.mode, "state": self.state.value, "started": self.started}
+        out = {"id": self.id, "epoch": self.epoch, "round": self.round, "mode": self.mode, "state": self.state.value, "started": self.started}
+        if self.pservers is not None:
+            out["pservers"] = self.pservers
+        return out
 
     @classmethod
     def decode(cls, kv: KeyValue) -> CheckpointInfo:
@@ -419,6 +427,7 @@ class CheckpointInfo:
             mode=_field(d, "mode", str, kv.key),
             state=State(state),
             started=float(_field(d, "started", (int, float), kv.key)),
+            pservers=None if d.get("pservers") is None else _field(d, "pservers", int, kv.key),
         )
 
 
@@ -516,7 +525,7 @@ def manifest_to_commit(view: CommitView, config: JobConfig) -> Manifest | None:
     for kv in view.parts:
         part = PartInfo.from_json(decode_json(kv.value, kv.key))
         parts[part.name] = part
-    if set(parts) != expected_parts(config):
+    if set(parts) != expected_parts(config, info.pservers):
         return None
     if Epoch.decode(view.epoch).epoch != info.epoch:
         return None  # taken before a rollback: it never commits
@@ -525,7 +534,7 @@ def manifest_to_commit(view: CommitView, config: JobConfig) -> Manifest | None:
         return None  # a newer one is committed already
     return Manifest(
         id=info.id, job=config.name, round=info.round, epoch=info.epoch, created=info.started,
-        parts=parts, extra={"mode": config.mode.value, "pservers": config.pservers},
+        parts=parts, extra={"mode": config.mode.value, "pservers": config.pservers if info.pservers is None else info.pservers},
     )  # fmt: skip
 
 

@@ -317,6 +317,9 @@ class Keys:
     ``model``             the model's parameter specs (JSON), set by the first trainer
     ``model_tables``      the model's sparse tables ([TableSpec JSON, ...]), written with
                           ``model`` in the same transaction (absent: the model has none)
+    ``table_stats/<i>``   pserver i's rows per table: {at, incarnation, tables: {name: {rows,
+                          bytes, created, admitted, pending, pending_dropped, evicted_ttl,
+                          evicted_lfu, refused}}}, written at most every few seconds and when it stops
     ``slotmap``           the versioned slot map (JSON)
     ``checkpoint``        pointer to the latest committed checkpoint: {id, epoch, round,
                           url, created, history: [ids, newest first]} (JSON), if any
@@ -516,6 +519,13 @@ class Keys:
     @property
     def model_tables(self) -> str:
         return self.root + "model_tables"
+
+    @property
+    def table_stats_prefix(self) -> str:
+        return self.root + "table_stats/"
+
+    def table_stats(self, index: int) -> str:
+        return f"{self.table_stats_prefix}{index}"
 
     @property
     def slotmap(self) -> str:

@@ -288,19 +288,46 @@ class TableSpec:
         return cls(**dict(obj))
 
 
-def check_tables(specs: Iterable[TableSpec], *, replicas: int = 1) -> None:
-    """ConfigError for tables a job cannot run together: two of one name, or a
-    ``ttl_seconds`` eviction with ``replicas > 1`` (each copy reads its own clock, so
-    backups would evict at other times and diverge)."""
+def check_tables(specs: Iterable[TableSpec], *, replicas: int = 1, asynchronous: bool = False) -> None:
+    """ConfigError for tables a job cannot run together: two of one name, or, with
+    ``replicas > 1``, a policy by which the copies of a slot would diverge. Every copy
+    applies the same sections, so a decision that reads only a row's own counters and
+    the table step is the same on each; these are not:
+
+    * ``ttl_seconds``: each copy reads its own clock;
+    * ``capacity`` and ``floor``, and the bounded map of ids awaiting admission
+      (``admit_after > 1``): they rank every row (or pending id) of the table on one
+      pserver, and a backup holds other slots' rows beside a primary's;
+    * ``ttl_steps`` in an async job (``asynchronous``): an async table step counts the
+      pushes one pserver applied, so a backup's rows of several primaries age by
+      different counts."""
     seen: set[str] = set()
     for spec in specs:
         if spec.name in seen:
             raise ConfigError(f"two tables are named {spec.name!r}: table names are unique in a model")
         seen.add(spec.name)
-        if spec.ttl_seconds and replicas > 1:
+        if replicas < 2:
+            continue
+        where = f"table {spec.name!r}"
+        if spec.ttl_seconds:
             raise ConfigError(
-                f"table {spec.name!r}: ttl_seconds={spec.ttl_seconds} cannot run with replicas={replicas}: each copy "
+                f"{where}: ttl_seconds={spec.ttl_seconds} cannot run with replicas={replicas}: each copy "
                 "of a slot would evict by its own clock and the copies would diverge; use ttl_steps"
+            )
+        ranked = [f"{name}={getattr(spec, name)}" for name in ("capacity", "floor") if getattr(spec, name)]
+        if spec.admit_after > 1:
+            ranked.append(f"admit_after={spec.admit_after}")
+        if ranked:
+            raise ConfigError(
+                f"{where}: {' and '.join(ranked)} cannot run with replicas={replicas}: they rank all the rows (or ids awaiting "
+                "admission) one pserver holds, and a backup holds other slots' rows beside its primary's, so the copies of a slot "
+                "would evict or admit different ids; run with replicas=1, or without them (ttl_steps evicts alike on every copy)"
+            )
+        if asynchronous and spec.ttl_steps:
+            raise ConfigError(
+                f"{where}: ttl_steps={spec.ttl_steps} cannot run in an async job with replicas={replicas}: an async table step counts "
+                "the pushes one pserver applied, so a backup's copies would age by another count than their primaries'; "
+                "run it sync, or with replicas=1"
             )
 
 
@@ -507,7 +534,7 @@ def check_row_rule(name: str, args: Mapping[str, Any] | None) -> dict[str, Any]:
 # --- entry names -----------------------------------------------------------------------
 
 #: The entries of a table's slot besides ``state.<k>``.
-ROW_ENTRY_KINDS = ("ids", "values", "count", "last_age", "pending_ids", "pending_counts")
+ROW_ENTRY_KINDS = ("ids", "values", "count", "last_age", "pending_ids", "pending_counts", "pending_age")
 
 
 def _row_kind_ok(kind: str) -> bool:

@@ -657,7 +657,11 @@ class ReplicateRequest(PushRequest):
     ``primary`` is the forwarding pserver, ``incarnation`` its incarnation and ``seq``
     the forward's place in what it sends this backup (a forward sent again after a
     lost reply is applied once). ``records`` are not sent: the primary decided the push
-    was no duplicate, and a backup applies what its primary applied, no more."""
+    was no duplicate, and a backup applies what its primary applied, no more.
+
+    ``steps`` (async): per ``[table, step]`` pair, the primary's table step once it
+    applied this push's section, the step its backup applies the section at (an async
+    table step counts the pushes one pserver applied)."""
 
     METHOD: ClassVar[str] = "replicate"
     REPLY: ClassVar[type[Wire]] = PushReply
@@ -665,6 +669,16 @@ class ReplicateRequest(PushRequest):
     primary: int | None = _field(int, default=None, check=_count)
     seq: int | None = _field(int, default=None, check=_count)
     created: tuple[tuple[str, int], ...] | None = _field(list, default=None)
+    steps: tuple[tuple[str, int], ...] | None = _field(list, default=None)
+
+    def _validate(self) -> None:
+        super()._validate()
+        value = self.steps
+        if value is None:
+            return
+        if not all(isinstance(p, (list, tuple)) and len(p) == 2 and isinstance(p[0], str) and p[0] and _is(int, p[1]) and p[1] >= 1 for p in value):
+            raise self._refuse("steps", f"{self._who()}: field 'steps' must be [table, step] pairs (a table name, a whole table step >= 1), got {list(value)!r:.200}")
+        object.__setattr__(self, "steps", tuple((str(name), int(step)) for name, step in value))
 
     _ROWS: ClassVar[tuple[tuple[str, tuple[str, ...]], ...]] = (("tables", ("ids", "grads")), ("created", ("ids", "values")))
 

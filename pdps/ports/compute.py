@@ -207,9 +207,17 @@ class RowShard(Protocol):
         finite. Counts a refusal in ``stats()["refused"]``; changes nothing else."""
         ...
 
-    def stage(self, key: str, ids: Any, grads: Any, *, keep: bool = False) -> None:
+    def stage(
+        self, key: str, ids: Any, grads: Any, *, keep: bool = False, source: int = -1, version: int = 0,
+        covers: Collection[int] | Any | None = None,
+    ) -> None:
         """Keep ``key``'s (a trainer's) section for the open sync round, replacing one
-        staged before (``keep``: hold the given tensors instead of a copy)."""
+        staged before from the same ``source`` (-1: the trainer's own push; else the
+        primary that forwarded it, with replicas; ``keep``: hold the given tensors
+        instead of a copy). ``covers``: the slots (or a bool mask over them) this
+        section carries in slot map ``version``, whose rows it takes out of ``key``'s
+        sections from other sources staged by an older map (a push sent again after a
+        failover)."""
         ...
 
     def staged(self) -> set[str]:
@@ -228,8 +236,10 @@ class RowShard(Protocol):
         if none of them staged a section."""
         ...
 
-    def apply(self, ids: Any, grads: Any) -> None:
-        """Async: one step of the rule with this section (checked before)."""
+    def apply(self, ids: Any, grads: Any, *, step: int | None = None) -> None:
+        """Async: one step of the rule with this section (checked before); ``step``: at
+        that table step (a primary's, forwarded to its backup), this store's own
+        unchanged and nothing evicted."""
         ...
 
     def lookup(self, ids: Any) -> Any:

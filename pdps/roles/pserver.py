@@ -32,6 +32,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 
 import attrs
+import numpy as np
 
 from pdps.core.backoff import Backoff
 from pdps.core.checkpoints import Epoch
@@ -58,7 +59,7 @@ from pdps.core.job import JobConfig, Keys, decode_as, decode_json, says_done
 from pdps.core.lifecycle import HALTED, UNSETTLED, PserverEvent, PserverState, next_state
 from pdps.core.sgd import Mode, RoundRecord, check_staleness, participants
 from pdps.core.slots import Block, Layout, ParamSpec, SlotMap
-from pdps.core.tables import TableSpec, check_row_rule, row_entry, row_rule_for
+from pdps.core.tables import TableSpec, check_row_rule, parse_row_entry, row_entry, row_rule_for, row_slots
 from pdps.core.txn import Decision, Done, Write
 from pdps.core.wire import (
     AppliedReply,
@@ -212,6 +213,75 @@ class _Forward:
     error: BaseException | None = None
 
 
+@attrs.define(eq=False)
+class _LeavingRows:
+    """The rows of the slots a pserver gave up in a resize, copied when it switched maps
+    (its row stores dropped them then), kept until the resize is done: ``steps``, each
+    table's step entry (:func:`~pdps.core.tables.table_entry`); ``slots``, slot -> table
+    -> kind -> tensor (the kinds of :func:`~pdps.core.tables.row_entry`; a slot without
+    rows maps to nothing). A receiver pages through one slot's rows at a time
+    (:meth:`page`)."""
+
+    steps: dict[str, object]
+    slots: dict[int, dict[str, dict[str, object]]]
+
+    @classmethod
+    def of(cls, tables: dict[str, RowShard], give: Sequence[int]) -> _LeavingRows:
+        steps: dict[str, object] = {}
+        slots: dict[int, dict[str, dict[str, object]]] = {s: {} for s in give}
+        for name, rows in sorted(tables.items()):
+            entries, _ = rows.export_slots(give)  # one gather per table, split by slot below
+            for key, t in entries.items():
+                row = parse_row_entry(key)
+                if row is None:
+                    steps[key] = t  # the table's step
+                else:
+                    slots[row[1]].setdefault(row[0], {})[row[2]] = t
+        return cls(steps, slots)
+
+    def page(self, slot: int, offset: int, budget: int) -> tuple[list[str], list[object], bool]:
+        """Entries of ``slot``'s rows from the ``offset``-th on (table by table in name
+        order, each in id order), at most ``budget`` bytes of them (one row at least),
+        with every table's step and, in the first page, the ids awaiting admission; and
+        whether rows remain past them."""
+        names: list[str] = list(self.steps)
+        tensors: list[object] = list(self.steps.values())
+        tables = sorted(self.slots[slot].items())
+        if offset == 0:
+            for table, kinds in tables:
+                for kind in sorted(k for k in kinds if k.startswith("pending_")):
+                    names.append(row_entry(table, slot, kind))
+                    tensors.append(kinds[kind])
+                    budget -= int(kinds[kind].nbytes)  # type: ignore[attr-defined]
+        start = 0  # the first row of the table, counted over the slot's tables in order
+        end = offset  # rows before this one are sent (by earlier pages, or this one)
+        for table, kinds in tables:
+            n = _rows_in(kinds)
+            lo = end - start
+            start += n
+            if lo >= n:
+                continue
+            per_row = sum(int(t.nbytes) for k, t in kinds.items() if not k.startswith("pending_")) / n  # type: ignore[attr-defined]
+            room = int(budget // per_row)
+            if room < 1 and end > offset:
+                break
+            hi = min(n, lo + max(room, 1))
+            for kind, t in sorted(kinds.items()):
+                if not kind.startswith("pending_"):
+                    names.append(row_entry(table, slot, kind))
+                    tensors.append(t[lo:hi])  # type: ignore[index]
+            budget -= int((hi - lo) * per_row)
+            end += hi - lo
+            if hi < n:
+                break
+        return names, tensors, end < sum(_rows_in(kinds) for _, kinds in tables)
+
+
+def _rows_in(kinds: dict[str, object]) -> int:
+    ids = kinds.get("ids")
+    return 0 if ids is None else int(ids.shape[0])  # type: ignore[attr-defined]
+
+
 class _InOrder:
     """Async, at a primary: the gradients one backup must apply, sent one call at a time
     in the order they were queued (the order the primary applied them), on a thread of
@@ -259,6 +329,10 @@ class _InOrder:
             self._cond.notify()
 
 
+#: how often a pserver records its row counts per table (``table_stats/<i>``), at most
+TABLE_STATS_EVERY = 5.0
+
+
 class Pserver:
     def __init__(
         self,
@@ -290,9 +364,15 @@ class Pserver:
         self._waiters = 0  # pulls waiting at the barrier
         self._shard: ParameterShard | None = None
         #: the model's sparse tables (``model_tables``; None: not read yet), and the rows of
-        #: each in the slots this pserver is the primary of
+        #: each in the slots this pserver holds a copy of (primary or backup)
         self._table_specs: list[TableSpec] | None = None
         self._tables: dict[str, RowShard] = {}
+        #: ... masks over the slots of the map served: those this pserver is the primary of
+        #: (trainers push and pull their rows here), per backup pserver those of them it
+        #: backs up (forwarded their rows), and per primary pserver its slots held here
+        self._row_primary: np.ndarray | None = None
+        self._row_backups: dict[int, np.ndarray] = {}
+        self._row_backed: dict[int, np.ndarray] = {}
         self._slot_map: SlotMap | None = None  # the map served: read at start, switched by resizes
         self._layout: Layout | None = None  # the model's blocks on _slot_map (once the model is known)
         self._specs: list[ParamSpec] | None = None
@@ -301,6 +381,8 @@ class Pserver:
         self._outgoing: dict[int, dict[int, dict[str, object]]] = {}
         self._outgoing_applied: dict[int, dict[int, int]] = {}  # ... and their applied_by_slot
         self._outgoing_forwarded: dict[int, dict[int, int]] = {}  # ... and the forwards queued by then (async replicas)
+        #: ... and the rows of those slots' tables, copied when it switched (paged to receivers)
+        self._outgoing_rows: dict[int, _LeavingRows] = {}
         #: slots this pserver receives in the map it serves, by source pserver: until they
         #: are all here, it serves no parameters (NotReady)
         self._pending: dict[int, list[int]] = {}
@@ -327,6 +409,7 @@ class Pserver:
         #: sync, (map version, round, shard): the shard of the map this pserver switched
         #: from after that round, served to pulls of that round for that map (_frozen_for)
         self._frozen: tuple[int, int, ParameterShard, list[int] | None] | None = None
+        self._halted = threading.Event()  # set once, when it stops or crashes
         self.departed = threading.Event()  # a resize took every slot away and the job let this pserver go
         #: async: pushes applied here, per slot (a push counts once for each slot it
         #: stepped); a slot's count moves with it, so the job's counts add up across resizes
@@ -437,6 +520,7 @@ class Pserver:
                     self._follow_since()
             if self.config.mode is Mode.SYNC:
                 threading.Thread(target=self._close_rounds, name=f"pdps-ps-rounds-{self.index}", daemon=True).start()
+            threading.Thread(target=self._report_tables, name=f"pdps-ps-tables-{self.index}", daemon=True).start()
             if self.config.mode is Mode.ASYNC:
                 self._watches.append(self._store.watch(self._keys.checkpoints, self._on_checkpoint_event))
             if not restart:
@@ -470,6 +554,7 @@ class Pserver:
             self._closer.notify_all()
         if halted:
             return
+        self._halted.set()
         for sender in self._in_order.values():
             sender.close()
         for w in self._watches:
@@ -479,6 +564,7 @@ class Pserver:
         if not crashed:
             for t in self._writers:
                 t.join(timeout=30)
+            self._put_table_stats()  # what it ends with, for pdps status after the job
         if self._keeper is not None:
             self._keeper.stop(revoke=not crashed)
 
@@ -574,10 +660,9 @@ class Pserver:
                 indices = self._claim(req, shard.blocks, self._primary)  # before any state changes
                 sections = self._checked_rows(req)
                 self._stage_round(req, shard, indices)
-                for name, ids, grads in sections:
-                    self._tables[name].stage(trainer, ids, grads, keep=req.owned)
+                self._stage_rows(req, sections, source=-1, covers=self._row_primary)
                 reply = PushReply(**self._state(), update_s=time.perf_counter() - began)
-                forwards = self._forwards_of(req, indices, req.dense_tensors, samples=req.samples, round_no=req.round_no)
+                forwards = self._forwards_of(req, indices, req.dense_tensors, sections, samples=req.samples, round_no=req.round_no, primary=self.index)
         # off the lock: the trainer is answered once every backup has it
         if self.config.mode is not Mode.SYNC:
             for item in queued:
@@ -604,8 +689,31 @@ class Pserver:
                 if round_no > self.round_no:
                     raise NotReady(f"pserver {self.index} is still at round {self.round_no}; the gradient forwarded is for round {round_no}")
             shard = self._receiving_shard()
-            self._stage_round(req, shard, req.claim(shard.blocks, self.index))
+            indices = req.claim(shard.blocks, self.index)
+            primary, backed = self._forwarder(req)
+            sections = self._checked_rows(req, backed)
+            self._stage_round(req, shard, indices)
+            self._stage_rows(req, sections, source=primary, covers=backed)
             return PushReply(**self._state(), update_s=time.perf_counter() - began)
+
+    def _forwarder(self, req: ReplicateRequest) -> tuple[int, np.ndarray | None]:
+        """(Lock held) the primary that forwarded ``req``, and the mask of its slots this
+        pserver holds (None: the job has no tables): a forward's rows are of those."""
+        if req.primary is None:
+            if req.tables:
+                raise GradientRejected(f"a forward of trainer {req.trainer!r}'s rows to pserver {self.index} names no primary", field="primary", trainer=req.trainer)
+            return -1, None
+        if self._row_primary is None:
+            return req.primary, None
+        return req.primary, self._row_backed.get(req.primary, np.zeros_like(self._row_primary))
+
+    def _stage_rows(self, req: PushRequest, sections: list[tuple[str, object, object]], *, source: int, covers: np.ndarray | None) -> None:
+        """(Lock held) stage ``req``'s row sections (checked) for the open round: a
+        trainer's own (``source`` -1) or a primary's forward, carrying the rows of slots
+        ``covers`` in the map served."""
+        assert self._slot_map is not None
+        for name, ids, grads in sections:
+            self._tables[name].stage(req.trainer, ids, grads, keep=req.owned, source=source, version=self._slot_map.version, covers=covers)
 
     def _replicate_async(self, req: ReplicateRequest, began: float) -> PushReply:
         """Async (lock held): apply a forwarded gradient, if its sender is still the
@@ -623,30 +731,70 @@ class Pserver:
             if getattr(req, name) is None:
                 raise GradientRejected(f"a forward of trainer {req.trainer!r}'s gradient to async pserver {self.index} lacks field {name!r}", field=name, trainer=req.trainer)
         shard = self._ready_shard()
-        req.claim(shard.blocks, self.index)  # a malformed forward is refused by name first
+        indices = req.claim(shard.blocks, self.index)  # a malformed forward is refused by name first
         primary = req.primary
         owners = self._slot_map.owners
-        wrong = [k for k in req.blocks or () if owners[self._slot_of[k]] != primary]
+        blocks = req.blocks or ()
+        wrong = [k for k in blocks if owners[self._slot_of[k]] != primary]
         if wrong:
             raise SlotMapChanged(
                 f"pserver {self.index} backs up none of blocks {wrong[:4]} for pserver {primary} in slot map version {self._slot_map.version} "
                 f"(the forward was sent by version {req.version})",
                 sent=req.version or 0, current=self._slot_map.version,
             )
+        _, backed = self._forwarder(req)
+        sections = self._forwarded_rows(req, backed)
         last = self._streams.get(primary)
-        held_already = [k for k in req.blocks or () if (c := self._copied.get(k)) is not None and c[:2] == (primary, req.incarnation) and req.seq <= c[2]]
-        if (last is not None and last[0] == req.incarnation and req.seq <= last[1]) or len(held_already) == len(req.blocks or ()):
+        if last is not None and last[0] == req.incarnation and req.seq <= last[1]:
             return PushReply(**self._state(), update_s=time.perf_counter() - began, duplicate=True)
+        # A copy received from this primary holds the forwards it had queued when it
+        # switched maps. (Rows need no such care: a forward's sections are cut by the map
+        # the primary served when it queued it, which gave a new copy's slot no rows here.)
+        held_already = [k for k in blocks if (c := self._copied.get(k)) is not None and c[:2] == (primary, req.incarnation) and req.seq <= c[2]]
+        if blocks and len(held_already) == len(blocks) and not sections:
+            return PushReply(**self._state(), update_s=time.perf_counter() - began, duplicate=True)
+        dense = list(req.dense_tensors)
+        at = list(indices) if indices is not None else list(range(len(shard.blocks)))
         if held_already:
-            keep = [i for i, k in enumerate(req.blocks or ()) if k not in held_already]
-            req = attrs.evolve(req, blocks=tuple(req.blocks[i] for i in keep), tensors=tuple(req.tensors[i] for i in keep))  # type: ignore[index]
-        indices = req.claim(shard.blocks, self.index)
-        shard.check(req.tensors, req.trainer, indices=indices, finite=False)  # the primary checked their values
-        shard.apply(req.tensors, indices)
+            keep = [i for i, k in enumerate(blocks) if k not in held_already]
+            dense, at = [dense[i] for i in keep], [at[i] for i in keep]
+        if dense:
+            shard.check(dense, req.trainer, indices=at, finite=False)  # the primary checked their values
+            shard.apply(dense, at)
+        steps = dict(req.steps or ())
+        for name, ids, grads in sections:
+            self._tables[name].apply(ids, grads, step=steps[name])  # at the primary's table step
         self._streams[primary] = (req.incarnation, req.seq)
-        for slot in {self._slot_of[k] for k in req.blocks or ()}:
+        rows_slots = set() if backed is None or not req.tables else set(np.flatnonzero(backed).tolist())
+        for slot in {self._slot_of[k] for k in blocks if k not in held_already} | rows_slots:
             self.applied_by_slot[slot] = self.applied_by_slot.get(slot, 0) + 1
         return PushReply(**self._state(), update_s=time.perf_counter() - began)
+
+    def _forwarded_rows(self, req: ReplicateRequest, backed: np.ndarray | None) -> list[tuple[str, object, object]]:
+        """Async (lock held): a forward's row sections, checked: each table's step given,
+        and every id in a slot of the forwarding primary held here (SlotMapChanged if
+        not: a late forward from a pserver that lost them in a failover)."""
+        sections = req.row_sections
+        if not sections:
+            return sections
+        assert self._slot_map is not None
+        steps = dict(req.steps or ())
+        for name, ids, grads in sections:
+            rows = self._table(name, req.trainer)
+            rows.check(ids, grads, req.trainer, finite=False)  # the primary checked their values
+            if name not in steps:
+                raise GradientRejected(f"a forward of trainer {req.trainer!r}'s rows of table {name!r} to async pserver {self.index} names no table step (field 'steps')", field="steps", trainer=req.trainer)
+            where = row_slots(name, np.asarray(ids), self._slot_map.num_slots)
+            outside = np.flatnonzero(~backed[where]) if backed is not None else np.arange(len(where))
+            if len(outside):
+                slot = int(where[outside[0]])
+                raise SlotMapChanged(
+                    f"pserver {self.index} backs up no rows of slot {slot} (table {name!r}) for pserver {req.primary} in slot map version "
+                    f"{self._slot_map.version} (the forward was sent by version {req.version})",
+                    sent=req.version or 0, current=self._slot_map.version,
+                )
+        return sections
+
 
     def _stage_round(self, req: PushRequest, shard: ParameterShard, indices: list[int] | None) -> None:
         """Sync (lock held): stage ``req``'s gradient for the open round it names."""
@@ -673,21 +821,39 @@ class Pserver:
         picked = req.claim([blocks[i] for i in primary], self.index)
         return primary if picked is None else [primary[i] for i in picked]
 
-    def _forwards_of(self, req: PushRequest, indices: Sequence[int] | None, tensors: Sequence[object], **fields: object) -> list[tuple[int, ReplicateRequest]]:
+    def _forwards_of(
+        self, req: PushRequest, indices: Sequence[int] | None, tensors: Sequence[object], rows: Sequence[tuple[str, object, object]] = (), **fields: object,
+    ) -> list[tuple[int, ReplicateRequest]]:
         """(Lock held) what of ``req``'s gradient (``tensors``, at shard positions
-        ``indices``, None: all) each backup of its blocks must have too."""
-        if not self._forwards:
+        ``indices``, None: all; ``rows``, its row sections) each backup must have too:
+        the blocks it backs up, and of each section the ids whose slots it backs up.
+        A push with row sections reaches every backup of this pserver's slots, whether
+        it holds one of their blocks or not, with a section per table, empty if none of
+        the ids is its: each copy's table step moves with the primary's."""
+        backups = set(self._forwards) | (set(self._row_backups) if rows else set())
+        if not backups:
             return []
-        assert self._shard is not None
+        assert self._shard is not None and self._slot_map is not None
         at = {i: n for n, i in enumerate(indices if indices is not None else range(len(self._shard.blocks)))}
+        where = [row_slots(name, np.asarray(ids), self._slot_map.num_slots) for name, ids, _ in rows]
         out = []
-        for backup, mine in sorted(self._forwards.items()):
-            pos = [i for i in mine if i in at]
-            if pos:
-                out.append((backup, ReplicateRequest(
-                    req.trainer, epoch=req.epoch, version=req.version, blocks=tuple(self._shard.blocks[i].key for i in pos), part=True,
-                    tensors=tuple(tensors[at[i]] for i in pos), **fields,  # type: ignore[arg-type]
-                )))
+        for backup in sorted(backups):
+            pos = [i for i in self._forwards.get(backup, ()) if i in at]
+            if not pos and not rows:
+                continue
+            dense = [tensors[at[i]] for i in pos]
+            mask = self._row_backups.get(backup)
+            sections = []
+            for (name, ids, grads), slots in zip(rows, where):
+                take = np.flatnonzero(mask[slots]) if mask is not None else np.empty(0, dtype=np.int64)
+                if len(take) < len(slots):  # (all of them: the tensors as they are)
+                    ids, grads = ids[take], grads[take]  # type: ignore[index]
+                sections.append((name, ids, grads))
+            out.append((backup, ReplicateRequest(
+                req.trainer, epoch=req.epoch, version=req.version, blocks=tuple(self._shard.blocks[i].key for i in pos), part=True,
+                tables=tuple((name, len(ids)) for name, ids, _ in sections) if rows else None,  # type: ignore[arg-type]
+                tensors=(*dense, *(t for _, ids, grads in sections for t in (ids, grads))), **fields,  # type: ignore[arg-type]
+            )))
         return out
 
     def _call_peer(self, backup: int, request: ReplicateRequest) -> None:
@@ -710,16 +876,21 @@ class Pserver:
                 self._peers.pop(backup, _Connection()).close()
             raise
 
-    def _queue_forwards(self, req: PushRequest, indices: Sequence[int] | None, tensors: Sequence[object]) -> list[_Forward]:
+    def _queue_forwards(
+        self, req: PushRequest, indices: Sequence[int] | None, tensors: Sequence[object], rows: Sequence[tuple[str, object, object]] = (),
+    ) -> list[_Forward]:
         """Async (lock held, a step checked and about to be applied here): queue its
         gradient for each backup, behind what was queued for it before (so each backup
-        applies in the order this pserver does)."""
+        applies in the order this pserver does). Its row sections go with the table
+        steps this pserver applies them at (each moves by one), which the backups
+        apply them at."""
         assert self._slot_map is not None
         if self._forwards and self.config.optimizer_args.get("maximize"):
             # a maximizing rule may negate its gradients in place while the forwards are read
             tensors = [t.clone() for t in tensors]  # type: ignore[attr-defined]
+        steps = tuple((name, self._tables[name].step + 1) for name, _, _ in rows) if rows else None
         queued = []
-        for backup, request in self._forwards_of(req, indices, tensors, primary=self.index, incarnation=self.incarnation):
+        for backup, request in self._forwards_of(req, indices, tensors, rows, primary=self.index, incarnation=self.incarnation, steps=steps):
             seq = self._sent_seq[backup] = self._sent_seq.get(backup, 0) + 1
             request = attrs.evolve(request, epoch=self.epoch, version=self._slot_map.version, seq=seq)
             sender = self._in_order.get(backup)
@@ -762,15 +933,21 @@ class Pserver:
             waiting.pause()
 
     def _still_backs(self, backup: int, request: ReplicateRequest) -> bool:
-        """(Lock held) whether ``backup`` still backs up ``request``'s blocks, which this
-        pserver must still be the primary of (SlotMapChanged otherwise)."""
+        """(Lock held) whether ``backup`` still backs up ``request``'s blocks or rows,
+        which this pserver must still be the primary of (SlotMapChanged otherwise). A
+        forward with row sections is owed to every backup of this pserver's slots (its
+        sections, even empty, move the backup's table step)."""
         assert self._slot_map is not None
         slots = {self._slot_of.get(k) for k in request.blocks or ()}
+        for name, ids, _ in request.row_sections:
+            slots.update(np.unique(row_slots(name, np.asarray(ids), self._slot_map.num_slots)).tolist())
         if None in slots or any(self._slot_map.owners[s] != self.index for s in slots):  # type: ignore[index]
             raise SlotMapChanged(
-                f"pserver {self.index} is no longer the primary of the blocks trainer {request.trainer!r} pushed (slot map version "
+                f"pserver {self.index} is no longer the primary of the blocks or rows trainer {request.trainer!r} pushed (slot map version "
                 f"{self._slot_map.version}): the push counts for nothing", sent=request.version or 0, current=self._slot_map.version,
             )
+        if request.tables:
+            slots.update(s for s, owner in enumerate(self._slot_map.owners) if owner == self.index)
         return any(backup in self._slot_map.backups[s] for s in slots)  # type: ignore[index]
 
     def _forward(self, forwards: list[tuple[int, ReplicateRequest]]) -> None:
@@ -827,7 +1004,7 @@ class Pserver:
             self._check_updates(seen, trainer)
             if self._applied_already(req.records):
                 return PushReply(**self._state(), update_s=time.perf_counter() - began, duplicate=True), []
-            queued = self._queue_forwards(req, indices, dense)
+            queued = self._queue_forwards(req, indices, dense, sections)
             shard.apply(dense, indices)
             for name, ids, grads in sections:
                 self._tables[name].apply(ids, grads)
@@ -986,9 +1163,9 @@ class Pserver:
         """(Lock held) a page of the rows of one table in one slot (fetching a job's rows)."""
         assert req.dump is not None
         name, slot, offset, limit = req.dump
-        rows = self._table(name, req.trainer)
+        rows = self._table(name, req.trainer, push=False)
         if slot not in rows.slots:
-            raise BadRequest(f"pull from {req.trainer!r}: pserver {self.index} holds no rows of slot {slot} (it is the primary of {len(rows.slots)} slots)", field="dump", trainer=req.trainer)
+            raise BadRequest(f"pull from {req.trainer!r}: pserver {self.index} holds no rows of slot {slot} (it holds copies of {len(rows.slots)} slots)", field="dump", trainer=req.trainer)
         entries, more = rows.export_slots([slot], offset, limit)
         ids = entries.get(row_entry(name, slot, "ids"))
         values = entries.get(row_entry(name, slot, "values"))
@@ -996,19 +1173,49 @@ class Pserver:
             return PullReply(**self._state(), more=False)
         return PullReply(**self._state(), more=more, tensors=[ids, values])
 
-    def _checked_rows(self, req: PushRequest) -> list[tuple[str, object, object]]:
+    def _live_pservers(self) -> int | None:
+        """The pservers of the slot map served: one part each in a checkpoint taken now."""
+        return None if self._slot_map is None else self._slot_map.num_pservers
+
+    def _report_tables(self) -> None:
+        """Put this pserver's row counts per table (``table_stats/<i>``) every
+        :data:`TABLE_STATS_EVERY` seconds while they change: ``pdps status`` sums them.
+        Never on the push path."""
+        last = None
+        while not self._halted.wait(TABLE_STATS_EVERY):
+            last = self._put_table_stats(last)
+
+    def _put_table_stats(self, last: dict | None = None) -> dict | None:
+        with self._cond:
+            if not self._tables or self.index is None:
+                return last
+            stats = {name: rows.stats() for name, rows in self._tables.items()}
+        if stats == last:
+            return last
+        try:
+            record = {"at": time.time(), "incarnation": self.incarnation, "tables": stats}
+            self._store.put(self._keys.table_stats(self.index), json.dumps(record).encode())
+        except StoreError as exc:
+            log.warning("pserver %s could not record its table stats: %s", self.index, exc)
+            return last
+        return stats
+
+    def _checked_rows(self, req: PushRequest, slots: np.ndarray | None = None) -> list[tuple[str, object, object]]:
         """(Lock held) ``req``'s row sections, each checked by its table (ids, shapes,
-        finite values, ownership) before anything is staged or applied."""
+        finite values, ownership) before anything is staged or applied: a trainer's ids
+        in the slots this pserver is the primary of; a forward's in ``slots``."""
         sections = req.row_sections
+        forward = isinstance(req, ReplicateRequest)
         for name, ids, grads in sections:
-            self._table(name, req.trainer).check(ids, grads, req.trainer, finite=not isinstance(req, ReplicateRequest))
+            self._table(name, req.trainer).check(ids, grads, req.trainer, finite=not forward, slots=slots if forward else self._row_primary)
         return sections
 
-    def _table(self, name: str, trainer: str) -> RowShard:
+    def _table(self, name: str, trainer: str, *, push: bool = True) -> RowShard:
         rows = self._tables.get(name)
         if rows is None:
             known = sorted(self._tables) or "none"
-            raise GradientRejected(f"trainer {trainer!r} sent rows of table {name!r}, which the job's model does not have (its tables: {known})", field="tables", trainer=trainer)
+            error = GradientRejected if push else BadRequest
+            raise error(f"trainer {trainer!r} named table {name!r}, which the job's model does not have (its tables: {known})", field="tables", trainer=trainer)
         return rows
 
     def _looked_up(self, req: PullRequest) -> list[object]:
@@ -1016,8 +1223,8 @@ class Pserver:
         ids_of = req.tensors
         out = []
         for (name, _), ids in zip(req.tables or (), ids_of):
-            rows = self._table(name, req.trainer)
-            rows.check(ids, None, req.trainer)
+            rows = self._table(name, req.trainer, push=False)
+            rows.check(ids, None, req.trainer, slots=self._row_primary)  # pulls are served by primaries
             out.append(rows.lookup(ids))
         return out
 
@@ -1176,7 +1383,7 @@ class Pserver:
             since = {"version": flip.version, "epoch": self.epoch, "round": round_no + 1}
             ops.append(Put(self._keys.slotmap_since, json.dumps(since).encode()))
         if ckpt is not None:
-            ops.append(recovery.announce(self._keys, ckpt, self.epoch, round_no + 1, "sync"))
+            ops.append(recovery.announce(self._keys, ckpt, self.epoch, round_no + 1, "sync", self._live_pservers()))
         return Write((Compare.absent(marker),), ops, result=_CLOSED_HERE)
 
     def _live(self, *, fresh: bool) -> set[str]:
@@ -1336,7 +1543,7 @@ class Pserver:
         self._last_checkpoint, self._window_wanted = time.monotonic(), None
         ckpt = recovery.new_checkpoint_id(self.epoch, self.version)
         try:
-            self._store.commit((Compare.absent(self._keys.checkpoint_info(ckpt)),), (recovery.announce(self._keys, ckpt, self.epoch, self.version, "async"),))
+            self._store.commit((Compare.absent(self._keys.checkpoint_info(ckpt)),), (recovery.announce(self._keys, ckpt, self.epoch, self.version, "async", self._live_pservers()),))
         except StoreError as exc:
             log.warning("pserver 0 could not announce checkpoint %s: %s", ckpt, exc)
 
@@ -1365,8 +1572,11 @@ class Pserver:
         assert self._shard is not None
         self._seen_checkpoints.add(ckpt_id)
         self._last_checkpoint = time.monotonic()
-        # with replicas, each block is written by its primary only (once per checkpoint)
+        # with replicas, each block and each slot's rows are written by its primary only (once
+        # per checkpoint)
         state = self._shard.snapshot({"pdps.version": self.version}, self._primary)
+        for rows in self._tables.values():
+            state.update(rows.snapshot(self._my_slots))  # copies: rows move on while the part is written
         t = threading.Thread(target=self._write_part, args=(ckpt_id, state), name=f"pdps-ckpt-{ckpt_id}", daemon=True)
         self._writers = [w for w in self._writers if w.is_alive()] + [t]
         t.start()
@@ -1431,6 +1641,7 @@ class Pserver:
             self._move(PserverEvent.LOAD)
             self._round_checkpoint = None
             self._outgoing.clear()  # every pserver loads its slots of the map it serves from the checkpoint
+            self._outgoing_rows.clear()
             self._frozen = None
             self._outgoing_applied.clear()
             self._outgoing_forwarded.clear()
@@ -1447,6 +1658,7 @@ class Pserver:
                 shard = None  # no trainer ever attached: nothing to restore
             if shard is not None:
                 shard.unstage()
+                self._tables = self._build_tables()  # empty: rows start from init, or from the checkpoint
                 if epoch.checkpoint is None:
                     shard.initialized = False  # a trainer initializes it again with its values
                 else:
@@ -1465,7 +1677,7 @@ class Pserver:
         files = self._files
 
         def load() -> int:
-            version = recovery.load_shard(self._store, files, self.config, ckpt_id, shard)
+            version = recovery.load_shard(self._store, files, self.config, ckpt_id, shard, self._tables)
             log.info("pserver %s loaded checkpoint %s (version %d)", self.index, ckpt_id, version)
             return version
 
@@ -1535,6 +1747,8 @@ class Pserver:
                 self._start_preparing(resize)
             if resize.state is not ResizeState.DONE or resize.to_map is None:
                 return
+            for v in [v for v in self._outgoing_rows if v <= resize.to_map.version]:
+                del self._outgoing_rows[v]
             for v in [v for v in self._outgoing if v <= resize.to_map.version]:
                 del self._outgoing[v]  # every receiver has its slots
                 self._outgoing_applied.pop(v, None)
@@ -1640,7 +1854,9 @@ class Pserver:
         """Serve ``new`` from now on (lock held). The blocks this pserver gives up are kept
         aside (aliasing the old shard, which nothing writes any more) for their receivers;
         those it keeps go into a new shard; those it receives are fetched from their old
-        owners, and until they are all here it serves no parameters."""
+        owners, and until they are all here it serves no parameters. The rows of the
+        model's tables follow the map the same way (:meth:`_move_rows`), every slot
+        moving with its rows."""
         old = self._slot_map
         if old is None or new.version <= old.version or self.index is None:
             return
@@ -1684,18 +1900,21 @@ class Pserver:
                 outgoing: dict[int, dict[str, object]] = {}
                 for i in give:
                     outgoing.setdefault(slot_of[before.blocks[i].key], {}).update(before.export_blocks([i]))
-                if outgoing:
-                    self._outgoing[new.version] = outgoing
+                counted = set(outgoing) | (sending if self._tables else set())  # a slot of rows only counts its pushes too
+                if counted:
+                    if outgoing:
+                        self._outgoing[new.version] = outgoing
                     kept = {slot_of[k] for k in mine}
                     self._outgoing_applied[new.version] = {
-                        slot: self.applied_by_slot.get(slot, 0) if slot in kept else self.applied_by_slot.pop(slot, 0) for slot in outgoing
+                        slot: self.applied_by_slot.get(slot, 0) if slot in kept else self.applied_by_slot.pop(slot, 0) for slot in sorted(counted)
                     }
                     self._outgoing_forwarded[new.version] = dict(self._sent_seq)
                 self._received = dict(before.export_blocks(keep))
                 has_blocks = {slot_of[b.key] for b in self._shard.blocks}
                 for slot, src, dst in old.moves(new):
-                    if dst == self.index and slot in has_blocks:
+                    if dst == self.index and (slot in has_blocks or self._tables):  # every slot holds rows
                         self._pending.setdefault(src, []).append(slot)
+            self._move_rows(new, sending, send=before.initialized)
             if self._pending:
                 # sync pushes are staged while the slots come (the round applies once they are in)
                 self._shard.expect_import()
@@ -1710,6 +1929,24 @@ class Pserver:
         self._closer.notify_all()
         if got is not None and any(dst == self.index for _, _, dst in old.moves(new)):  # only receivers report
             threading.Thread(target=self._report_got, args=(got,), daemon=True).start()
+
+    def _move_rows(self, new: SlotMap, sending: set[int], *, send: bool) -> None:
+        """(Lock held, switching to ``new``) the row stores follow the map: the rows of the
+        slots this pserver gives up are copied aside for their receivers (``send``: the
+        job has values; kept until the resize is done) and dropped from the stores, so a
+        section of one of those ids is refused here from now on; the slots it receives
+        are held (their rows come through :meth:`_fetch`; a push for them is staged
+        meanwhile)."""
+        if not self._tables:
+            return
+        assert self.index is not None
+        mine = set(new.held_by(self.index))  # every copy: a backup's rows are its primary's
+        if send and sending:
+            self._outgoing_rows[new.version] = _LeavingRows.of(self._tables, sorted(sending))
+        for rows in self._tables.values():
+            held = rows.slots
+            rows.drop_slots(sorted(held - mine))
+            rows.hold(sorted(mine - held))
 
     def _drop_own_copies(self) -> bool:
         """A restarted pserver (replicas, sync) that the live map still names as a holder:
@@ -1758,6 +1995,8 @@ class Pserver:
                 raise NotReady(f"pserver {self.index} is starting")
             if self._slot_map.version < (req.version or 0):
                 self._check_slot_map(req)  # not switched yet (NotReady), or a map that never was
+            if req.row_offset is not None:
+                return self._migrate_rows(req, req.row_offset)
             held = self._outgoing.get(req.version or 0, {})
             missing = [slot for slot in req.slots if slot not in held]
             if missing:
@@ -1774,6 +2013,24 @@ class Pserver:
             forwarded = tuple(sorted(self._outgoing_forwarded.get(req.version or 0, {}).items()))
             return MigrateReply(**self._state(), names=tuple(names), applied=applied, forwarded=forwarded, tensors=tuple(tensors))
 
+    def _migrate_rows(self, req: MigrateRequest, offset: int) -> MigrateReply:
+        """(Lock held) a page of the rows of the one slot ``req`` names, as it was when
+        this pserver switched to map ``req.version``: at most MIGRATE_CALL_BYTES of them
+        from the ``offset``-th on, ``more`` if rows follow. The first page of a slot
+        holding no block carries its async push count (a block's migration carries it
+        otherwise)."""
+        version = req.version or 0
+        leaving = self._outgoing_rows.get(version)
+        slot = req.slots[0]
+        if leaving is None or slot not in leaving.slots:
+            raise NotInitialized(f"pserver {self.index} no longer holds the rows of slot {slot} of slot map version {version} (it restarted, or the job rolled back)")
+        names, tensors, more = leaving.page(slot, offset, MIGRATE_CALL_BYTES)
+        self.sent_bytes += sum(int(t.nbytes) for t in tensors)  # type: ignore[attr-defined]
+        with_blocks = slot in self._outgoing.get(version, {})
+        counts = self._outgoing_applied.get(version, {})
+        applied = ((slot, counts.get(slot, 0)),) if offset == 0 and not with_blocks and slot in counts else ()
+        return MigrateReply(**self._state(), names=tuple(names), more=more, applied=applied, tensors=tuple(tensors))
+
     def _fetch(self, version: int, epoch: int) -> None:
         """Receive this pserver's new slots of map ``version`` from their old owners (one
         thread and one connection per source, reused for every call: a fresh gRPC
@@ -1785,13 +2042,14 @@ class Pserver:
             layout = self._layout
         assert layout is not None
         sizes = layout.slot_bytes()
+        with_blocks = set(layout.slots)  # the slots holding some block of the model
         outcome: dict[int, object] = {}  # source -> bytes received, or why it stopped (None: the map moved on; _LOST)
         lost: list[str] = []
 
         def receive(src: int, slots: list[int]) -> None:
-            batches: list[list[int]] = [[]]
-            for slot in slots:
-                if batches[-1] and sum(sizes[x] for x in batches[-1]) + sizes[slot] > MIGRATE_CALL_BYTES:
+            batches: list[list[int]] = []
+            for slot in (s for s in slots if s in with_blocks):
+                if not batches or (batches[-1] and sum(sizes[x] for x in batches[-1]) + sizes[slot] > MIGRATE_CALL_BYTES):
                     batches.append([])
                 batches[-1].append(slot)
             fetched, channel = 0, _Connection()
@@ -1819,6 +2077,14 @@ class Pserver:
                         got = sum(int(t.nbytes) for t in reply.tensors)
                         self.received_bytes += got
                         fetched += got
+                for slot in slots if self._tables else ():
+                    got = self._fetch_rows(src, slot, version, epoch, channel)
+                    if not isinstance(got, int):
+                        if got is _LOST:
+                            lost.append(f"pserver {self.index} cannot receive the rows of slot {slot} of slot map version {version} from pserver {src}")
+                        outcome[src] = got
+                        return
+                    fetched += got
                 outcome[src] = fetched
             finally:
                 channel.close()
@@ -1847,12 +2113,46 @@ class Pserver:
         log.warning("pserver %s received its slots of slot map version %d (%d bytes) in %.2fs", self.index, version, fetched, time.monotonic() - began)
         self._report_got(version)
 
-    def _ask_source(self, src: int, slots: list[int], version: int, epoch: int, connection: _Connection) -> object:
+    def _fetch_rows(self, src: int, slot: int, version: int, epoch: int, channel: _Connection) -> object:
+        """Receive the rows of ``slot`` from pserver ``src``, page after page, each
+        imported into the row stores as it comes (nothing reads them before every slot
+        is in): the bytes received; None once the epoch or map moved on; _LOST when the
+        source lost them or sent what does not fit."""
+        offset = fetched = 0
+        while True:
+            reply = self._ask_source(src, [slot], version, epoch, channel, row_offset=offset)
+            if not isinstance(reply, MigrateReply):
+                return reply
+            entries = dict(zip(reply.names, reply.tensors))
+            rows = sum(int(t.shape[0]) for key, t in entries.items() if (e := parse_row_entry(key)) is not None and e[2] == "ids")  # type: ignore[attr-defined]
+            with self._cond:
+                if self.epoch != epoch or self._slot_map is None or self._slot_map.version != version:
+                    return None
+                try:
+                    for table in self._tables.values():
+                        table.import_slots(entries)  # (entries of other tables are ignored)
+                except ConfigError as exc:
+                    log.error("pserver %s cannot import the rows of slot %d from pserver %d: %s", self.index, slot, src, exc)
+                    return _LOST
+                for s, n in reply.applied:
+                    self.applied_by_slot[s] = self.applied_by_slot.get(s, 0) + n
+                got = sum(int(t.nbytes) for t in reply.tensors)
+                self.received_bytes += got
+                fetched += got
+            if not reply.more:
+                return fetched
+            if not rows:
+                log.error("pserver %s: pserver %d says rows of slot %d follow row %d, but sent none", self.index, src, slot, offset)
+                return _LOST
+            offset += rows
+
+    def _ask_source(self, src: int, slots: list[int], version: int, epoch: int, connection: _Connection, *, row_offset: int | None = None) -> object:
         """One migrate call to pserver ``src`` (over ``connection``), retried while it is
         unreachable or has not switched yet: its reply; None once this pserver's epoch
         or map has moved on; _LOST when the source restarted without the slots, or has
-        been gone SOURCE_GONE lease TTLs (then the job must roll back)."""
-        request = MigrateRequest(f"pserver-{self.index}", epoch=epoch, version=version, slots=tuple(slots))
+        been gone SOURCE_GONE lease TTLs (then the job must roll back). ``row_offset``:
+        a page of the one slot's rows (:meth:`_fetch_rows`)."""
+        request = MigrateRequest(f"pserver-{self.index}", epoch=epoch, version=version, slots=tuple(slots), row_offset=row_offset)
         waiting = Retry(MIGRATE_BACKOFF)
         unregistered_since: float | None = None
         while True:
@@ -1915,15 +2215,16 @@ class Pserver:
         return self._shard
 
     def _build_tables(self) -> dict[str, RowShard]:
-        """A row store per table of the model, for the slots this pserver is the primary
-        of, stepped by the job's row rule (``sparse_optimizer``, or the row rule of
-        ``optimizer``)."""
+        """A row store per table of the model, for the slots this pserver holds a copy of
+        (primary or backup: a backup applies every section its primary does, so a
+        failover promotes it with every row and its state), stepped by the job's row
+        rule (``sparse_optimizer``, or the row rule of ``optimizer``)."""
         specs = self._table_specs or []
         if not specs:
             return {}
         assert self._slot_map is not None and self.index is not None
         rule, args = sparse_rule(self.config)
-        slots = [s for s, owner in enumerate(self._slot_map.owners) if owner == self.index]
+        slots = self._slot_map.held_by(self.index)
         clock = time.time
         return {
             spec.name: self._compute.rows(spec, rule, args, slots, self._slot_map.num_slots, clock, max_ids=self.config.sparse_max_ids)
@@ -1954,7 +2255,22 @@ class Pserver:
         if self._table_specs:  # rows hash into every slot: every pserver owning a slot is a part
             idle = {p for p in range(layout.slot_map.num_pservers) if p not in layout.slot_map.owners}
             self._my_slots = tuple(s for s, owner in enumerate(layout.slot_map.owners) if owner == self.index)
+            self._use_row_masks(layout.slot_map)
         self._closers = tuple(p for p in range(layout.slot_map.num_pservers) if p not in idle)
+
+    def _use_row_masks(self, slot_map: SlotMap) -> None:
+        """The slot masks rows are checked and forwarded by, for ``slot_map``."""
+        assert self.index is not None
+        owners = np.asarray(slot_map.owners, dtype=np.int64)
+        held = np.zeros(slot_map.num_slots, dtype=bool)
+        held[slot_map.held_by(self.index)] = True
+        self._row_primary = owners == self.index
+        self._row_backed = {int(p): (owners == p) & held for p in np.unique(owners[held & ~self._row_primary])}
+        backups: dict[int, np.ndarray] = {}
+        for s in np.flatnonzero(self._row_primary).tolist():
+            for b in slot_map.backups[s]:
+                backups.setdefault(b, np.zeros(slot_map.num_slots, dtype=bool))[s] = True
+        self._row_backups = backups
 
     def _receiving_shard(self) -> ParameterShard:
         """Sync, where a push is staged: the shard, even while slots are being received

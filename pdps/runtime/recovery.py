@@ -23,10 +23,12 @@ compare-and-set loop (:func:`pdps.runtime.cas.read_modify_write`) and drives the
   {epoch + 1, checkpoint, round}. Every role watches ``epoch``: pservers load their
   blocks, the master reloads its queues, trainers drop their step and re-fetch. A part
   or commit of the old epoch can no longer land.
-* **A pserver's part** holds its blocks keyed by block (:func:`write_shard_part`), so a
-  pserver loads the blocks its slot map gives it now from whichever parts hold their
-  rows (:func:`load_shard`): a checkpoint restores onto any pserver count. Parts that
-  pdps wrote before, one shard concatenated, are cut into blocks as they are read.
+* **A pserver's part** holds its blocks keyed by block and the rows of its sparse
+  tables keyed by table and slot (:func:`write_shard_part`), so a pserver loads the
+  blocks and the slots' rows its slot map gives it now from whichever parts hold them,
+  reading only those byte ranges (:func:`load_shard`): a checkpoint restores onto any
+  pserver count. Parts that pdps wrote before, one shard concatenated, are cut into
+  blocks as they are read.
 
 It lives in the runtime, not beside the roles: the master, the pservers, the trainers
 and the operator's commands (``pdps checkpoint``, ``pdps status``) all use it, and it
@@ -47,9 +49,10 @@ from pdps.core.checkpoints import CheckpointInfo, CommitView, Epoch, Manifest, P
 from pdps.core.errors import ConfigError, CorruptCheckpoint, PdpsError, StorageError
 from pdps.core.job import JobConfig, Keys, decode_as
 from pdps.core.slots import Block, Layout, ParamSpec, SlotMap, block_entry, parse_entry
+from pdps.core.tables import parse_row_entry, parse_table_entry
 from pdps.core.txn import Compare, KeyValue, Op, Put
 from pdps.ports.checkpoints import CheckpointFiles
-from pdps.ports.compute import ParameterShard
+from pdps.ports.compute import ParameterShard, RowShard
 from pdps.ports.coordination import CoordinationStore
 from pdps.runtime.cas import read_modify_write
 
@@ -99,9 +102,10 @@ def describe(store: CoordinationStore, keys: Keys) -> list[dict[str, Any]]:
 # --- taking a checkpoint ------------------------------------------------------------
 
 
-def announce(keys: Keys, ckpt_id: str, epoch: int, round_no: int, mode: str) -> Put:
-    """The op that starts checkpoint ``ckpt_id`` (goes into the caller's transaction)."""
-    info = CheckpointInfo(ckpt_id, epoch, round_no, mode, State.WRITING, started=time.time())
+def announce(keys: Keys, ckpt_id: str, epoch: int, round_no: int, mode: str, pservers: int | None = None) -> Put:
+    """The op that starts checkpoint ``ckpt_id`` (goes into the caller's transaction);
+    ``pservers``: the count of the slot map it is taken in, one part each."""
+    info = CheckpointInfo(ckpt_id, epoch, round_no, mode, State.WRITING, started=time.time(), pservers=pservers)
     return Put(keys.checkpoint_info(ckpt_id), json.dumps(info.to_json()).encode())
 
 
@@ -187,56 +191,98 @@ VERSION = "pdps.version"
 
 
 def write_shard_part(files: CheckpointFiles, ckpt_id: str, index: int, snapshot: Mapping[str, Any]) -> PartInfo:
-    """Write pserver ``index``'s :meth:`~pdps.ports.compute.ParameterShard.snapshot` as its
-    part of ``ckpt_id``, recorded as keyed by block (:data:`~pdps.core.checkpoints.BLOCKS`)."""
+    """Write pserver ``index``'s :meth:`~pdps.ports.compute.ParameterShard.snapshot` (with
+    the :meth:`~pdps.ports.compute.RowShard.snapshot` of each table's slots, if any) as
+    its part of ``ckpt_id``, recorded as keyed by block (:data:`~pdps.core.checkpoints.BLOCKS`)."""
     name = checkpoints.pserver_part(index)
     return files.write_part(f"{ckpt_id}/{name}.safetensors", snapshot, name=name).keyed_by_block()
 
 
-def load_shard(store: CoordinationStore, files: CheckpointFiles, config: JobConfig, ckpt_id: str, shard: ParameterShard) -> int:
-    """Load every block of ``shard`` from checkpoint ``ckpt_id``, whatever pserver count
-    it was taken with; return the pserver's version: the most updates applied by a
-    pserver whose part held some of its rows.
+def load_shard(
+    store: CoordinationStore, files: CheckpointFiles, config: JobConfig, ckpt_id: str, shard: ParameterShard,
+    tables: Mapping[str, RowShard] | None = None,
+) -> int:  # fmt: skip
+    """Load every block of ``shard``, and the rows of every slot each of ``tables`` holds
+    (fresh row stores, by table name), from checkpoint ``ckpt_id``, whatever pserver
+    count it was taken with; return the pserver's version: the most updates applied by
+    a pserver whose part held some of its blocks or rows.
 
-    Every pserver part is read, and what holds rows of ``shard``'s blocks is kept. A
-    part written before checkpoints were keyed by block is cut into blocks by the
-    layout it was written for: the model (the job's ``model`` record), the job's
-    ``num_slots`` and ``min_block``, and the job's first slot map for as many pservers
-    as the checkpoint has parts. ConfigError, with ``shard`` unchanged, when the
-    checkpoint does not hold every row of it or such a part does not fit that layout;
-    CorruptCheckpoint when a part is not what its record says.
+    Each pserver part recorded by block is read in ranges (``read_part(wanted=)``): its
+    header, the version counter, the entries of ``shard``'s blocks, and the row entries
+    (:func:`pdps.core.tables.row_entry`) of the slots the tables hold, never another
+    pserver's. Each table's step becomes the largest any part recorded for it. A part
+    written before checkpoints were keyed by block (it holds no rows) is read whole and
+    cut into blocks by the layout it was written for: the model (the job's ``model``
+    record), the job's ``num_slots`` and ``min_block``, and the job's first slot map
+    for as many pservers as the checkpoint has parts. A checkpoint without row entries
+    leaves the tables empty (rows start from their init values again, as after a
+    rollback from scratch). ConfigError, with ``shard`` unchanged, when the checkpoint
+    does not hold every row of it or such a part does not fit that layout, or a row
+    entry does not fit its table; CorruptCheckpoint when a part is not what its record
+    says.
     """
     manifest = files.read_manifest(ckpt_id)
     parts = checkpoints.pserver_parts(manifest)
     rows: dict[str, list[tuple[int, int]]] = {}
     for b in shard.blocks:
         rows.setdefault(b.param, []).append((b.row_start, b.row_end))
+    held = {name: t.slots for name, t in (tables or {}).items()}
 
     def wanted(key: str) -> bool:
+        if key == VERSION:
+            return True
+        row = parse_row_entry(key)
+        if row is not None:  # a slot's rows: only those of a slot a table here holds
+            return row[1] in held.get(row[0], ())
+        scalar = parse_table_entry(key)
+        if scalar is not None:
+            return scalar[0] in held
         name = parse_entry(key)  # an entry of no block is import_blocks' to refuse
         return name is None or any(lo < name[2] and name[1] < hi for lo, hi in rows.get(name[0], ()))
 
     layout_then: Layout | None = None
     entries: dict[str, Any] = {}
+    row_entries: dict[str, Any] = {}
+    steps: dict[str, Any] = {}
     version = 0
     for index, part in sorted(parts.items()):
-        tensors = files.read_part(part)
+        if part.layout is None:
+            tensors = files.read_part(part)
+        else:
+            tensors = files.read_part(part, wanted=wanted)  # holds only what is wanted: no copies needed
         counter = tensors.pop(VERSION, None)
         if counter is None:
             raise CorruptCheckpoint(f"checkpoint {ckpt_id}: part {part.name} has no {VERSION!r} counter", part.path)
         if part.layout is None:
             layout_then = layout_then or _layout_written_for(store, config, manifest, len(parts))
             tensors = _cut_into_blocks(tensors, layout_then.blocks_of(index), manifest, part, config)
-        mine = {k: t for k, t in tensors.items() if wanted(k)}
-        if not mine:
-            continue
-        version = max(version, int(counter))
-        # all of a part kept: its buffer is needed anyway; some of it: copies, so the rest goes
-        entries.update(mine if len(mine) == len(tensors) else {k: t.clone() for k, t in mine.items()})
+            mine = {k: t for k, t in tensors.items() if wanted(k)}
+            # all of a part kept: its buffer is needed anyway; some of it: copies, so the rest goes
+            tensors = mine if len(mine) == len(tensors) else {k: t.clone() for k, t in mine.items()}
+        took = False
+        for key, t in tensors.items():
+            scalar = parse_table_entry(key)
+            if scalar is not None:  # every part records each table's step: the largest is the table's
+                if key not in steps or int(t) > int(steps[key]):
+                    steps[key] = t
+            elif parse_row_entry(key) is not None:
+                row_entries[key] = t
+                took = True
+            else:
+                entries[key] = t
+                took = True
+        if took:
+            version = max(version, int(counter))
     try:
         shard.import_blocks(entries)
     except ConfigError as exc:
         raise ConfigError(f"checkpoint {ckpt_id} cannot be loaded into this pserver's blocks: {exc}") from exc
+    if row_entries or steps:
+        for name, table in sorted((tables or {}).items()):
+            try:
+                table.import_slots({**row_entries, **steps})  # (entries of other tables are ignored)
+            except ConfigError as exc:
+                raise ConfigError(f"checkpoint {ckpt_id} cannot be loaded into this pserver's rows of table {name!r}: {exc}") from exc
     return version
 
 

@@ -132,7 +132,7 @@ SETTINGS: tuple[Setting, ...] = (
     _job("optimizer_args", _json_object, "the optimizer's keyword arguments, a JSON object (a table in TOML)"),
     Setting("lr", float, None, CREATES_JOB, "shortcut for optimizer_args.lr", job=True),
     _job("sparse_optimizer", str, "the row rule the pservers apply to sparse tables (SGD, Adagrad, RowWiseAdagrad, SparseAdam); empty: the row rule of optimizer"),
-    _job("sparse_optimizer_args", _json_object, "the row rule's keyword arguments, a JSON object; empty: optimizer_args"),
+    _job("sparse_optimizer_args", _json_object, "the row rule's keyword arguments, a JSON object; empty: optimizer_args, unless sparse_optimizer is named (then the rule's defaults)"),
     _job("sparse_max_ids", int, "the most ids of one table one push or pull may carry"),
     _job("batch_size", int, "mini-batch size per trainer"),
     _job("passes", int, "passes over the dataset"),

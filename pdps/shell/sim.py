@@ -53,7 +53,7 @@ RoleAdapters = Callable[[str, CoordinationStore, Transport], tuple[CoordinationS
 class SimulationResult:
     """How a simulated job ended."""
 
-    params: dict[str, Any]  # name -> torch.Tensor, pulled from the pservers
+    params: dict[str, Any]  # name -> torch.Tensor pulled from the pservers; a sparse table's name -> pdps.nn.TableRows
     passes: int  # passes completed
     tasks_done: int  # task completions summed over passes
     tasks_failed: int  # tasks failed, summed over passes
@@ -330,7 +330,8 @@ def _check_arguments(
 
 
 def fetch_parameters(store: CoordinationStore, transport: Transport, config: JobConfig) -> dict[str, Any]:
-    """The model's current parameters, pulled from the pservers, as ``name -> tensor``."""
+    """The model's current parameters, pulled from the pservers, as ``name -> tensor``;
+    each sparse table (:mod:`pdps.nn`) as ``name -> pdps.nn.TableRows``, every row it has."""
     return fetch_model(store, transport, config)[0]
 
 

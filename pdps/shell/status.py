@@ -24,6 +24,7 @@ from pdps.core.elastic import ResizeState, minimum_bytes
 from pdps.core.errors import CorruptRecord, NoSuchJob, NoSuchPass
 from pdps.core.headcount import parse_count
 from pdps.core.job import JobConfig, Keys, decode_as, decode_json
+from pdps.core.tables import TableSpec
 from pdps.core.slots import Layout, ParamSpec, SlotMap
 from pdps.core.tasks import TaskSpec
 from pdps.core.windows import Window
@@ -142,7 +143,44 @@ def job_status(store: CoordinationStore, job: str, *, now: float | None = None) 
         "layout": None if layout is None else layout_status(layout),
         "resize": resize_status(store, keys, layout),
         "stream": stream,
+        "tables": table_status(store, keys, slot_map),
     }
+
+
+#: the counters of a table's rows that ``pdps status`` sums over the pservers
+TABLE_COUNTERS = ("rows", "bytes", "created", "admitted", "pending", "pending_dropped", "evicted_ttl", "evicted_lfu", "refused")
+
+
+def table_status(store: CoordinationStore, keys: Keys, slot_map: SlotMap | None) -> list[dict[str, Any]] | None:
+    """The model's sparse tables (None: it has none): per table its spec's ``name, dim,
+    dtype, rows_bound`` (None: unbounded), the :data:`TABLE_COUNTERS` summed over the
+    pservers of the slot map, and ``per_pserver`` (index -> counters, with ``at``: when
+    that pserver recorded them)."""
+    kv = store.get(keys.model_tables)
+    if kv is None:
+        return None
+    specs = decode_as(kv.value, kv.key, lambda ds: [TableSpec.from_json(d) for d in ds])
+    recorded: dict[int, dict[str, Any]] = {}
+    for rec in store.range(keys.table_stats_prefix):
+        try:
+            index = int(rec.key.rsplit("/", 1)[1])
+            recorded[index] = decode_json(rec.value, rec.key)
+        except (CorruptRecord, ValueError):
+            continue
+    live = None if slot_map is None else range(slot_map.num_pservers)
+    out = []
+    for spec in specs:
+        per = {
+            i: {**{k: int(r.get("tables", {}).get(spec.name, {}).get(k, 0)) for k in TABLE_COUNTERS}, "at": r.get("at")}
+            for i, r in sorted(recorded.items())
+            if live is None or i in live
+        }
+        out.append({
+            "name": spec.name, "dim": spec.dim, "dtype": spec.dtype, "rows_bound": spec.num_rows,
+            **{k: sum(p[k] for p in per.values()) for k in TABLE_COUNTERS},
+            "per_pserver": {str(i): p for i, p in per.items()},
+        })
+    return out
 
 
 def desired_count(store: CoordinationStore, key: str, unset: int | None) -> int | None:
@@ -272,6 +310,8 @@ def format_status(status: dict[str, Any], url: str) -> str:
     if s.get("stream"):
         lines[0] = f"job {s['job']} on {url}: {s['state']}, streaming"
         lines.insert(2, f"  stream      {stream_text(s['stream'])}")
+    for t in s.get("tables") or ():
+        lines.append(f"  table       {table_text(t)}")
     if s.get("resize"):
         lines.append(f"  resize      {resize_text(s['resize'], s['slot_map']['version'] if s.get('slot_map') else None)}")
     if s.get("layout") and s["layout"]["warning"]:
@@ -284,6 +324,15 @@ def format_status(status: dict[str, Any], url: str) -> str:
         lines.append("  waiting:")
         lines += [f"    {wait_text(w)}" for w in s["waits"]]
     return "\n".join(lines)
+
+
+def table_text(t: dict[str, Any]) -> str:
+    """``emb.weight (dim 16 float32): 1,234 rows (80.0 KiB) on 2 pservers; created 1,300, admitted 0, pending 0, evicted 66 (ttl 66, lfu 0), refused 0``."""
+    return (
+        f"{t['name']} (dim {t['dim']} {t['dtype']}): {t['rows']:,} rows ({size_text(t['bytes'])}) on {len(t['per_pserver'])} pservers; "
+        f"created {t['created']:,}, admitted {t['admitted']:,}, pending {t['pending']:,}, "
+        f"evicted {t['evicted_ttl'] + t['evicted_lfu']:,} (ttl {t['evicted_ttl']:,}, lfu {t['evicted_lfu']:,}), refused {t['refused']:,}"
+    )
 
 
 def stream_text(st: dict[str, Any]) -> str:

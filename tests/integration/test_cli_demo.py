@@ -60,3 +60,13 @@ def test_version_and_bad_log_level():
     assert proc.returncode == 0 and proc.stdout.startswith("pdps ")
     proc = pdps("--log-level", "loud", "demo")
     assert proc.returncode == 2 and "invalid choice" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_demo_ctr_example_trains_a_table_on_the_pservers_to_the_bar():
+    proc = pdps("demo", "--example", "ctr", "--json")
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(summary) == FIELDS - {"accuracy"} | {"auc"}
+    assert summary["auc"] >= 0.70  # chance is 0.5; the generator's Bayes AUC is about 0.82
+    assert (summary["passes"], summary["tasks_done"], summary["tasks_failed"]) == (2, 2 * 16, 0)
+    assert "held-out AUC" in proc.stderr

@@ -1,10 +1,10 @@
 """Issue 16's acceptance: a resized job trains as if it had not been resized.
 
 * Sync, over gRPC and etcd, every role its own ``python -m pdps ROLE`` process (started
-  by the test as an operator or a StatefulSet would): resized 2->3->1->2 pservers, and
-  3->2->4 trainers (the surplus trainer leaves by itself), at seeded points mid-pass,
-  the final parameters equal a single-process replay of the rounds' contributions, and
-  the audit counts every record of every pass exactly once.
+  by the test as an operator or a StatefulSet would): one job resized 2->3->1->2
+  pservers, then 3->2->4 trainers (the surplus trainer leaves by itself), at seeded
+  points mid-pass, the final parameters equal a single-process replay of the rounds'
+  contributions, and the audit counts every record of every pass exactly once.
 * Async: the same pserver resizes lose no acknowledged push: per slot, what the
   pservers applied (counts travel with their slots) equals what the trainers were told.
 * Each resize sends the fewest bytes the two maps allow (values and Adam's state).
@@ -193,27 +193,19 @@ def seeded_points(n: int) -> list[int]:
     return points
 
 
-def test_processes_resized_2_3_1_2_pservers_equal_a_replay(etcd_server, dataset, procs, tmp_path):
-    """Pserver processes grown and shrunk by ``pdps.scale`` while 2 trainer processes train."""
+def test_processes_resized_2_3_1_2_pservers_then_3_2_4_trainers_equal_a_replay(etcd_server, dataset, procs, tmp_path):
+    """One job of processes, 3 trainers: its pserver processes grown and shrunk by
+    ``pdps.scale`` 2->3->1->2 while the trainer processes train; then its trainers 3->2->4.
+    Fewer trainers wanted: the surplus one gives its task back and exits 0 by itself;
+    more wanted: the trainer processes started for them join at the next round. Each
+    pserver resize switched the map at one round boundary; every trainer contributed."""
     out = tmp_path / "grads"
     out.mkdir()
-    job = Job(procs, etcd_server.url, dataset, out, trainers=2, pservers=2)
+    job = Job(procs, etcd_server.url, dataset, out, trainers=3, pservers=2)
     for k, pservers in zip(seeded_points(3), (3, 1, 2)):
         job.after_steps(k)
         record = job.scale(pservers=pservers)
         assert record["state"] == "done" and record["pservers"] == pservers, record
-    params = job.finish()
-    rounds = check_replay_and_audit(etcd_server.url, job.name, out, params)
-    switched = [r.map_version for _, r in rounds if r.map_version is not None]
-    assert len(switched) == 3, switched  # each resize switched the map at one round boundary
-
-
-def test_processes_resized_3_2_4_trainers_equal_a_replay(etcd_server, dataset, procs, tmp_path):
-    """Fewer trainers wanted: the surplus one gives its task back and exits 0 by itself;
-    more wanted: the trainer processes started for them join at the next round."""
-    out = tmp_path / "grads"
-    out.mkdir()
-    job = Job(procs, etcd_server.url, dataset, out, trainers=3, pservers=2)
     for k, trainers in zip(seeded_points(2), (2, 4)):
         job.after_steps(k)
         record = job.scale(trainers=trainers)
@@ -224,6 +216,8 @@ def test_processes_resized_3_2_4_trainers_equal_a_replay(etcd_server, dataset, p
     assert job.trainers[2].returncode == 0  # trainer-2, the surplus of 3 when 2 were wanted
     params = job.finish()
     rounds = check_replay_and_audit(etcd_server.url, job.name, out, params)
+    switched = [r.map_version for _, r in rounds if r.map_version is not None]
+    assert len(switched) == 3, switched  # each pserver resize switched the map at one round boundary
     contributed = {t for _, r in rounds for t, _ in r.weights()}
     assert contributed == {f"trainer-{i}" for i in range(5)}, contributed
 

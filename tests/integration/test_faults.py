@@ -1,12 +1,14 @@
 """Fault injection: a multi-process job over gRPC and etcd, run by ``pdps launch
---restart on-failure``, with one role SIGKILLed at a seeded point inside a pass.
+--restart on-failure``, with roles SIGKILLed at seeded points inside passes.
 
 Each run trains the digits example for a few passes with coordinated checkpoints to a
-local directory. The master, pserver 1 and trainer 0 are each killed under three
-seeds, and pserver 1 once more in the middle of writing its checkpoint part. Every
-run must finish all its passes, reach held-out accuracy 0.95, account for every task
-of every pass in the audit as done or failed, and leave only committed checkpoints
-that pass their checksums. A last test restarts etcd itself under a running job.
+local directory. Under each of three seeds one job has the master, pserver 1 and
+trainer 0 killed, each at its own seeded point of a different pass; pserver 1 is
+killed once more, in another job, in the middle of writing its checkpoint part.
+Every run must finish all its passes, reach held-out accuracy 0.95, account for
+every task of every pass in the audit as done or failed, and leave only committed
+checkpoints that pass their checksums. The third seed's job runs on an etcd of its
+own, which is restarted under it after the three kills.
 """
 
 from __future__ import annotations
@@ -140,10 +142,8 @@ class Job:
         self.store.close()
 
 
-def at_seeded_point(job: Job, seed: int) -> tuple[int, float]:
-    """Wait for the seeded moment: a pass in 1..PASSES-3, a fraction of its tasks done."""
-    rng = random.Random(seed)
-    target_pass, fraction = rng.randint(1, PASSES - 3), rng.uniform(0.2, 0.8)
+def at_point(job: Job, target_pass: int, fraction: float) -> tuple[int, float]:
+    """Wait until pass ``target_pass`` has ``fraction`` of its tasks done (or a later pass began)."""
 
     def reached() -> bool:
         st = job.status()
@@ -171,18 +171,55 @@ def check_run(job: Job, summary: dict) -> None:
         assert files.verify(storage, files.read_manifest(storage, ckpt)) == [], ckpt
 
 
-@pytest.mark.parametrize("role", ["master", "pserver-1", "trainer-0"])
-@pytest.mark.parametrize("seed", [1, 2, 3])
-def test_job_survives_a_sigkill(etcd_server, tmp_path, role, seed):
+def seeded_kills(seed: int, points: int = 3) -> list[tuple[str, int, float]]:
+    """(role, pass, fraction) for each of the master, pserver 1 and trainer 0, in the order
+    they are killed, then (``points`` = 4) ``"etcd"``: different passes in 1..PASSES-3,
+    each at a seeded fraction of its tasks; seeds 1, 2 and 3 put each role first, second
+    and last once."""
+    rng = random.Random(seed)
+    roles = ["master", "pserver-1", "trainer-0"]
+    roles = [*roles[seed % 3 :], *roles[: seed % 3], "etcd"][:points]
+    passes = sorted(rng.sample(range(1, PASSES - 2), points))
+    return [(role, p, rng.uniform(0.2, 0.8)) for role, p in zip(roles, passes)]
+
+
+def kill_each_role(job: Job, kills: list[tuple[str, int, float]]) -> list[int]:
+    """SIGKILL each role at its point, waiting for the launcher to restart it before the
+    next; the job's epoch at each point (before each kill)."""
+    epochs = []
+    for role, target_pass, fraction in kills:
+        at_point(job, target_pass, fraction)
+        epochs.append(recovery.read_epoch(job.store, job.keys)[0].epoch)
+        killed = job.kill(role)
+        job.wait_for(lambda: role_pid(job.proc, role) not in (None, killed), 60, f"{role} restarted")
+    return epochs
+
+
+def check_kills(job: Job, kills: list[tuple[str, int, float]], epochs: list[int]) -> None:
+    """Each role was restarted, and only a pserver's loss rolled the job back: ``epochs``,
+    read at each kill's point and once after the last kill's effects (at the next point,
+    or at the end), rise by one across the pserver's kill and by none across the others'."""
+    log = job.tail(10**7)
+    for (role, _, _), before, after in zip(kills, epochs, epochs[1:]):
+        assert f"{role} exited with signal SIGKILL; restarting it" in log, role
+        assert after - before == (1 if role.startswith("pserver") else 0), (role, epochs)  # only a pserver's loss rolls back
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_job_survives_a_sigkill_of_each_role(etcd_server, tmp_path, seed):
+    """One job per seed; each role is SIGKILLed once, at its own seeded point, a pass
+    after the last kill at least (so each role's restart, and a pserver's rollback, is
+    over before the next kill). Each is restarted, and only a pserver's loss rolls the
+    job back. (Seed 3's job is the etcd restart's, below.)"""
+    kills = seeded_kills(seed)
+    print(f"seed {seed}: kills (role, pass, fraction) {kills}")
     job = Job(etcd_server.url, tmp_path)
     try:
-        at_seeded_point(job, seed)
-        job.kill(role)
+        epochs = kill_each_role(job, kills)
         summary = job.finish()
         check_run(job, summary)
-        assert f"{role} exited with signal SIGKILL; restarting it" in job.tail(10**7)
-        epoch, _ = recovery.read_epoch(job.store, job.keys)
-        assert epoch.epoch == (1 if role.startswith("pserver") else 0), epoch  # only a pserver's loss rolls back
+        epochs.append(recovery.read_epoch(job.store, job.keys)[0].epoch)
+        check_kills(job, kills, epochs)
     finally:
         job.close()
 
@@ -221,17 +258,25 @@ def test_pserver_killed_while_writing_its_checkpoint_part(etcd_server, tmp_path)
 
 
 def test_etcd_restart_pauses_the_roles_and_they_resume(tmp_path):
-    """etcd goes away for a few seconds in the middle of a pass and comes back on the
-    same port and data: every role pauses (retrying), then the job carries on."""
+    """The job of seed 3 on an etcd of its own: its three roles SIGKILLed in turn, as
+    above; then, a pass later at least, etcd goes away for a few seconds in the middle
+    of a pass and comes back on the same port and data: every role pauses (retrying),
+    then the job carries on."""
+    kills = seeded_kills(3, points=4)
+    print(f"seed 3: kills (role, pass, fraction) {kills}")
+    *kills, (_, outage_pass, outage_fraction) = kills
     with EtcdServer() as etcd:
         job = Job(etcd.url, tmp_path)
         try:
-            at_seeded_point(job, 7)
+            epochs = kill_each_role(job, kills)
+            at_point(job, outage_pass, outage_fraction)
+            epochs.append(recovery.read_epoch(job.store, job.keys)[0].epoch)
             etcd.kill()
             time.sleep(8.0)  # longer than a lease TTL and than a store call's 5 s deadline
             etcd.restart()
             summary = job.finish()
             check_run(job, summary)
+            check_kills(job, kills, epochs)
             log = job.tail(10**7)
             assert "coordination store" in log and "unreachable" in log, "the roles said they were waiting for the store"
             assert "is back after" in log

@@ -136,3 +136,82 @@ def test_sync_rows_and_dense_equal_single_process_torch(tmp_path, optimizer, kwa
     assert SEEN["flat"] == [mlp] * N
     assert SEEN["user_table_freed"] == [True] * N
     assert 0 < max(SEEN["largest_rows"]) <= B * BAG  # type: ignore[type-var]
+
+
+# --- an unbounded id space, async ------------------------------------------------------
+
+
+class Hashed(nn.Module):
+    def __init__(self, **options) -> None:
+        super().__init__()
+        self.emb = pdps.nn.HashEmbedding(8, mode="sum", **options)
+        g = torch.Generator().manual_seed(3)
+        self.out = nn.Linear(8, 1)
+        with torch.no_grad():
+            self.out.weight.uniform_(-0.5, 0.5, generator=g)
+            self.out.bias.zero_()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(self.emb(ids)).squeeze(-1)
+
+
+def huge_ids(root: str, n: int = 240, bag: int = 3, distinct: int = 150) -> tuple[ParquetSource, np.ndarray]:
+    """Bags of ids drawn from ``distinct`` ids spread over [0, 2^62)."""
+    rng = np.random.default_rng(5)
+    vocab = rng.integers(0, 1 << 62, size=distinct, dtype=np.int64)
+    ids = vocab[rng.integers(0, distinct, size=(n, bag))]
+    y = (ids % 7 < 3).sum(axis=1).astype(np.float32) - 1.0
+    write_parquet_shards({"ids": ids, "y": y}, f"{root}/huge", shards=2, row_group_size=60)
+    return ParquetSource(f"{root}/huge"), np.unique(ids)
+
+
+def fit_hashed(ctx: pdps.TrainerContext, **options) -> None:
+    model = ctx.attach(Hashed(**options))
+    for batch in ctx.batches():
+        loss = F.mse_loss(model(batch["ids"]), batch["y"])
+        ctx.step(loss)
+        ctx.metrics["loss"] = float(loss.detach())
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_hash_embedding_over_a_2_62_id_space_creates_a_row_per_id_touched(tmp_path, mode):
+    source, touched = huge_ids(tmp_path.as_uri())
+    result = pdps.simulate(
+        fit_hashed, dataset=source, trainers=2, pservers=2, mode=mode, batch_size=20, passes=3,
+        optimizer="Adagrad", optimizer_args={"lr": 0.1}, num_slots=32,
+    )
+    rows = result.params["emb.weight"]
+    assert rows.spec.num_rows is None and rows.ids.min() >= 0
+    assert torch.equal(rows.ids, torch.from_numpy(touched))  # rows created = distinct ids touched
+    ids, y = (torch.from_numpy(c) for c in (lambda d: (d["ids"], d["y"]))(read_whole(source, source.tasks()[0])))
+    trained = pdps.nn.bind(Hashed(), result.params)
+    untrained = pdps.nn.bind(Hashed(), {"emb.weight": pdps.nn.TableRows(rows.spec, rows.ids[:0], rows.values[:0])})
+    with torch.no_grad():
+        assert float(F.mse_loss(trained(ids), y)) < 0.5 * float(F.mse_loss(untrained(ids), y))
+
+
+@pytest.mark.parametrize(
+    "settings,says",
+    [
+        ({"optimizer": "RMSprop"}, "optimizer 'RMSprop' has no row rule: set sparse_optimizer"),
+        ({"optimizer": "SGD", "sparse_optimizer": "Adagard"}, "Adagrad"),
+        ({"replicas": 2, "options": {"admit_after": 2}}, "table 'emb.weight': admit_after=2 cannot run with replicas=2"),
+        ({"replicas": 2, "mode": "async", "options": {"ttl_steps": 8}}, "ttl_steps=8 cannot run in an async job with replicas=2"),
+    ],
+    ids=["no-row-rule", "typo", "replicas-admission", "replicas-async-ttl"],
+)
+def test_a_job_its_tables_cannot_run_in_is_refused_at_attach(tmp_path, settings, says):
+    source, _ = huge_ids(tmp_path.as_uri())
+    options = settings.pop("options", {})
+    with pytest.raises(pdps.ConfigError, match=says):
+        pdps.simulate(lambda ctx: fit_hashed(ctx, **options), dataset=source, trainers=1, pservers=2, batch_size=20, **settings)
+
+
+def test_a_model_of_tables_only_is_refused_at_attach(tmp_path):
+    source, _ = huge_ids(tmp_path.as_uri())
+
+    def tables_only(ctx: pdps.TrainerContext) -> None:
+        ctx.attach(nn.Sequential(pdps.nn.HashEmbedding(4, mode="sum")))
+
+    with pytest.raises(pdps.ConfigError, match="sparse tables and no dense parameter"):
+        pdps.simulate(tables_only, dataset=source, trainers=1, pservers=1, batch_size=20)

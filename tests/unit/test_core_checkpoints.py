@@ -245,8 +245,8 @@ def part(name: str, ckpt: str = CID) -> KeyValue:
     return kv(KEYS.checkpoint_part(ckpt, name), p.to_json())
 
 
-def view(*, state=State.WRITING, parts=("ps-0", "ps-1", "master"), epoch=None, pointer=None, info_epoch=1) -> CommitView:
-    info = CheckpointInfo(CID, info_epoch, 2, "sync", state, 5.5)
+def view(*, state=State.WRITING, parts=("ps-0", "ps-1", "master"), epoch=None, pointer=None, info_epoch=1, pservers=None) -> CommitView:
+    info = CheckpointInfo(CID, info_epoch, 2, "sync", state, 5.5, pservers=pservers)
     return CommitView(
         info=kv(KEYS.checkpoint_info(CID), info.to_json(), rev=7),
         parts=tuple(part(n) for n in parts),
@@ -285,6 +285,20 @@ def test_nothing_to_commit(changes):
     assert manifest_to_commit(v, CONFIG) is None
     written = manifest_to_commit(view(epoch=1), CONFIG)
     assert decide_commit(v, written, CONFIG, "memory://c") == Done(None)
+
+
+def test_a_checkpoint_of_a_resized_job_commits_with_one_part_per_pserver_of_its_slot_map():
+    """Announced in a slot map of 3 pservers (a 2-pserver job grown by a resize): the three
+    parts commit it, the job's configured two do not; an older record without the count
+    is held to the configured count."""
+    grown = view(epoch=1, pservers=3, parts=("ps-0", "ps-1", "ps-2", "master"))
+    manifest = manifest_to_commit(grown, CONFIG)
+    assert manifest is not None and set(manifest.parts) == {"ps-0", "ps-1", "ps-2", "master"} and manifest.extra["pservers"] == 3
+    assert manifest_to_commit(view(epoch=1, pservers=3), CONFIG) is None
+    assert manifest_to_commit(view(epoch=1, pservers=1, parts=("ps-0", "master")), CONFIG) is not None
+    info = CheckpointInfo(CID, 1, 2, "sync", State.WRITING, 5.5, pservers=3)
+    assert CheckpointInfo.decode(kv(KEYS.checkpoint_info(CID), info.to_json())) == info
+    assert "pservers" not in CheckpointInfo(CID, 1, 2, "sync", State.WRITING, 5.5).to_json()
 
 
 def test_a_commit_whose_parts_changed_after_its_manifest_was_written_is_dropped():

@@ -361,3 +361,26 @@ def test_check_tables_refuses_duplicates_and_ttl_seconds_with_replicas():
         check_tables([TableSpec(name="a", dim=2), TableSpec(name="a", dim=3)])
     with pytest.raises(ConfigError, match="ttl_seconds=5.0 .*replicas=2.*ttl_steps"):
         check_tables([TableSpec(name="a", dim=2, ttl_seconds=5.0)], replicas=2)
+
+
+@pytest.mark.parametrize(
+    "fields,match",
+    [
+        ({"capacity": 100}, "capacity=100 cannot run with replicas=2"),
+        ({"capacity": 100, "floor": 10}, "capacity=100 and floor=10 cannot run with replicas=2"),
+        ({"admit_after": 3}, "admit_after=3 cannot run with replicas=2"),
+    ],
+)
+def test_check_tables_refuses_policies_that_rank_a_pservers_rows_with_replicas(fields, match):
+    spec = TableSpec(name="a", dim=2, **fields)
+    check_tables([spec], replicas=1, asynchronous=True)
+    with pytest.raises(ConfigError, match=f"table 'a': {match}.*backup holds other slots' rows"):
+        check_tables([spec], replicas=2)
+
+
+def test_check_tables_refuses_ttl_steps_with_replicas_in_async_jobs_only():
+    spec = TableSpec(name="a", dim=2, ttl_steps=8)
+    check_tables([spec], replicas=2)  # sync: every copy's table step moves in the same rounds
+    check_tables([spec], replicas=1, asynchronous=True)
+    with pytest.raises(ConfigError, match="table 'a': ttl_steps=8 cannot run in an async job with replicas=2"):
+        check_tables([spec], replicas=2, asynchronous=True)

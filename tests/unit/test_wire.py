@@ -45,7 +45,7 @@ SAMPLES: dict[type, wire.Wire] = {
     wire.AppliedRequest: wire.AppliedRequest("t0", epoch=1, version=2),
     wire.MigrateRequest: wire.MigrateRequest("t0", epoch=1, version=3, slots=(4, 9)),
     wire.ReplicateRequest: wire.ReplicateRequest(
-        "t0", epoch=1, version=2, samples=4, round_no=3, blocks=KEYS[:2], part=True, tables=(("emb", 2),), created=(("emb", 3),),
+        "t0", epoch=1, version=2, samples=4, round_no=3, blocks=KEYS[:2], part=True, tables=(("emb", 2),), created=(("emb", 3),), steps=(("emb", 12),),
         tensors=(*grads()[:2], IDS, rows(2), torch.tensor([3, 9, 12]), rows(3)),
     ),
     wire.GetTaskRequest: wire.GetTaskRequest("t0", epoch=1, holding=(4, 5)),
@@ -294,6 +294,11 @@ def test_a_forward_carries_the_rows_the_primary_created_after_the_sections():
         assert info.value.field == field
     with pytest.raises(GradientRejected, match="table 'emb' in field 'created' has n=3 rows but its values tensor has shape") as info:
         wire.ReplicateRequest.decode(Message(meta, [*tensors[:-1], rows(2)]))
+    assert back.steps == (("emb", 12),)  # async: the primary's table step the backup applies the section at
+    for bad in ([["emb", 0]], [["emb"]], [["", 3]], [["emb", 2.5]]):
+        with pytest.raises(GradientRejected, match="field 'steps' must be \\[table, step\\] pairs") as info:
+            wire.ReplicateRequest.decode(Message({**meta, "steps": bad}, tensors))
+        assert info.value.field == "steps"
 
 
 def test_a_pull_of_rows_only_and_its_reply():

@@ -42,6 +42,7 @@ from pdps.core.headcount import parse_count, surplus
 from pdps.core.job import JobConfig, Keys, decode_json
 from pdps.core.sgd import Mode
 from pdps.core.slots import ParamSpec
+from pdps.core.tables import check_tables
 from pdps.core.tasks import TaskSpec
 from pdps.core.wire import (
     AppliedRequest,
@@ -321,12 +322,16 @@ class TrainerContext(SyncRound, AsyncCadence):
             publisher = self._keys.trainer(self._publisher)
             wait_for_key(self._store, self._keys.model, f"trainer {self._publisher}'s model", unless=lambda: self._store.get(publisher) is None)
         row_tables = self._compute.tables(model, tables)  # before the replica: the tables leave the model
+        if row_tables and not any(p.requires_grad for p in model.parameters()):
+            raise ConfigError("the model holds sparse tables and no dense parameter: pdps needs at least one trainable dense parameter beside its tables")
         if row_tables:
             from pdps.roles.pserver import sparse_rule
 
             sparse_rule(self.config)  # a job whose optimizer has no row rule is refused here, before anything is published
-            if self.config.replicas > 1:
-                raise ConfigError("sparse tables with replicas > 1 are not built yet: run the job with replicas = 1")
+            # with replicas, a policy by which a slot's copies would diverge is refused here
+            check_tables(row_tables.specs, replicas=self.config.replicas, asynchronous=self.config.mode is Mode.ASYNC)
+            if self.config.export_url:
+                raise ConfigError("the model has sparse tables, and exporting a table's rows is not built yet: run the job without export_url")
         replica = self._compute.replica(model)
         specs_json = json.dumps([s.to_json() for s in replica.specs]).encode()
         tables_json = json.dumps([t.to_json() for t in row_tables.specs]).encode() if row_tables else None

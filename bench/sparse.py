@@ -49,7 +49,8 @@ what they must hold (the fill's update, then one update per step that drew them)
   (``/proc/<pid>/status``) after the attach and again after the fill; growth over the
   raw bytes of the rows it holds and their optimizer state (SGD: the row, 256 B;
   Adagrad: the row and its ``state_sum``, 512 B). The rows a pserver holds are counted
-  here from the ids' slots and the slot map.
+  here from the ids' slots and the slot map, and checked against what its row store
+  said as it stopped (``table_stats/<i>``), whose ``bytes`` are reported beside.
 * **CTR** (reported, no target): ``pdps.examples.ctr`` trained by ``pdps.simulate``
   (2 trainers x 2 pservers, in process, inproc, the example's settings: sync, Adagrad
   lr 0.02, batch 256, HashEmbedding(16)) on the first ``--ctr-samples`` samples of its
@@ -524,9 +525,27 @@ def run_processes(rows: int, steps: list[np.ndarray], warmup: int, repeats: int,
                     ids = len(steps[0])
                     throughput += [summarize("grpc", "grpc (pdps, 2 pserver processes)", ids, got["grpc"], step_bytes(ids)),
                                    summarize("tcp", "raw TCP echo (2 server processes)", ids, got[EchoRoute.label], step_bytes(ids))]  # fmt: skip
-            for s in servers[name]:  # they stop while the next job fills (each waited for on the way out)
+            for s in servers[name]:  # they stop while the next job fills
                 s.terminate()
+        stop_all([s for group in servers.values() for s in group])
+        for name, rule in jobs:  # what each row store said it held, as it stopped
+            store_bytes(store, name, [m for m in memory if m["rule"] == rule])
     return throughput, memory, {"fill_s": fills}
+
+
+def store_bytes(store: Any, job: str, rows: list[dict[str, Any]]) -> None:
+    """Add to each pserver's memory row what its row store said it held (``table_stats/<i>``,
+    which a pserver writes as it stops): ``store_bytes``, per row and over the raw bytes."""
+    from pdps.core.job import Keys
+
+    for m in rows:
+        kv = store.get(Keys(job).table_stats(m["pserver"]))
+        if kv is None:
+            raise RuntimeError(f"job {job!r}: pserver {m['pserver']} left no table_stats record")
+        stats = json.loads(kv.value)["tables"][TABLE]
+        if stats["rows"] != m["rows"]:
+            raise RuntimeError(f"job {job!r}: pserver {m['pserver']} holds {stats['rows']:,} rows, not the {m['rows']:,} its slots own")
+        m.update(store_bytes=stats["bytes"], store_bytes_per_row=stats["bytes"] / m["rows"], store_ratio=stats["bytes"] / m["raw_bytes"])
 
 
 # --- CTR ----------------------------------------------------------------------------------
@@ -642,10 +661,13 @@ def print_table(report: dict[str, Any]) -> None:
     if report["memory"]:
         say("")
         say(f"pserver memory: RSS growth over the fill of {c['rows']:,} rows against the raw bytes of the rows and their optimizer state")
-        say(f"{'rule':<8} {'pserver':>7} {'rows':>11} {'RSS before MiB':>14} {'after MiB':>10} {'B/row':>7} {'raw B/row':>9} {'ratio':>7}")
+        say(f"{'rule':<8} {'pserver':>7} {'rows':>11} {'RSS before MiB':>14} {'after MiB':>10} {'B/row':>7} {'raw B/row':>9} {'ratio':>7} "
+            f"{'store B/row':>11} {'store ratio':>11}")  # fmt: skip
         for r in report["memory"]:
             say(f"{r['rule']:<8} {r['pserver']:>7} {r['rows']:>11,} {r['rss_before'] / 2**20:>14,.0f} {r['rss_after'] / 2**20:>10,.0f} "
-                f"{r['bytes_per_row']:>7.0f} {r['row_bytes']:>9} {r['ratio']:>7.3f}")  # fmt: skip
+                f"{r['bytes_per_row']:>7.0f} {r['row_bytes']:>9} {r['ratio']:>7.3f} {r.get('store_bytes_per_row', float('nan')):>11.0f} "
+                f"{r.get('store_ratio', float('nan')):>11.3f}")  # fmt: skip
+        say("(ratio: RSS growth / raw bytes, the target's figure; store: the bytes the row store says it holds, table_stats)")
     if report["ctr"] is not None:
         x = report["ctr"]
         say("")

@@ -38,6 +38,7 @@ def test_the_sparse_suite_reports_rows_per_s_against_baselines_memory_per_row_an
         for m in held:
             assert m["row_bytes"] == raw and m["rss_after"] > m["rss_before"]
             assert m["ratio"] == pytest.approx((m["rss_after"] - m["rss_before"]) / (m["rows"] * raw))
+            assert 1.0 < m["store_ratio"] < 1.3  # the store's own bytes: the row and state, ~25 B of index, under a chunk of slack
     assert ratios["memory"]["value"] == pytest.approx(max(m["ratio"] for m in memory))
 
     ctr = report["ctr"]

@@ -363,7 +363,7 @@ def online_speculation_detail(report: Report) -> str:
 
 
 # sparse: {"throughput": [{"route", "label", "rows_per_s", "step_s", ...}], "memory": [{"rule", "pserver", "rows", "ratio",
-#          "bytes_per_row", "row_bytes", ...}], "ctr": {"pdps": {"samples_per_s"}, "torch": {"samples_per_s"}} | None,
+#          "bytes_per_row", "row_bytes", "store_bytes_per_row", ...}], "ctr": {"pdps": {"samples_per_s"}, "torch": {"samples_per_s"}} | None,
 #          "ratios": {"grpc_vs_tcp" | "inproc_vs_local": {"value", "rows_per_s", "baseline_rows_per_s", "row", "baseline"},
 #                     "memory": {"value", "rule", "pserver", "bytes_per_row", "row_bytes"}, "ctr_vs_torch": {"value", ...}}}
 
@@ -533,6 +533,9 @@ def suite_figures(suite: str, report: Report) -> list[tuple[str, float, str]]:
         for r in get(report, "memory", suite=suite):
             label = f"{r.get('rule')}, pserver {r.get('pserver')}: RSS a row"
             out.append((label, number(r.get("bytes_per_row"), f"{label} bytes_per_row", suite=suite), "B"))
+            if "store_bytes_per_row" in r:  # what the row store says it holds (table_stats)
+                label = f"{r.get('rule')}, pserver {r.get('pserver')}: row store a row"
+                out.append((label, number(r["store_bytes_per_row"], f"{label} store_bytes_per_row", suite=suite), "B"))
         ctr = report.get("ctr")
         if isinstance(ctr, Mapping):
             out.append(("CTR: pdps, 2 trainers x 2 pservers", number(get(ctr, "pdps", "samples_per_s", suite=suite), "ctr.pdps.samples_per_s", suite=suite), "samples/s"))

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 #: Unraced finishes the median is taken over (soft state: a restarted master starts empty).
 RING = 64
-#: Backups one attempt may beat before it is raced no more.
+#: Backups a task may be raced by per dispatch, whichever attempt wins each race.
 MAX_BACKUPS = 3
 
 

@@ -131,6 +131,9 @@ class TaskRecord:
     #: the highest attempt number ever handed out for the task (a beaten backup's, too):
     #: the next attempt is ``issued + 1``
     issued: int = attrs.field(default=attrs.Factory(lambda rec: rec.attempt, takes_self=True))
+    #: backups started since the task was last dispatched (pending only): a task is raced
+    #: :data:`MAX_BACKUPS` times at most per dispatch, whichever attempt wins each race
+    raced: int = 0
 
     def to_json(self) -> dict:
         # attrs.asdict's dict, spelled out (it is on every transition), with the state's value
@@ -149,6 +152,8 @@ class TaskRecord:
             d["backup"] = self.backup.to_json()
         if self.issued != self.attempt:
             d["issued"] = self.issued
+        if self.raced:
+            d["raced"] = self.raced
         return d
 
     @classmethod
@@ -164,6 +169,7 @@ class TaskRecord:
             offset=int(d.get("offset", 0)),
             backup=None if d.get("backup") is None else Racer.from_json(d["backup"]),
             issued=int(d.get("issued", d["attempt"])),
+            raced=int(d.get("raced", 0)),
         )
 
 
@@ -503,7 +509,8 @@ class TaskQueue:
         # one string per trainer, not one per dispatch: the audit keeps the name of every attempt
         trainer = sys.intern(trainer)
         new = self._move(
-            rec, Event.DISPATCH, State.PENDING, attempt=rec.issued + 1, issued=rec.issued + 1, trainer=trainer, deadline=now + self.timeout
+            rec, Event.DISPATCH, State.PENDING, attempt=rec.issued + 1, issued=rec.issued + 1, trainer=trainer, deadline=now + self.timeout,
+            raced=0,
         )
         assignment = Assignment(
             task=self._specs[tid], attempt=new.attempt, pass_no=self._pass_no, deadline=now + self.timeout, offset=rec.offset
@@ -703,15 +710,17 @@ class TaskQueue:
         """The pending task a backup attempt by ``trainer`` should race, or None: the one
         furthest past its expected time (:meth:`Speculation.overdue`), among those with no
         backup that ``trainer`` does not hold and whose attempt has beaten fewer than
-        :data:`MAX_BACKUPS` backups, while ``trainer`` has room. Changes nothing."""
+        :data:`MAX_BACKUPS` backups since it was dispatched, while ``trainer`` has room.
+        Changes nothing."""
         if not self.speculation.enabled or len(self._by_trainer.get(trainer, ())) >= self.max_in_flight:
             return None
         best: tuple[float, int] | None = None
         for t in self._pending:
             rec = self._records[t]
-            # a primary mid-step often commits the range a fresh backup starts at, and wins: it
-            # may be raced again, by MAX_BACKUPS at most (a primary that is not slow is not raced forever)
-            if rec.backup is not None or rec.issued - rec.attempt >= MAX_BACKUPS or rec.trainer == trainer or rec.deadline is None:
+            # a primary mid-step often commits the range a fresh backup starts at, and wins; a
+            # backup that wins holds the task and may be raced in turn: MAX_BACKUPS races per
+            # dispatch at most, whoever wins them (a task that is only long is not raced forever)
+            if rec.backup is not None or rec.raced >= MAX_BACKUPS or rec.trainer == trainer or rec.deadline is None:
                 continue
             late = self.speculation.overdue(now - (rec.deadline - self.timeout), self._specs[t].records - rec.offset)
             if late is not None and (best is None or (late, -t) > (best[0], -best[1])):
@@ -746,7 +755,7 @@ class TaskQueue:
         if not rec.offset <= offset < self._specs[task_id].records:
             raise refuse(f"offset {offset} is outside records [{rec.offset}, {self._specs[task_id].records}) of the running attempt")
         backup = Racer(attempt, sys.intern(trainer), now + self.timeout, offset)
-        new = self._move(rec, Event.SPECULATE, State.PENDING, backup=backup, issued=attempt)
+        new = self._move(rec, Event.SPECULATE, State.PENDING, backup=backup, issued=attempt, raced=rec.raced + 1)
         return [TaskChanged(new, Event.SPECULATE)]
 
     def beaten(self, task_id: int, attempt: int) -> list[Change]:

@@ -6,7 +6,7 @@ import pytest
 
 from pdps.core.audit import AuditLog, Outcome, record_counts
 from pdps.core.errors import ConfigError, InvalidTransition
-from pdps.core.speculation import AttemptEnded, Racer, Speculation
+from pdps.core.speculation import MAX_BACKUPS, AttemptEnded, Racer, Speculation
 from pdps.core.tasks import Assignment, Event, State, TaskChanged, TaskQueue, TaskRecord, TaskSpec, WaitReason
 
 RECORDS = 100
@@ -122,6 +122,31 @@ def test_beaten_ends_the_loser_and_a_backup_expiring_leaves_the_primary():
     assert q.beaten(t, 3)[1] == AttemptEnded(t, 3, "other", Event.BEATEN, 60)
     assert q.record(t).backup is None and q.record(t).issued == 3
     assert q.beaten(t, 3)[0].reason  # no race any more: ignored
+
+
+def test_a_task_is_raced_max_backups_times_per_dispatch_whichever_attempt_wins():
+    """Each backup wins its race and holds the task, and is a straggler in its turn: after
+    MAX_BACKUPS races the task is raced no more, until it is handed out again."""
+    q = queue(enabled=True)
+    now = finish_some(q, 8, 1.0)
+    a, _ = q.dispatch("t0", now)
+    t, holder, trainers = a.task.id, a.attempt, ("t0", "t1")
+    for race in range(MAX_BACKUPS):
+        now += 10.0
+        other = trainers[(race + 1) % 2]
+        assert q.straggler(other, now).id == t
+        q.speculate(t, other, q.record(t).issued + 1, q.record(t).offset, now)
+        backup = q.record(t).issued
+        q.beaten(t, holder)  # the backup committed first: it holds the task alone
+        holder = backup
+        assert (q.record(t).attempt, q.record(t).raced) == (backup, race + 1)
+    idle = next(x for x in trainers if x != q.record(t).trainer)
+    assert q.straggler(idle, now + 1000.0) is None
+    assert TaskRecord.from_json(q.record(t).to_json()) == q.record(t)  # a new master reads the count
+    q.give_back(t, holder, 0)
+    b, _ = q.dispatch("t0", now)
+    assert b.task.id == t and q.record(t).raced == 0
+    assert q.straggler("t1", now + 1000.0).id == t
 
 
 def test_both_racers_expiring_requeue_the_task_as_one_failure():

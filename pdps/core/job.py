@@ -314,6 +314,8 @@ class Keys:
                           (written by each pserver that received slots)
     ``ps/<index>``        a pserver's claim of its index, with its address (leased)
     ``trainers/<id>``     a live trainer (leased)
+    ``pipeline/ranks/<r>``  a pipeline job's rank r, claimed by a trainer: {member, addr}
+                          (:class:`pdps.core.hybrid.RankClaim`; leased)
     ``model``             the model's parameter specs (JSON), set by the first trainer
     ``model_tables``      the model's sparse tables ([TableSpec JSON, ...]), written with
                           ``model`` in the same transaction (absent: the model has none)
@@ -511,6 +513,18 @@ class Keys:
     def trainer_id(self, key: str) -> str:
         """The trainer id in a ``trainers/<id>`` key."""
         return key[len(self.trainers) :]
+
+    @property
+    def pipeline_ranks(self) -> str:
+        return self.root + "pipeline/ranks/"
+
+    def pipeline_rank(self, rank: int) -> str:
+        return f"{self.pipeline_ranks}{rank}"
+
+    def pipeline_rank_of(self, key: str) -> int | None:
+        """The rank in a ``pipeline/ranks/<r>`` key; None for any other key."""
+        tail = key[len(self.pipeline_ranks) :] if key.startswith(self.pipeline_ranks) else ""
+        return int(tail) if tail.isdigit() and tail.isascii() and self.pipeline_rank(int(tail)) == key else None
 
     @property
     def model(self) -> str:

@@ -1,4 +1,5 @@
-"""Waiting for a key to appear in the coordination store, by watching it.
+"""Waiting for a key to appear in the coordination store (or for the keys under a
+prefix to say what the waiter needs: :func:`watch_until`), by watching it.
 
 A watch wakes the waiter at the write, with no poll interval to pay. Watches may
 miss an event (Redis's pub/sub is at-most-once across a reconnect), so the waiter
@@ -12,11 +13,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 from pdps.core.errors import Timeout
-from pdps.ports.coordination import CoordinationStore, EventType, WatchEvent
+from pdps.ports.coordination import CoordinationStore, WatchEvent
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 #: Seconds between reads of the key while waiting (the safety net under the watch).
 REREAD = 0.5
@@ -30,28 +34,41 @@ def wait_for_key(
     """The value of ``key`` once it exists; ``None`` if ``unless()`` turns true first
     (it is asked at least every ``REREAD`` seconds). Raises :class:`Timeout` after
     ``timeout`` seconds, naming ``what`` and the key."""
-    appeared = threading.Event()
+
+    def look() -> tuple[bytes | None] | None:
+        kv = store.get(key)
+        if kv is not None:
+            return (kv.value,)
+        return (None,) if unless is not None and unless() else None
+
+    return watch_until(store, key, look, timeout, lambda: f"{what} ({key})")[0]
+
+
+def watch_until(store: CoordinationStore, prefix: str, look: Callable[[], T | None], timeout: float, what: Callable[[], str]) -> T:
+    """What ``look()`` returns once it is not None. ``look`` runs once the watch on
+    ``prefix`` is up (so a write in between is seen), after every write or delete
+    under it, and at least every ``REREAD`` seconds. Past ``timeout`` seconds raises
+    :class:`Timeout` naming ``what()`` (called then, so it can say what is still missing)."""
+    moved = threading.Event()
 
     def on_event(event: WatchEvent) -> None:
-        if event.key == key and event.type is EventType.PUT:
-            appeared.set()
+        if event.key.startswith(prefix):
+            moved.set()
 
-    watch = store.watch(key, on_event)
+    watch = store.watch(prefix, on_event)
     try:
         start = logged = time.monotonic()
         while True:
-            kv = store.get(key)  # after the watch is set up: a write in between is seen
-            if kv is not None:
-                return kv.value
-            if unless is not None and unless():
-                return None
+            found = look()
+            if found is not None:
+                return found
             now = time.monotonic()
             if now - start > timeout:
-                raise Timeout(f"gave up after {timeout:.0f}s waiting for {what} ({key})")
+                raise Timeout(f"gave up after {timeout:.0f}s waiting for {what()}")
             if now - logged > LOG_EVERY:
                 logged = now
-                log.warning("waiting %.0fs for %s (%s)", now - start, what, key)
-            appeared.wait(min(REREAD, max(0.0, start + timeout - now) + 0.01))
-            appeared.clear()
+                log.warning("waiting %.0fs for %s", now - start, what())
+            moved.wait(min(REREAD, max(0.0, start + timeout - now) + 0.01))
+            moved.clear()
     finally:
         watch.cancel()

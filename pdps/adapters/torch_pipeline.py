@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from pdps.core.errors import BadRequest, ConfigError
-from pdps.core.pipeline import COMPUTE, Action, Op, check_schedule, lower_rank
+from pdps.core.pipeline import Action, Op, check_rank, lower_rank
 from pdps.ports.link import Link
 
 __all__ = ["StageRunner", "split"]
@@ -158,14 +158,10 @@ class StageRunner:
         self._step = self._step if step is None else step
         tag = f"{self._step}"
         self._step += 1
-        compute = [a for a in actions if a.op in COMPUTE]
-        wrong = [a for a in actions if a.stage != self.stage]
-        if wrong:
-            raise ConfigError(f"the runner of stage {self.stage} was given {wrong[0]}: one runner runs one stage (run interleaved chunks with a runner each)")
-        microbatches = 1 + max((a.microbatch for a in compute), default=-1)
-        if microbatches < 1:
-            raise ConfigError(f"stage {self.stage} was given no F or B to run")
-        check_schedule([[attrs.evolve(a, stage=0) for a in compute]], 1, microbatches)
+        if any(a.stage != self.stage for a in actions):
+            wrong = next(a for a in actions if a.stage != self.stage)
+            raise ConfigError(f"the runner of stage {self.stage} was given {wrong}: one runner runs one stage (run interleaved chunks with a runner each)")
+        microbatches = check_rank(actions, self.stage, self.stages)
         lowered = lower_rank(actions, self.stages, {self.stage})
 
         pieces: list[Any] = []
@@ -191,7 +187,7 @@ class StageRunner:
         held_out: dict[int, Any] = {}
         grads_from_next: dict[int, list[torch.Tensor]] = {}
         grads_to_prev: dict[int, list[torch.Tensor]] = {}
-        loss = torch.zeros(())
+        loss: Any = 0.0
         self.activations = self.peak_activations = 0
         for a in lowered:
             mb, mtag = a.microbatch, f"{tag}/{a.microbatch}"

@@ -45,7 +45,7 @@ from pdps.core.errors import ConfigError
 
 __all__ = [
     "Action", "Op", "Schedule", "ScheduleError", "SimResult", "Span", "bubble_theory",
-    "check_schedule", "gpipe", "interleaved_1f1b", "lower", "lower_rank", "one_f_one_b",
+    "check_rank", "check_schedule", "gpipe", "interleaved_1f1b", "lower", "lower_rank", "one_f_one_b",
     "simulate",
 ]
 
@@ -269,7 +269,8 @@ def check_schedule(schedule: Sequence[Sequence[Action]], stages: int, microbatch
     for r, actions in enumerate(schedule):
         for i, a in enumerate(actions):
             if a in where:
-                raise ScheduleError(f"{a} is listed twice (rank {where[a][0]} and rank {r}): each action runs once")
+                first = f"position {where[a][1]}" if where[a][0] == r else f"rank {where[a][0]}"
+                raise ScheduleError(f"{a} is listed twice on rank {r} (also at {first}): each action runs once")
             where[a] = (r, i)
     for s in range(stages):
         for m in range(microbatches):
@@ -305,6 +306,44 @@ def check_schedule(schedule: Sequence[Sequence[Action]], stages: int, microbatch
             for r in stuck
         )
         raise ScheduleError(f"the ranks wait on each other forever: {waits}")
+
+
+def check_rank(actions: Sequence[Action], stage: int, stages: int) -> int:
+    """Refuse (:class:`ScheduleError`) one rank's actions that cannot run stage ``stage``
+    of ``stages`` on their own (a stage runner's check; :func:`check_schedule` sees the
+    whole pipeline): an action of another stage, an ``F`` or ``B`` missing or twice, a
+    ``B`` before its ``F``; lowered actions also with their sends and receives each once,
+    after (sends) or before (receives) their compute. Returns the number of microbatches."""
+    _check_counts(stages=stages)
+    for i, a in enumerate(actions):
+        if not isinstance(a, Action) or not isinstance(a.op, Op):
+            raise ScheduleError(f"action {i} of stage {stage} is not an Action with an Op: {a!r}")
+        if a.stage != stage:
+            raise ScheduleError(f"action {i} for stage {stage} is {a}: one rank's list names one stage here")
+        if not isinstance(a.microbatch, int) or a.microbatch < 0:
+            raise ScheduleError(f"action {i} of stage {stage} has microbatch {a.microbatch!r}: microbatches count from 0")
+    compute = [a for a in actions if a.op in COMPUTE]
+    microbatches = 1 + max((a.microbatch for a in compute), default=-1)
+    if microbatches < 1:
+        raise ScheduleError(f"stage {stage} was given no F or B to run")
+    lowered = lower_rank(actions, stages, {stage})
+    where: dict[Action, int] = {}
+    for i, a in enumerate(lowered):
+        if where.setdefault(a, i) != i:
+            raise ScheduleError(f"{a} is listed twice (positions {where[a]} and {i}): each action runs once")
+    expected = lower_rank([a for m in range(microbatches) for a in (F(m, stage), B(m, stage))], stages, {stage})
+    for a in sorted(expected, key=lambda a: a.op not in COMPUTE):  # a missing F or B first: its sends are gone too
+        if a not in where:
+            raise ScheduleError(f"{a} is missing: every microbatch runs F and B on every stage once, with its sends and receives")
+    known = set(expected)
+    for a in lowered:
+        if a not in known:
+                raise ScheduleError(f"{a} has no peer: stage {stage} of {stages} sends and receives nothing there")
+    for a, i in where.items():
+        for need in _needs(a, stages, range(stages)):
+            if need.stage == stage and where[need] > i:
+                raise ScheduleError(f"{a} comes before {need} (positions {i} and {where[need]}), which it needs")
+    return microbatches
 
 
 # -- simulation ------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from pdps.core.pipeline import (
     Op,
     ScheduleError,
     bubble_theory,
+    check_rank,
     check_schedule,
     gpipe,
     interleaved_1f1b,
@@ -46,6 +47,9 @@ def test_gpipe_and_1f1b_run_and_their_bubble_is_the_theory(pm):
         schedule = make(P, M)
         check_schedule(schedule, P, M)
         check_schedule(lower(schedule), P, M)
+        for stage, (actions, lowered) in enumerate(zip(schedule, lower(schedule))):
+            assert check_rank(actions, stage, P) == M
+            assert check_rank(lowered, stage, P) == M
         sim = simulate(schedule, 1.0, 1.0)
         assert sim.makespan == pytest.approx(2.0 * (M + P - 1))
         assert sim.busy == pytest.approx([2.0 * M] * P)
@@ -246,3 +250,24 @@ def test_bad_counts_and_shapes_are_refused():
     with pytest.raises(ScheduleError, match="stage 1 has no action on any rank"):
         check_schedule(gpipe(1, 2), 2, 2)
     assert math.isclose(bubble_theory(1, 5), 0.0)
+
+
+def test_one_ranks_actions_are_checked_on_their_own():
+    stage1 = lower(one_f_one_b(3, 2))[1]
+    assert check_rank(stage1, 1, 3) == 2
+    with pytest.raises(ScheduleError, match="BACKWARD of microbatch 1 on stage 1 comes before FORWARD of microbatch 1 on stage 1"):
+        check_rank([F(0, 1), B(0, 1), B(1, 1), F(1, 1)], 1, 3)
+    with pytest.raises(ScheduleError, match="FORWARD of microbatch 1 on stage 1 is missing"):
+        check_rank([F(0, 1), B(0, 1), B(1, 1)], 1, 3)
+    with pytest.raises(ScheduleError, match="listed twice"):
+        check_rank([F(0, 1), F(0, 1), B(0, 1)], 1, 3)
+    with pytest.raises(ScheduleError, match="action 1 for stage 1 is BACKWARD of microbatch 0 on stage 2"):
+        check_rank([F(0, 1), B(0, 2)], 1, 3)
+    no_recv = [a for a in stage1 if a != Action(Op.RECV_GRAD, 1, 1)]
+    with pytest.raises(ScheduleError, match="RECV_GRAD of microbatch 1 on stage 1 is missing"):
+        check_rank(no_recv, 1, 3)
+    late = [a for a in stage1 if a != Action(Op.RECV_ACT, 0, 1)] + [Action(Op.RECV_ACT, 0, 1)]
+    with pytest.raises(ScheduleError, match="FORWARD of microbatch 0 on stage 1 comes before RECV_ACT of microbatch 0 on stage 1"):
+        check_rank(late, 1, 3)
+    with pytest.raises(ScheduleError, match="SEND_GRAD of microbatch 0 on stage 0 has no peer"):
+        check_rank(lower(gpipe(2, 1))[0] + [Action(Op.SEND_GRAD, 0, 0)], 0, 2)

@@ -268,5 +268,7 @@ def test_runner_refusals_and_bounded_waits():
     last = StageRunner(stages[1], 1, 2, boxes.link(1), mse, timeout=0.2)
     with pytest.raises(ConfigError, match="first stage takes the batch"):
         last.run(gpipe(2, 1)[1], x, y)
+    with pytest.raises(ConfigError, match="SEND_ACT of microbatch 0 on stage 1 has no peer: stage 1 of 2"):  # nothing after the last stage
+        last.run(lower(gpipe(3, 1))[1])
     with pytest.raises(Timeout, match="targets"):  # nobody sends: the wait ends
         last.run(lower(gpipe(2, 1))[1])

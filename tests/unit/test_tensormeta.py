@@ -69,7 +69,7 @@ def test_round_trip_for_every_dtype_and_1_to_8_tensors(metas, several):
     assert decode_meta(np.array(vector, dtype=np.int64)) == (tuple(metas), expect_several)  # numpy ints are ints
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(messages, st.data())
 def test_a_truncated_vector_is_refused_where_it_ends(metas, data):
     vector = encode_meta(metas)
@@ -78,7 +78,7 @@ def test_a_truncated_vector_is_refused_where_it_ends(metas, data):
         decode_meta(vector[:cut])
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(messages, st.lists(st.integers(-5, 5), min_size=1, max_size=4))
 def test_values_left_over_are_refused(metas, extra):
     vector = encode_meta(metas)
@@ -86,7 +86,7 @@ def test_values_left_over_are_refused(metas, extra):
         decode_meta(vector + extra)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(messages, st.data(), st.sampled_from(["3", 1.0, None, True, [1], 2.5]))
 def test_a_value_that_is_not_an_int_is_refused_at_its_position(metas, data, bad):
     vector: list = encode_meta(metas)

@@ -35,6 +35,7 @@ from pdps.core.errors import (
     GradientRejected,
     InvalidTransition,
     LeaseExpired,
+    MetaError,
     MissingExtraError,
     NoSuchJob,
     NoSuchPass,
@@ -82,7 +83,7 @@ _LAZY = {
 __all__ = [
     "DEFAULT_JOB", "BadRequest", "Batch", "ConfigError", "ControlPlaneReport", "Contended", "CorruptCheckpoint", "CorruptExport", "CorruptRecord", "DatasetError", "EpochChanged", "ExportConflict",
     "Faults", "FencingError", "GradientRejected", "InvalidTransition", "JobConfig", "Killed", "LeaseExpired",
-    "MissingExtraError", "Mode", "NoSuchJob", "NoSuchPass", "NotInitialized", "NotReady", "PdpsError",
+    "MetaError", "MissingExtraError", "Mode", "NoSuchJob", "NoSuchPass", "NotInitialized", "NotReady", "PdpsError",
     "ResizeInProgress", "SimulationResult", "SlotMapChanged", "StalePush", "StepRecord", "StorageError", "StoreError", "StoreUnavailable", "Timeout",
     "TrainerContext", "TransportError", "UnknownSchemeError", "UnknownTaskError",
     "fetch_parameters", "open_compute", "open_data_source", "open_storage", "open_store", "open_transport", "scale", "simulate",

@@ -83,6 +83,14 @@ class GradientRejected(BadRequest):
     code = "gradient_rejected"
 
 
+class MetaError(BadRequest):
+    """A pipeline message's tensor meta (:mod:`pdps.core.tensormeta`) is malformed, names
+    an id its receiver does not know, or does not match the bytes that came with it;
+    nothing was delivered. The message names the position or the tensor."""
+
+    code = "meta"
+
+
 class ResizeInProgress(ConfigError):
     """A resize was asked for while another one of the same job is in progress (one at
     a time): wait for it (``pdps scale --wait``), or ask again once ``pdps status``

@@ -39,7 +39,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol
+from typing import Any
 
 from pdps.core.errors import BadRequest, ConfigError, GradientRejected, MetaError, Timeout, TransportError
 from pdps.core.tensormeta import (
@@ -56,6 +56,7 @@ from pdps.core.tensormeta import (
     encode_meta,
     signature,
 )
+from pdps.ports.link import Link
 from pdps.ports.transport import Channel, ConcurrentCalls, Message, Transport
 
 log = logging.getLogger(__name__)
@@ -68,23 +69,7 @@ SEND_THREADS = 8
 
 Tensor = Any  # a torch.Tensor: this module does not import torch
 
-
-class Link(Protocol):
-    """What a stage runner needs of p2p (:class:`P2P` over a transport; fakes too)."""
-
-    def send(self, peer: int, tag: str, tensors: Sequence[Tensor], *, stop_gradient: Sequence[bool] | None = None) -> None:
-        """Deliver ``tensors`` to ``peer``'s mailbox under ``tag``; returns once they are there."""
-        ...
-
-    def recv(self, peer: int, tag: str, *, timeout: float | None = None) -> list[Tensor]:
-        """The tensors ``peer`` sent under ``tag``, waiting up to ``timeout`` seconds (Timeout past it)."""
-        ...
-
-    def batch_send_recv(
-        self, sends: Sequence[tuple[int, str, Sequence[Tensor]]], recvs: Sequence[tuple[int, str]], *, timeout: float | None = None
-    ) -> list[list[Tensor]]:
-        """Every send, then every receive; the received tensors in the order of ``recvs``."""
-        ...
+__all__ = ["METHOD", "P2P", "Link"]
 
 
 class _Outgoing:

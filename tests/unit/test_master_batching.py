@@ -317,9 +317,10 @@ def test_the_default_cap_is_etcds():
 
 def test_record_encoding_spells_out_every_field():
     # TaskRecord/TaskSpec.to_json are written out by hand for speed: a new field must be added there
-    assert [f.name for f in attrs.fields(TaskRecord)] == ["id", "pass_no", "state", "attempt", "failures", "trainer", "deadline", "offset", "backup", "issued"]
+    assert [f.name for f in attrs.fields(TaskRecord)] == ["id", "pass_no", "state", "attempt", "failures", "trainer", "deadline", "offset", "backup", "issued", "raced"]
     assert [f.name for f in attrs.fields(TaskSpec)] == ["id", "location", "part", "records"]
-    rec = TaskRecord(id=3, pass_no=1, state=State.PENDING, attempt=2, failures=1, trainer="t", deadline=9.5, offset=4, backup=Racer(3, "u", 10.0, 6), issued=3)
+    rec = TaskRecord(id=3, pass_no=1, state=State.PENDING, attempt=2, failures=1, trainer="t", deadline=9.5, offset=4, backup=Racer(3, "u", 10.0, 6), issued=3, raced=2)
     expected = attrs.asdict(rec)
     expected["state"] = "pending"
     assert rec.to_json() == expected and list(rec.to_json()) == list(expected)
+    assert TaskRecord.from_json(rec.to_json()) == rec

@@ -244,7 +244,8 @@ class TorchCompute:
         given = optimizer_kwargs(kwargs)
         _check_argument_names(cls, name, given)
         args = _with_kernel_choice(cls, given, torch.device(self.device))
-        dummy = torch.zeros(1, device=self.device)
+        dtype = getattr(cls, "probe_dtype", lambda _: None)(given)  # a graph rule is traced for one dtype
+        dummy = torch.zeros(1, device=self.device, dtype=dtype)
         dummy.grad = torch.zeros_like(dummy)
         opt = _build(cls, name, [dummy], args, given)
         try:

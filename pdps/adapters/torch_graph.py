@@ -47,7 +47,7 @@ GRAPH = "graph"
 
 # Operators the tracer leaves that change no value (profiler marks are dropped, the
 # others stand for their input).
-_IDENTITY = frozenset({"lift_fresh_copy.default", "detach.default", "alias.default"})
+_IDENTITY = frozenset({"lift_fresh_copy.default", "detach.default", "detach_copy.default", "alias.default", "alias_copy.default"})
 _DROPPED_KWARGS = frozenset({"device", "layout", "pin_memory", "memory_format"})
 # built-in rules traced with tensor step counts (capturable) and one parameter at a time
 _TRACE_FLAGS = {"foreach": False, "fused": False, "capturable": True, "differentiable": False}
@@ -479,7 +479,8 @@ class GraphOptimizer(torch.optim.Optimizer):
         super().__init__(params, {})
         for group in self.param_groups:
             for p in group["params"]:
-                if str(p.dtype).removeprefix("torch.") != self.rule.dtype:
+                # (a pserver holding no blocks builds its rule over an empty tensor of any dtype)
+                if p.numel() and str(p.dtype).removeprefix("torch.") != self.rule.dtype:
                     raise BadGraph(
                         f"update rule {self.rule.about or self.rule.digest[:12]} was traced for {self.rule.dtype} parameters, "
                         f"this one is {str(p.dtype).removeprefix('torch.')}: convert it with the model's dtype", field="dtype",
@@ -487,6 +488,13 @@ class GraphOptimizer(torch.optim.Optimizer):
         self._compiled: dict[torch.device, tuple[CompiledProgram, CompiledProgram]] = {}
         device = next((p.device for g in self.param_groups for p in g["params"]), torch.device("cpu"))
         self._probe(device)
+
+    @staticmethod
+    def probe_dtype(kwargs: Mapping[str, Any]) -> torch.dtype | None:
+        """The dtype the rule in ``kwargs`` was traced for (what a check steps a probe in)."""
+        graph = kwargs.get("graph") if isinstance(kwargs, Mapping) else None
+        name = graph.get("dtype") if isinstance(graph, Mapping) else None
+        return _DTYPES.get(name) if isinstance(name, str) and name in ("float64", "float32", "float16", "bfloat16") else None
 
     def _programs(self, device: torch.device) -> tuple[CompiledProgram, CompiledProgram]:
         have = self._compiled.get(device)

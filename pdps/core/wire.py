@@ -847,5 +847,5 @@ class CheckpointRequest(MasterRequest):
 
 
 #: Every request class by role, in the order a role serves them.
-PSERVER_REQUESTS: tuple[type[Request], ...] = (InitRequest, PushRequest, PullRequest, AppliedRequest, MigrateRequest, ReplicateRequest)
+PSERVER_REQUESTS: tuple[type[Request], ...] = (InitRequest, PushRequest, PullRequest, AppliedRequest, MigrateRequest, ReplicateRequest, RuleRequest)
 MASTER_REQUESTS: tuple[type[Request], ...] = (GetTaskRequest, FinishTaskRequest, FailTaskRequest, GiveBackRequest, CheckpointRequest)

@@ -1131,6 +1131,8 @@ class Pserver:
         sent = digest(req.rule)
         own = self.config.optimizer_args.get("graph") if self.config.optimizer == "graph" else None
         with self._cond:
+            self._check_lease()
+            self._check_slot_map(req)
             return RuleReply(**self._state(), digest=sent, runs=isinstance(own, dict) and digest(own) == sent)
 
     def _pull(self, req: PullRequest) -> PullReply:

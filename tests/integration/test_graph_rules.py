@@ -23,6 +23,7 @@ from pdps.ports.transport import Message
 from pdps.roles.master import publish_job
 from pdps.roles.pserver import Pserver
 from tests.integration.test_inprocess_job import B, K, N, make_model, regression_dataset, train_mse
+from tests.integration.test_processes import procs  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.integration
 
@@ -157,3 +158,78 @@ def test_the_rule_a_pserver_runs_is_recognised_and_another_is_not(live):
     assert reply.meta["runs"] is True and len(reply.meta["digest"]) == 64
     other = pdps.graph_rule(Lion([torch.zeros(2, dtype=torch.float64)], lr=0.5))[1]["graph"]
     assert channel.call("rule", Message({"trainer": "t0", "rule": other}), timeout=10).meta.get("runs", False) is False
+
+
+# --- the acceptance run: processes over gRPC and etcd, pservers that cannot import this file ---
+
+ROWS, BATCH = 48, 8
+
+
+def test_lion_over_grpc_and_etcd_with_pserver_processes_that_cannot_import_it(etcd_server, procs, tmp_path):
+    """A master, 2 pservers and a trainer, each a ``python -m pdps ROLE`` process; the
+    pservers run from a folder whose import path holds ``pdps`` alone, so this module
+    (and its Lion) cannot be imported there. The job's final parameters equal
+    single-process Lion to 1e-10 (float64, sync)."""
+    import os
+    import subprocess
+    import sys
+    import uuid
+    from pathlib import Path
+
+    from pdps.adapters.parquet import write_parquet_shards
+    from pdps.registry import connect_store
+    from pdps.shell.status import job_config
+    from tests.integration.targets.graph_model import make_model as target_model
+
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(ROWS, 4))
+    y = np.stack([x[:, 0] - x[:, 1], x[:, 2] * x[:, 3]], axis=1)
+    data = f"{tmp_path.as_uri()}/d"
+    write_parquet_shards({"x": x, "y": y}, data, shards=1, row_group_size=ROWS)
+
+    name = f"graph-{uuid.uuid4().hex[:8]}"
+    optimizer, args = pdps.graph_rule(Lion(target_model().parameters(), **LION))
+    config = pdps.JobConfig(
+        name=name, dataset=data, mode="sync", trainers=1, pservers=2, batch_size=BATCH, passes=1,
+        optimizer=optimizer, optimizer_args=args, num_slots=16, min_block=4, lease_ttl=5.0,
+    )  # fmt: skip
+    store = connect_store(etcd_server.url)
+    publish_job(store, config)
+
+    bare = tmp_path / "bare"  # an import path with pdps alone
+    bare.mkdir()
+    (bare / "pdps").symlink_to(Path(pdps.__file__).parent)
+    env = {**os.environ, "PYTHONPATH": str(bare), "OMP_NUM_THREADS": "1"}
+    probe = subprocess.run([sys.executable, "-c", f"import tests.integration.{Path(__file__).stem}"], cwd=bare, env=env, capture_output=True, text=True)
+    assert probe.returncode != 0 and "No module named 'tests'" in probe.stderr, probe.stderr
+
+    common = ("--store", etcd_server.url, "--job", name)
+    pservers = []
+    try:
+        master = procs("master", *common)
+        for i in range(2):
+            with (tmp_path / f"pserver-{i}.log").open("w") as err:
+                pservers.append(subprocess.Popen([sys.executable, "-m", "pdps", "pserver", *common], cwd=bare, env=env, stdout=subprocess.DEVNULL, stderr=err))
+        trainer = procs("trainer", *common, "--trainer-id", "t0", f"{Path(__file__).parent / 'targets' / 'graph_model.py'}:train")
+        for p in (trainer, master):
+            assert p.wait(timeout=120) == 0, f"{p.args[3:5]} exited {p.returncode}"
+        got = pdps.fetch_parameters(store, GrpcTransport(connect_timeout=2), job_config(store, name))
+    finally:
+        for p in pservers:
+            if p.poll() is None:
+                p.kill()
+            p.wait(timeout=30)
+        for i in range(len(pservers)):
+            print(f"--- pserver {i} ---\n{(tmp_path / f'pserver-{i}.log').read_text()[-3000:]}")
+        store.close()
+
+    model = target_model()
+    opt = Lion(model.parameters(), **LION)
+    for k in range(ROWS // BATCH):
+        opt.zero_grad()
+        rows = slice(k * BATCH, (k + 1) * BATCH)
+        F.mse_loss(model(torch.from_numpy(x[rows])), torch.from_numpy(y[rows])).backward()
+        opt.step()
+    for n, w in model.named_parameters():
+        torch.testing.assert_close(got[n], w.detach(), rtol=0, atol=1e-10, msg=lambda m, n=n: f"{n}: {m}")
+    assert any(not torch.equal(w, target_model().state_dict()[n]) for n, w in got.items())

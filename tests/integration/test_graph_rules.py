@@ -23,7 +23,6 @@ from pdps.ports.transport import Message
 from pdps.roles.master import publish_job
 from pdps.roles.pserver import Pserver
 from tests.integration.test_inprocess_job import B, K, N, make_model, regression_dataset, train_mse
-from tests.integration.test_processes import procs  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.integration
 
@@ -165,10 +164,11 @@ def test_the_rule_a_pserver_runs_is_recognised_and_another_is_not(live):
 ROWS, BATCH = 48, 8
 
 
-def test_lion_over_grpc_and_etcd_with_pserver_processes_that_cannot_import_it(etcd_server, procs, tmp_path):
-    """A master, 2 pservers and a trainer, each a ``python -m pdps ROLE`` process; the
-    pservers run from a folder whose import path holds ``pdps`` alone, so this module
-    (and its Lion) cannot be imported there. The job's final parameters equal
+def test_lion_over_grpc_and_etcd_with_pserver_processes_that_cannot_import_it(etcd_server, tmp_path):
+    """2 pservers, each a ``python -m pdps pserver`` process, with the master and a
+    trainer in this process, over gRPC and etcd; the pservers run from a folder whose
+    import path holds ``pdps`` alone, so this module (and its Lion) cannot be imported
+    there. The job's final parameters equal
     single-process Lion to 1e-10 (float64, sync)."""
     import os
     import subprocess
@@ -178,8 +178,10 @@ def test_lion_over_grpc_and_etcd_with_pserver_processes_that_cannot_import_it(et
 
     from pdps.adapters.parquet import write_parquet_shards
     from pdps.registry import connect_store
-    from pdps.shell.status import job_config
+    from pdps.adapters.parquet import ParquetSource
+    from pdps.roles.master import Master
     from tests.integration.targets.graph_model import make_model as target_model
+    from tests.integration.targets.graph_model import train
 
     rng = np.random.default_rng(3)
     x = rng.normal(size=(ROWS, 4))
@@ -204,17 +206,23 @@ def test_lion_over_grpc_and_etcd_with_pserver_processes_that_cannot_import_it(et
     assert probe.returncode != 0 and "No module named 'tests'" in probe.stderr, probe.stderr
 
     common = ("--store", etcd_server.url, "--job", name)
-    pservers = []
+    pservers, transport = [], GrpcTransport(connect_timeout=5)
+    master = Master(store, transport, ParquetSource(data), config, address="grpc://127.0.0.1:0")
     try:
-        master = procs("master", *common)
         for i in range(2):
             with (tmp_path / f"pserver-{i}.log").open("w") as err:
                 pservers.append(subprocess.Popen([sys.executable, "-m", "pdps", "pserver", *common], cwd=bare, env=env, stdout=subprocess.DEVNULL, stderr=err))
-        trainer = procs("trainer", *common, "--trainer-id", "t0", f"{Path(__file__).parent / 'targets' / 'graph_model.py'}:train")
-        for p in (trainer, master):
-            assert p.wait(timeout=120) == 0, f"{p.args[3:5]} exited {p.returncode}"
-        got = pdps.fetch_parameters(store, GrpcTransport(connect_timeout=2), job_config(store, name))
+        master.start()
+        # the master and the trainer run here, over the same gRPC and etcd
+        ctx = pdps.TrainerContext(store, transport, TorchCompute("cpu"), ParquetSource(data), config, trainer_id="t0")
+        ctx.register()
+        try:
+            assert train(ctx)["steps"] == ROWS // BATCH
+        finally:
+            ctx.leave()
+        got = pdps.fetch_parameters(store, transport, config)
     finally:
+        master.stop()
         for p in pservers:
             if p.poll() is None:
                 p.kill()

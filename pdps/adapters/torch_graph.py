@@ -23,6 +23,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+import attrs
 import torch
 
 from pdps.core.errors import BadGraph, ConfigError
@@ -353,7 +354,23 @@ def _why_refused(op: str) -> str:
 
 def _aten(op: str) -> Any:
     packet, _, overload = op.partition(".")
-    return getattr(getattr(torch.ops.aten, packet), overload)
+    fn = getattr(getattr(torch.ops.aten, packet, None), overload, None)
+    if fn is None:
+        raise BadGraph(f"operator {op!r} does not exist in torch {torch.__version__}", operator=op)
+    return fn
+
+
+def _aten_out(op: str) -> Any:
+    """The ``out=`` overload taking the same arguments as ``op``, or None."""
+    packet, _, overload = op.partition(".")
+    holder = getattr(torch.ops.aten, packet)
+    sig = [(a.name, str(a.type)) for a in getattr(holder, overload)._schema.arguments]
+    for name in holder.overloads():
+        cand = getattr(holder, name)
+        args = cand._schema.arguments
+        if sum(a.is_out for a in args) == 1 and [(a.name, str(a.type)) for a in args if not a.is_out] == sig:
+            return cand
+    return None
 
 
 _DTYPES = {name: getattr(torch, name) for name in ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool")}
@@ -364,10 +381,28 @@ def _constant(c: Constant, device: torch.device) -> torch.Tensor:
     return t.to(device)
 
 
+@attrs.define
+class _Step:
+    fn: Any
+    out_fn: Any  # the out= overload (None: the operator has none, or its result is 0-d)
+    slot: int
+    bind: Callable[[list[Any]], tuple[list[Any], dict[str, Any]]]
+    drop: list[int]  # slots whose last use this is
+    candidates: list[int]  # parameter-shaped arguments dead after this node, that are not outputs
+    name: str
+    dtype: torch.dtype | None = None  # of the result, learnt on the first run
+
+
 class CompiledProgram:
     """A checked :class:`~pdps.core.updategraph.Program` bound to torch operators on a
-    device: ``run(*inputs)`` returns its outputs (the new parameter, then its state);
-    it writes into none of its inputs. Intermediates are dropped after their last use."""
+    device: ``run(*inputs)`` returns its outputs (the new parameter, then its state).
+
+    It writes into no input but those named ``writable`` (a pserver's parameter block and
+    its state: the rule then updates them in place, as torch's optimizers do): a
+    parameter-shaped result goes, through the operator's ``out=`` form, into an argument
+    no later node reads (a writable input or an intermediate) or into an intermediate
+    freed earlier in the run, so a step allocates about what an eager step does.
+    """
 
     def __init__(self, program: Program, device: str | torch.device, where: str) -> None:
         self.program = program
@@ -378,6 +413,7 @@ class CompiledProgram:
         for name, c in program.constants.items():
             slot[name] = len(slot)
             self._consts.append((slot[name], _constant(c, self.device)))
+        self._first_node = len(slot)
         for node in program.nodes:
             slot[node.name] = len(slot)
         last: dict[int, int] = {}
@@ -385,12 +421,18 @@ class CompiledProgram:
             for r in _refs(node):
                 last[slot[r]] = i
         outs = {slot[o] for o in program.outputs}
+        self._param_shaped = {slot[n] for n, k in program.kinds.items() if k == PARAM and n in slot}
         self._size = len(slot)
+        self._inputs = len(program.inputs)
         self._out = [slot[o] for o in program.outputs]
-        self._steps: list[tuple[Callable[..., Any], int, Callable[[list[Any]], tuple[list[Any], dict[str, Any]]], list[int], str]] = []
+        self._steps: list[_Step] = []
         for i, node in enumerate(program.nodes):
-            drop = [s for s, at in last.items() if at == i and s not in outs and s >= len(program.inputs)]
-            self._steps.append((_aten(node.op), slot[node.name], self._binder(node, slot), drop, node.name))
+            drop = [s for s, at in last.items() if at == i and s not in outs and (s < self._inputs or s >= self._first_node)]
+            param_shaped = program.kinds[node.name] == PARAM
+            out_fn = _aten_out(node.op) if param_shaped else None
+            args = [slot[r] for r in _refs(node)]
+            candidates = [s for s in dict.fromkeys(args) if s in self._param_shaped and last.get(s) == i and s not in outs]
+            self._steps.append(_Step(_aten(node.op), out_fn, slot[node.name], self._binder(node, slot), drop, candidates, node.name))
 
     def _binder(self, node: Any, slot: Mapping[str, int]) -> Callable[[list[Any]], tuple[list[Any], dict[str, Any]]]:
         def bind(value: Any) -> Callable[[list[Any]], Any]:
@@ -416,19 +458,39 @@ class CompiledProgram:
 
         return call
 
-    def run(self, *inputs: torch.Tensor) -> list[torch.Tensor]:
+    def run(self, *inputs: torch.Tensor, writable: Sequence[int] = ()) -> list[torch.Tensor]:
+        """The outputs for ``inputs`` (in :attr:`Program.inputs` order); the inputs at the
+        positions ``writable`` may be written into, the others are left as they are."""
         env: list[Any] = [None] * self._size
         env[: len(inputs)] = inputs
         for i, t in self._consts:
             env[i] = t
-        for fn, out, bind, drop, name in self._steps:
-            args, kwargs = bind(env)
+        mine = set(writable)  # slots whose storage this run may write
+        free: list[torch.Tensor] = []  # parameter-shaped intermediates no node reads any more
+        for step in self._steps:
+            args, kwargs = step.bind(env)
+            dest = None
+            if step.out_fn is not None and step.dtype is not None:
+                for s in step.candidates:
+                    t = env[s]
+                    if (s >= self._first_node or s in mine) and t.dtype == step.dtype and t.device == self.device:
+                        dest = t
+                        break
+                if dest is None:
+                    dest = next((t for t in free if t.dtype == step.dtype and t.shape == inputs[0].shape), None)
+                    if dest is not None:
+                        free = [t for t in free if t is not dest]
             try:
-                env[out] = fn(*args, **kwargs)
+                result = step.fn(*args, **kwargs) if dest is None else step.out_fn(*args, **kwargs, out=dest)
             except (TypeError, RuntimeError, ValueError, IndexError) as exc:
-                raise BadGraph(f"update rule {self.where}: node {name!r} failed: {exc}", node=name) from exc
-            for d in drop:
-                env[d] = None
+                raise BadGraph(f"update rule {self.where}: node {step.name!r} failed: {exc}", node=step.name) from exc
+            if step.dtype is None and isinstance(result, torch.Tensor):
+                step.dtype = result.dtype
+            env[step.slot] = result
+            for d in step.drop:
+                t, env[d] = env[d], None
+                if d >= self._first_node and d in self._param_shaped and t is not result and isinstance(t, torch.Tensor):
+                    free.append(t)
         return [env[i] for i in self._out]
 
 
@@ -486,6 +548,8 @@ class GraphOptimizer(torch.optim.Optimizer):
                         f"this one is {str(p.dtype).removeprefix('torch.')}: convert it with the model's dtype", field="dtype",
                     )
         self._compiled: dict[torch.device, tuple[CompiledProgram, CompiledProgram]] = {}
+        # a step writes the parameter and its state in place (input 1, the gradient, never)
+        self._writable = (0, *range(2, 2 + len(self.rule.state)))
         device = next((p.device for g in self.param_groups for p in g["params"]), torch.device("cpu"))
         self._probe(device)
 
@@ -538,10 +602,11 @@ class GraphOptimizer(torch.optim.Optimizer):
                 first, step = self._programs(p.device)
                 st = self.state[p]
                 if st:
-                    outs = step.run(p, grad, *[st[n] for n in names])
+                    outs = step.run(p, grad, *[st[n] for n in names], writable=self._writable)
                 else:
-                    outs = self._checked_outputs(first.run(p, grad), p, "first")
-                p.copy_(outs[0])
+                    outs = self._checked_outputs(first.run(p, grad, writable=(0,)), p, "first")
+                if outs[0] is not p:
+                    p.copy_(outs[0])
                 for n, t in zip(names, outs[1:]):
                     st[n] = t
 

@@ -58,7 +58,7 @@ DTYPES: Mapping[str, int] = {
 }
 
 _UNARY = ("abs", "neg", "sign", "sgn", "sqrt", "rsqrt", "exp", "expm1", "log", "log1p", "reciprocal", "sigmoid", "tanh", "relu", "square", "clone", "logical_not", "isnan", "isfinite", "floor", "ceil", "round", "trunc")
-_BINARY = ("add", "sub", "rsub", "mul", "div", "pow", "fmod", "remainder", "gt", "ge", "lt", "le", "eq", "ne")
+_BINARY = ("add", "sub", "rsub", "mul", "div", "fmod", "remainder", "gt", "ge", "lt", "le", "eq", "ne")
 
 #: Operators a rule may use (aten ``packet.overload``), each element-wise. Functional
 #: forms only: an in-place operator (``add_``) would write into a program's input.

@@ -146,3 +146,27 @@ def test_a_rule_for_another_dtype_or_a_broken_one_is_refused_when_the_shard_is_b
     broken["step"]["nodes"][0]["args"].append(3)  # an argument too many: the probe step finds it
     with pytest.raises(BadGraph, match="failed"):
         GraphOptimizer(params(), broken)
+
+
+def test_a_step_updates_parameter_and_state_in_place_and_never_the_gradient():
+    w = torch.randn(5, dtype=torch.float64)
+    opt = GraphOptimizer([w], graph_rule(torch.optim.Adam(params(), lr=0.05))[1]["graph"])
+    w.grad = torch.randn(5, dtype=torch.float64)
+    grad = w.grad.clone()
+    opt.step()  # first: makes the state
+    ptrs = {k: v.data_ptr() for k, v in opt.state[w].items()}
+    before = w.data_ptr()
+    opt.step()
+    assert w.data_ptr() == before and torch.equal(w.grad, grad)
+    assert {k: v.data_ptr() for k, v in opt.state[w].items() if v.dim()} == {k: p for k, p in ptrs.items() if opt.state[w][k].dim()}
+
+
+def test_running_a_program_leaves_inputs_that_are_not_writable_alone():
+    from pdps.adapters.torch_graph import checked, run_rule
+
+    rule = checked(graph_rule(torch.optim.Adam(params(), lr=0.05))[1]["graph"])
+    p, g = torch.randn(4, dtype=torch.float64), torch.randn(4, dtype=torch.float64)
+    first = run_rule(rule, p, g)
+    kept = [t.clone() for t in (p, g, *first[1:])]
+    run_rule(rule, p, g, first[1:])
+    assert all(torch.equal(a, b) for a, b in zip(kept, (p, g, *first[1:])))

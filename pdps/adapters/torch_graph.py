@@ -28,6 +28,7 @@ import torch
 
 from pdps.core.errors import BadGraph, ConfigError
 from pdps.core.updategraph import (
+    ALLOWED_OPS,
     DEFAULT_BUDGET,
     FORMAT,
     PARAM,
@@ -68,6 +69,7 @@ class _Cache:
 
 
 _CACHE = _Cache()
+_TRACE_LOCK = threading.Lock()
 
 
 def conversion_stats() -> dict[str, int]:
@@ -91,6 +93,8 @@ def convert(optimizer: torch.optim.Optimizer, dtype: torch.dtype | None = None) 
     (naming it and the user's source line where torch recorded one), ConfigError for
     an optimizer that cannot be traced. The same class, hyper-parameters and dtype are
     traced once (:func:`conversion_stats`); the result is a fresh copy each time.
+    Tracing sets torch's default dtype and its compiling flag for its duration (one
+    conversion at a time): convert before other threads make tensors.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError(f"convert takes a torch.optim.Optimizer instance, got {type(optimizer).__name__}")
@@ -107,7 +111,8 @@ def convert(optimizer: torch.optim.Optimizer, dtype: torch.dtype | None = None) 
         if cached is not None:
             _CACHE.hits += 1
             return json.loads(json.dumps(cached))
-    rule = _trace_rule(optimizer, cls, hyper, dtype)
+    with _TRACE_LOCK:  # tracing flips torch's process-wide default dtype and compiling flag
+        rule = _trace_rule(optimizer, cls, hyper, dtype)
     with _CACHE.lock:
         _CACHE.rules[key] = rule
         _CACHE.traced += 1
@@ -304,8 +309,6 @@ def _program_json(gm: torch.fx.GraphModule, inputs: list[str], owner: str) -> di
             if op == "copy_.default" and node.args[0].op == "placeholder":
                 continue  # functionalize writes results back into the inputs: the outputs carry them
             where = _where(node)
-            from pdps.core.updategraph import ALLOWED_OPS
-
             if op not in ALLOWED_OPS or ns != "aten":
                 at = f" at {where}" if where else ""
                 why = _why_refused(op)

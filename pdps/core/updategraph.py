@@ -57,7 +57,10 @@ DTYPES: Mapping[str, int] = {
     "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
 }
 
-_UNARY = ("abs", "neg", "sign", "sgn", "sqrt", "rsqrt", "exp", "expm1", "log", "log1p", "reciprocal", "sigmoid", "tanh", "relu", "square", "clone", "logical_not", "isnan", "isfinite", "floor", "ceil", "round", "trunc")
+_UNARY = (
+    "abs", "neg", "sign", "sgn", "sqrt", "rsqrt", "exp", "expm1", "log", "log1p", "reciprocal", "sigmoid", "tanh", "relu",
+    "square", "clone", "logical_not", "isnan", "isfinite", "floor", "ceil", "round", "trunc",
+)
 _BINARY = ("add", "sub", "rsub", "mul", "div", "fmod", "remainder", "gt", "ge", "lt", "le", "eq", "ne")
 
 #: Operators a rule may use (aten ``packet.overload``), each element-wise. Functional

@@ -432,7 +432,8 @@ class CompiledProgram:
         for i, node in enumerate(program.nodes):
             drop = [s for s, at in last.items() if at == i and s not in outs and (s < self._inputs or s >= self._first_node)]
             param_shaped = program.kinds[node.name] == PARAM
-            out_fn = _aten_out(node.op) if param_shaped else None
+            # copy's out= form copies self into out before src: out must not be src, so no out= for it
+            out_fn = _aten_out(node.op) if param_shaped and node.op != "copy.default" else None
             args = [slot[r] for r in _refs(node)]
             candidates = [s for s in dict.fromkeys(args) if s in self._param_shaped and last.get(s) == i and s not in outs]
             self._steps.append(_Step(_aten(node.op), out_fn, slot[node.name], self._binder(node, slot), drop, candidates, node.name))

@@ -170,3 +170,21 @@ def test_running_a_program_leaves_inputs_that_are_not_writable_alone():
     kept = [t.clone() for t in (p, g, *first[1:])]
     run_rule(rule, p, g, first[1:])
     assert all(torch.equal(a, b) for a, b in zip(kept, (p, g, *first[1:])))
+
+
+def test_a_hand_written_rule_runs_as_torch_sgd_with_momentum():
+    """The checker's sample rule, written by hand (no tracing): its step writes its result
+    into the second argument (the dead momentum buffer) and the parameter in place."""
+    from tests.unit.test_updategraph import sgd_momentum
+
+    a = torch.randn(6, dtype=torch.float64)
+    b = a.clone()
+    ref = torch.optim.SGD([a], lr=0.1, momentum=0.9)
+    opt = GraphOptimizer([b], sgd_momentum())
+    for k in range(4):
+        g = torch.randn(6, dtype=torch.float64, generator=torch.Generator().manual_seed(k))
+        a.grad, b.grad = g.clone(), g.clone()
+        ref.step()
+        opt.step()
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-12)
+        torch.testing.assert_close(opt.state[b]["buf"], ref.state[a]["momentum_buffer"], rtol=0, atol=1e-12)

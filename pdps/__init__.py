@@ -22,6 +22,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from pdps.core.errors import (
+    BadGraph,
     BadRequest,
     ConfigError,
     Contended,
@@ -60,6 +61,7 @@ from pdps.registry import open_compute, open_data_source, open_storage, open_sto
 if TYPE_CHECKING:
     from pdps.roles.trainer import Batch, Killed, StepRecord, TrainerContext
     from pdps.shell.control_plane import ControlPlaneReport, simulate_control_plane
+    from pdps.adapters.torch_graph import graph_rule
     from pdps.shell.faults import Faults
     from pdps.shell.sim import SimulationResult, fetch_parameters, simulate
 
@@ -78,15 +80,16 @@ _LAZY = {
     "ControlPlaneReport": "pdps.shell.control_plane",
     "simulate_control_plane": "pdps.shell.control_plane",
     "scale": "pdps.shell.scale",
+    "graph_rule": "pdps.adapters.torch_graph",
 }
 
 __all__ = [
-    "DEFAULT_JOB", "BadRequest", "Batch", "ConfigError", "ControlPlaneReport", "Contended", "CorruptCheckpoint", "CorruptExport", "CorruptRecord", "DatasetError", "EpochChanged", "ExportConflict",
+    "DEFAULT_JOB", "BadGraph", "BadRequest", "Batch", "ConfigError", "ControlPlaneReport", "Contended", "CorruptCheckpoint", "CorruptExport", "CorruptRecord", "DatasetError", "EpochChanged", "ExportConflict",
     "Faults", "FencingError", "GradientRejected", "InvalidTransition", "JobConfig", "Killed", "LeaseExpired",
     "MetaError", "MissingExtraError", "Mode", "NoSuchJob", "NoSuchPass", "NotInitialized", "NotReady", "PdpsError",
     "ResizeInProgress", "SimulationResult", "SlotMapChanged", "StalePush", "StepRecord", "StorageError", "StoreError", "StoreUnavailable", "Timeout",
     "TrainerContext", "TransportError", "UnknownSchemeError", "UnknownTaskError",
-    "fetch_parameters", "open_compute", "open_data_source", "open_storage", "open_store", "open_transport", "scale", "simulate",
+    "fetch_parameters", "graph_rule", "open_compute", "open_data_source", "open_storage", "open_store", "open_transport", "scale", "simulate",
     "simulate_control_plane",
 ]
 

@@ -7,9 +7,10 @@
   job's ``torch.optim`` rule over it. Only *element-wise* rules are allowed (each
   element's update depends on that element's value, gradient and state alone), so
   stepping every shard on its own is exactly stepping the whole model.
-* Optimizers are named: a ``torch.optim`` class name from :data:`ELEMENTWISE`, or a
+* Optimizers are named: a ``torch.optim`` class name from :data:`ELEMENTWISE`, a
   user rule by import path (``"package.module:ClassName"``) whose class declares
-  ``pdps_elementwise = True``. Their keyword arguments must be JSON-safe, because they
+  ``pdps_elementwise = True``, or ``"graph"``: a rule shipped as a checked graph
+  (``optimizer_args={"graph": ...}``, :mod:`pdps.adapters.torch_graph`). Their keyword arguments must be JSON-safe, because they
   travel in the job config.
 """
 
@@ -71,6 +72,10 @@ def resolve_optimizer(name: str) -> type[torch.optim.Optimizer]:
         raise ConfigError(f"optimizer must be a non-empty name, got {name!r}")
     if name in REFUSED:
         raise ConfigError(f"optimizer {name!r} is not supported by pdps: {REFUSED[name]}")
+    if name == "graph":  # a rule shipped as a checked graph (pdps.adapters.torch_graph): nothing imported
+        from pdps.adapters.torch_graph import GraphOptimizer
+
+        return GraphOptimizer
     if name in ELEMENTWISE:
         cls = getattr(torch.optim, name, None)
         if cls is None:
@@ -239,7 +244,8 @@ class TorchCompute:
         given = optimizer_kwargs(kwargs)
         _check_argument_names(cls, name, given)
         args = _with_kernel_choice(cls, given, torch.device(self.device))
-        dummy = torch.zeros(1, device=self.device)
+        dtype = getattr(cls, "probe_dtype", lambda _: None)(given)  # a graph rule is traced for one dtype
+        dummy = torch.zeros(1, device=self.device, dtype=dtype)
         dummy.grad = torch.zeros_like(dummy)
         opt = _build(cls, name, [dummy], args, given)
         try:

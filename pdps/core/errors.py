@@ -91,6 +91,20 @@ class MetaError(BadRequest):
     code = "meta"
 
 
+class BadGraph(BadRequest, ConfigError):
+    """An update rule sent as a graph (:mod:`pdps.core.updategraph`) is malformed, uses an
+    operator outside the element-wise allowlist, or is larger than the budget; it was
+    refused before anything of it ran. A job config or a request holding one is refused
+    the same way. ``node`` and ``operator`` name the offending node, where known."""
+
+    code = "bad_graph"
+
+    def __init__(self, message: str, *, field: str | None = None, trainer: str | None = None, node: str | None = None, operator: str | None = None) -> None:
+        super().__init__(message, field=field, trainer=trainer)
+        self.node = node
+        self.operator = operator
+
+
 class ResizeInProgress(ConfigError):
     """A resize was asked for while another one of the same job is in progress (one at
     a time): wait for it (``pdps scale --wait``), or ask again once ``pdps status``

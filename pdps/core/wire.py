@@ -34,7 +34,7 @@ from typing import Any, ClassVar, Protocol
 
 import attrs
 
-from pdps.core.errors import BadRequest, GradientRejected
+from pdps.core.errors import BadGraph, BadRequest, GradientRejected
 from pdps.core.slots import Block
 from pdps.core.tasks import TaskSpec
 
@@ -615,6 +615,39 @@ class AppliedRequest(PserverRequest):
 
 
 @attrs.frozen
+class RuleReply(PserverReply):
+    """The ``digest`` of the update rule checked (:func:`pdps.core.updategraph.digest`) and
+    whether it is the rule this pserver ``runs`` (its job's ``optimizer="graph"`` rule)."""
+
+    digest: str = _field(str, default="")
+    runs: bool = _field(bool, default=False)
+
+
+@attrs.frozen
+class RuleRequest(PserverRequest):
+    """An update rule as a graph (the JSON of :mod:`pdps.core.updategraph`), for the
+    pserver to check as it checks its job's own: a converter confirms the pservers
+    accept, and run, the rule it made. Checked on decode, so a malformed or hostile
+    rule is refused (:class:`~pdps.core.errors.BadGraph`) before the pserver does
+    anything with it; the call changes nothing on the pserver."""
+
+    METHOD: ClassVar[str] = "rule"
+    REPLY: ClassVar[type[Wire]] = RuleReply
+
+    rule: dict = _field(dict, default=None)
+
+    def _validate(self) -> None:
+        from pdps.core.updategraph import check
+
+        if self.rule is None:
+            raise self._refuse("rule", f"{self._who()}: request names no 'rule'")
+        try:
+            check(self.rule)
+        except BadGraph as exc:
+            raise BadGraph(f"{self._who()}: {exc}", field="rule", trainer=self.trainer, node=exc.node, operator=exc.operator) from exc
+
+
+@attrs.frozen
 class MigrateReply(PserverReply):
     """The state of the slots asked for, as ``names`` (block entries:
     ``<param>@<first>:<end>/values|state.K|scalar.K``) and one tensor per name."""
@@ -814,5 +847,5 @@ class CheckpointRequest(MasterRequest):
 
 
 #: Every request class by role, in the order a role serves them.
-PSERVER_REQUESTS: tuple[type[Request], ...] = (InitRequest, PushRequest, PullRequest, AppliedRequest, MigrateRequest, ReplicateRequest)
+PSERVER_REQUESTS: tuple[type[Request], ...] = (InitRequest, PushRequest, PullRequest, AppliedRequest, MigrateRequest, ReplicateRequest, RuleRequest)
 MASTER_REQUESTS: tuple[type[Request], ...] = (GetTaskRequest, FinishTaskRequest, FailTaskRequest, GiveBackRequest, CheckpointRequest)

@@ -61,9 +61,12 @@ from pdps.core.sgd import Mode, RoundRecord, check_staleness, participants
 from pdps.core.slots import Block, Layout, ParamSpec, SlotMap
 from pdps.core.tables import TableSpec, check_row_rule, parse_row_entry, row_entry, row_rule_for, row_slots
 from pdps.core.txn import Decision, Done, Write
+from pdps.core.updategraph import digest
 from pdps.core.wire import (
     AppliedReply,
     AppliedRequest,
+    RuleReply,
+    RuleRequest,
     InitReply,
     InitRequest,
     MigrateReply,
@@ -476,6 +479,7 @@ class Pserver:
         handlers = {
             InitRequest: self._init, PushRequest: self._push, PullRequest: self._pull,
             AppliedRequest: self._applied_records, MigrateRequest: self._migrate, ReplicateRequest: self._replicate,
+            RuleRequest: self._rule,
         }
         self._endpoint = self._transport.serve(self._address, calls.serve(handlers))
         self._keeper = LeaseKeeper(self._store, self.config.lease_ttl, name="pserver")
@@ -1120,6 +1124,16 @@ class Pserver:
             held = set(self._slot_map.held_by(self.index)) if self._slot_map is not None and self.index is not None else set()
             slots = tuple(sorted((s, n) for s, n in self.applied_by_slot.items() if s in held))
             return AppliedReply(**self._state(), ledger=tuple(tuple(row) for row in self.applied()), slots=slots)
+
+    def _rule(self, req: RuleRequest) -> RuleReply:
+        """The ``rule`` call: the rule was checked on decode (a hostile one never gets
+        here); say its digest and whether it is the one this pserver runs. Changes nothing."""
+        sent = digest(req.rule)
+        own = self.config.optimizer_args.get("graph") if self.config.optimizer == "graph" else None
+        with self._cond:
+            self._check_lease()
+            self._check_slot_map(req)
+            return RuleReply(**self._state(), digest=sent, runs=isinstance(own, dict) and digest(own) == sent)
 
     def _pull(self, req: PullRequest) -> PullReply:
         after, slice_s = req.after_round, req.slice_s

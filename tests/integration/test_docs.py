@@ -40,3 +40,9 @@ def test_operations_guide_lists_every_role_setting():
         names = [s.name, s.env] + ([s.flag] if s.name != "target" else [])  # TARGET is positional
         missing += [n for n in names if f"`{n}`" not in text]
     assert not missing, f"settings not documented in docs/operations.md: {missing}"
+
+
+def test_graph_guide_example_runs():
+    blocks = python_blocks(DOCS / "graph.md")
+    assert blocks, "docs/graph.md has no runnable example"
+    exec(compile("\n".join(blocks), "docs/graph.md", "exec"), {"__name__": "graph_example"})  # it asserts its own outcome

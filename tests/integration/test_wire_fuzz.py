@@ -88,6 +88,10 @@ def valid_pserver_request(cls: type[wire.Request], job, part) -> wire.Request:
         return wire.ReplicateRequest("t0", **common, blocks=tuple(part.keys), part=True, tensors=values, primary=0, seq=1)
     if cls is wire.MigrateRequest:
         return wire.MigrateRequest("t0", **common, slots=(0, 1))
+    if cls is wire.RuleRequest:
+        from tests.unit.test_updategraph import sgd_momentum
+
+        return wire.RuleRequest("t0", **common, rule=sgd_momentum())
     assert cls is wire.AppliedRequest, cls
     return wire.AppliedRequest("t0", **common)
 

@@ -16,6 +16,7 @@ from pdps.core.slots import Block
 from pdps.core.tasks import TaskSpec
 from pdps.ports.transport import Message
 from tests.wire_cases import mutations
+from tests.unit.test_updategraph import sgd_momentum
 
 BLOCKS = [
     Block("w", 0, 0, 2, 0, 6, (2, 3), "float32"),
@@ -43,6 +44,7 @@ SAMPLES: dict[type, wire.Wire] = {
     wire.PushRequest: wire.PushRequest("t0", epoch=1, version=2, samples=4, round_no=3, updates=7, records=(0, 5, 1, 0, 8), incarnation="abc123", blocks=KEYS, tensors=grads()),
     wire.PullRequest: wire.PullRequest("t0", epoch=1, version=2, after_round=3, slice_s=5.0, blocks=KEYS[:2], tables=(("emb", 2),), tensors=(IDS,)),
     wire.AppliedRequest: wire.AppliedRequest("t0", epoch=1, version=2),
+    wire.RuleRequest: wire.RuleRequest("t0", rule=sgd_momentum()),
     wire.MigrateRequest: wire.MigrateRequest("t0", epoch=1, version=3, slots=(4, 9)),
     wire.ReplicateRequest: wire.ReplicateRequest(
         "t0", epoch=1, version=2, samples=4, round_no=3, blocks=KEYS[:2], part=True, tables=(("emb", 2),), created=(("emb", 3),), steps=(("emb", 12),),
@@ -56,6 +58,7 @@ SAMPLES: dict[type, wire.Wire] = {
     wire.InitReply: wire.InitReply(**STATE),
     wire.PushReply: wire.PushReply(**STATE, update_s=0.25, duplicate=True),
     wire.PullReply: wire.PullReply(**STATE, wait_s=0.5, waiting=("t1", "t2"), checkpoint="ckpt-1-4-ab", tables=(("emb", 2),), tensors=(*grads(), rows(2))),
+    wire.RuleReply: wire.RuleReply(**STATE, digest="ab" * 32, runs=True),
     wire.AppliedReply: wire.AppliedReply(**STATE, ledger=((4, 2, 0, 8), (5, 1, 8, 16)), slots=((0, 7), (3, 9))),
     wire.MigrateReply: wire.MigrateReply(**STATE, names=("w@0:4/values", "w@0:4/state.exp_avg"), more=True, tensors=(torch.zeros(8), torch.ones(8))),
     wire.GetTaskReply: wire.GetTaskReply(task=TaskSpec(4, "file:///d/0.parquet", 1, 64), attempt=2, pass_no=0, offset=8, epoch=1),

@@ -44,9 +44,10 @@ What runs
   traffic of one pipeline boundary. GB/s = 2 x bytes / round seconds (GB = 1e9 B), the
   median of ``--rounds`` rounds (20; 5 with ``--quick``) after ``--warmup`` (3; 1).
   Baseline, in the same run, rounds interleaved with the p2p ones (the order alternating):
-  ``bench/transport.py``'s raw TCP echo (a server process ``recv_into`` a preallocated
-  buffer, then sends it back; 4 MiB socket buffers, TCP_NODELAY), the same bytes each
-  way. After the rounds rank 0 checks the last echo equals what it sent.
+  ``bench/transport.py``'s raw TCP echo served by a thread of the same second process
+  (it ``recv_into`` a preallocated buffer, then sends it back; 4 MiB socket buffers,
+  TCP_NODELAY), the same bytes each way. After the rounds rank 0 checks the last echo
+  equals what it sent, and the TCP route checks its echo likewise.
 
 Ratios and targets (``pdps bench --suite pipeline --check``)
 -----------------------------------------------------------
@@ -69,6 +70,7 @@ import contextlib
 import itertools
 import json
 import os
+import select
 import shlex
 import statistics
 import subprocess
@@ -84,11 +86,12 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # for bench.*
 
+import attrs  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from bench.machine import describe  # noqa: E402
-from bench.transport import SERVER_START_S, SERVER_STOP_S, TcpRoute, start_servers  # noqa: E402
+from bench.transport import SERVER_START_S, SERVER_STOP_S, TcpEchoServer, TcpRoute  # noqa: E402
 from pdps.adapters.inproc import InprocTransport  # noqa: E402
 from pdps.adapters.torch_pipeline import StageRunner  # noqa: E402
 from pdps.core import pipeline as sched  # noqa: E402
@@ -237,13 +240,16 @@ def bubble(stages: int, microbatches: int, forward_s: float, steps: int) -> list
 # --- p2p throughput: gRPC between two processes, against raw TCP --------------------------------
 
 
-def echo_peer() -> int:
-    """``--echo-peer``: rank 1 over gRPC on 127.0.0.1. Prints its address, reads rank 0's
-    from stdin, then sends back each ``"{i}/act"`` as ``"{i}/grad"`` (i = 0, 1, ...)
-    until stdin closes."""
+def echo_peer(tcp_bytes: int) -> int:
+    """``--echo-peer``: the second process. Rank 1 over gRPC on 127.0.0.1 and, on a thread
+    of its own, ``bench/transport.py``'s raw TCP echo server. Prints both addresses (one
+    line each), reads rank 0's from stdin, then sends back each ``"{i}/act"`` as
+    ``"{i}/grad"`` (i = 0, 1, ...) until stdin closes."""
     book: dict[int, str] = {}
     p2p = P2P(open_transport("grpc"), 1, "grpc://127.0.0.1:0", peers=book.__getitem__, timeout=STEP_TIMEOUT_S)
+    tcp = TcpEchoServer("tcp://127.0.0.1:0", tcp_bytes)
     print(p2p.address, flush=True)
+    print(tcp.address, flush=True)
     book[0] = sys.stdin.readline().strip()  # rank 0's address, written once it has ours
 
     def watch_stdin() -> None:
@@ -253,44 +259,49 @@ def echo_peer() -> int:
         p2p.close()  # ends the receive that waits
 
     threading.Thread(target=watch_stdin, name="stdin-watch", daemon=True).start()
-    for i in itertools.count():
-        try:
-            got = p2p.recv(0, f"{i}/act", timeout=ECHO_IDLE_S)
-        except TransportError:
-            return 0  # closed: the bench is done
-        except Timeout as exc:
-            print(f"bench/pipeline.py --echo-peer: {exc}", file=sys.stderr, flush=True)
-            p2p.close()
-            return 1
-        p2p.send(0, f"{i}/grad", got, stop_gradient=[True] * len(got))
+    try:
+        for i in itertools.count():
+            try:
+                got = p2p.recv(0, f"{i}/act", timeout=ECHO_IDLE_S)
+            except TransportError:
+                return 0  # closed: the bench is done
+            except Timeout as exc:
+                print(f"bench/pipeline.py --echo-peer: {exc}", file=sys.stderr, flush=True)
+                p2p.close()
+                return 1
+            p2p.send(0, f"{i}/grad", got, stop_gradient=[True] * len(got))
+    finally:
+        tcp.close()
     return 0
 
 
 class EchoPeer:
-    """The ``--echo-peer`` process: started, its address read, ours written, stopped by closing stdin."""
+    """The ``--echo-peer`` process: started, its addresses read, ours written, stopped by closing stdin."""
 
-    def __init__(self) -> None:
-        argv = [sys.executable, str(Path(__file__).resolve()), "--echo-peer"]
+    def __init__(self, tcp_bytes: int) -> None:
+        argv = [sys.executable, str(Path(__file__).resolve()), "--echo-peer", "--tcp-bytes", str(tcp_bytes)]
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
-        self.address = ""
+        self.pid = self.proc.pid
+        self.lines: list[str] = []
 
-    def wait_ready(self, rank0: str) -> str:
+    def wait_ready(self, rank0: str) -> tuple[str, str]:
+        """(its p2p address, its raw TCP echo address), once it printed them; then tells it ``rank0``."""
         assert self.proc.stdout is not None and self.proc.stdin is not None
-        import select
-
         deadline = time.monotonic() + SERVER_START_S
-        while not self.address:
+        while len(self.lines) < 2:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"the echo peer (pid {self.proc.pid}) exited with {self.proc.returncode} before printing its address")
+                raise RuntimeError(f"the echo peer (pid {self.pid}) exited with {self.proc.returncode} before printing its addresses")
             left = deadline - time.monotonic()
             if left <= 0:
-                raise RuntimeError(f"the echo peer (pid {self.proc.pid}) printed no address within {SERVER_START_S:g} s")
+                raise RuntimeError(f"the echo peer (pid {self.pid}) printed no addresses within {SERVER_START_S:g} s")
             ready, _, _ = select.select([self.proc.stdout], [], [], min(left, 1.0))
-            if ready:
-                self.address = self.proc.stdout.readline().strip()
+            if ready:  # both lines come at once: read them both (the second may sit in the pipe's reader already)
+                self.lines = [self.proc.stdout.readline().strip() for _ in range(2)]
+                if not all(self.lines):
+                    raise RuntimeError(f"the echo peer (pid {self.pid}) printed {self.lines}, not its two addresses")
         self.proc.stdin.write(rank0 + "\n")
         self.proc.stdin.flush()
-        return self.address
+        return self.lines[0], self.lines[1]
 
     def stop(self) -> None:
         with contextlib.suppress(OSError):
@@ -322,8 +333,16 @@ class P2PRoute:
             raise RuntimeError("p2p over gRPC: the echo differs from the activation sent")
 
 
+@attrs.frozen
+class _Server:
+    """What ``TcpRoute`` reads of a server: its address and process."""
+
+    address: str
+    pid: int
+
+
 class RawTcpRoute:
-    label = "raw TCP echo (1 server process)"
+    label = "raw TCP echo (2 processes)"
 
     def __init__(self, route: TcpRoute) -> None:
         self.route = route
@@ -341,13 +360,13 @@ def throughput(sizes_mib: Sequence[float], rounds: int, warmup: int) -> tuple[li
     out: list[dict[str, Any]] = []
     largest = int(max(sizes_mib) * 2**20)
     with contextlib.ExitStack() as stack:
-        peer = EchoPeer()
+        peer = EchoPeer(largest)
         stack.callback(peer.stop)
-        (tcp_server,) = start_servers(stack, [("tcp://127.0.0.1:0", largest, 0, None, "default")])
         book: dict[int, str] = {}
         p2p = P2P(open_transport("grpc"), 0, "grpc://127.0.0.1:0", peers=book.__getitem__, timeout=STEP_TIMEOUT_S)
         stack.callback(p2p.close)
-        book[1] = peer.wait_ready(p2p.address)
+        book[1], tcp_address = peer.wait_ready(p2p.address)
+        tcp_server = _Server(tcp_address, peer.pid)
         counter = itertools.count()
         pool = stack.enter_context(ThreadPoolExecutor(max_workers=1))
         for mib in sizes_mib:
@@ -433,9 +452,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="fewer steps and rounds, shorter sleeps, 4 MiB only")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout's last line")
     p.add_argument("--echo-peer", action="store_true", help=argparse.SUPPRESS)  # the child process of the p2p rounds
+    p.add_argument("--tcp-bytes", type=int, default=16 << 20, help=argparse.SUPPRESS)  # its raw TCP echo's first buffer
     args = p.parse_args(argv)
     if args.echo_peer:
-        return echo_peer()
+        return echo_peer(args.tcp_bytes)
     preset = QUICK if args.quick else FULL
     stages, microbatches, forward_ms, steps, mib, rounds, warmup = (
         getattr(args, k) if getattr(args, k) is not None else preset[k] for k in ("stages", "microbatches", "forward_ms", "steps", "mib", "rounds", "warmup")

@@ -127,11 +127,14 @@ class Clock:
     def __init__(self, forward_s: float, backward_s: float) -> None:
         self.forward_s, self.backward_s = forward_s, backward_s
         self.busy_s = 0.0
+        self.slept: dict[float, list[float]] = {forward_s: [], backward_s: []}  # each sleep as it lasted, by what was asked
 
     def sleep(self, seconds: float) -> None:
         t0 = time.perf_counter()
         time.sleep(seconds)
-        self.busy_s += time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        self.busy_s += took
+        self.slept.setdefault(seconds, []).append(took)
 
 
 class _Sleep(torch.autograd.Function):
@@ -215,11 +218,17 @@ def bubble(stages: int, microbatches: int, forward_s: float, steps: int) -> list
                     makespan = max(end for _, end, _ in got) - min(start for start, _, _ in got)
                     busy = [c.busy_s - b for c, b in zip(clocks, busy_before)]
                     measured = 1.0 - sum(busy) / (stages * makespan)
+                    # the same schedule simulated with the sleeps as they lasted: what the step would take with free communication
+                    lasted = [[statistics.mean(c.slept[c.forward_s][-microbatches:]), statistics.mean(c.slept[c.backward_s][-microbatches:])] for c in clocks]
+                    floor = sched.simulate(schedules[name], [f for f, _ in lasted], [b for _, b in lasted]).makespan
                     if k < 0:
                         say(f"  {name:<5} warm-up step: makespan {makespan * 1000:.1f} ms (not counted: first calls, first metas)")
                         continue
-                    rows[name]["steps"].append({"makespan_s": makespan, "busy_s": busy, "bubble": measured, "peaks": [p for _, _, p in got]})
-                    say(f"  {name:<5} step {k + 1}/{steps}: makespan {makespan * 1000:.1f} ms (ideal {rows[name]['ideal_makespan_s'] * 1000:.1f}), "
+                    rows[name]["steps"].append({"makespan_s": makespan, "busy_s": busy, "bubble": measured, "peaks": [p for _, _, p in got],
+                                                "overhead_s": makespan - floor, "sleep_overshoot_s": statistics.mean(
+                                                    x - want for c in clocks for want in (c.forward_s, c.backward_s) for x in c.slept[want][-microbatches:])})  # fmt: skip
+                    say(f"  {name:<5} step {k + 1}/{steps}: makespan {makespan * 1000:.1f} ms (ideal {rows[name]['ideal_makespan_s'] * 1000:.1f}, "
+                        f"overhead {(makespan - floor) * 1000:.1f}), "
                         f"bubble {measured:.4f} (theory {rows[name]['theory']:.4f}), peak activations {[p for _, _, p in got]}")  # fmt: skip
     finally:
         for link in links:
@@ -233,6 +242,8 @@ def bubble(stages: int, microbatches: int, forward_s: float, steps: int) -> list
                     "error": abs(measured - row["theory"]) / row["theory"],
                     "makespan_s": statistics.median(s["makespan_s"] for s in each), "makespan_each_s": [s["makespan_s"] for s in each],
                     "busy_s": [statistics.median(s["busy_s"][r] for s in each) for r in range(stages)],
+                    "overhead_s": statistics.median(s["overhead_s"] for s in each),
+                    "sleep_overshoot_s": statistics.median(s["sleep_overshoot_s"] for s in each),
                     "peak_activations": peaks, "peak_expected": expected_peaks(name, stages, microbatches)})  # fmt: skip
     return out
 
@@ -421,10 +432,13 @@ def print_table(report: dict[str, Any]) -> None:
     say("")
     say(f"bubble: {c['stages']} stages x {c['microbatches']} microbatches, forward {c['forward_ms']:g} ms, backward "
         f"{c['forward_ms'] * BACKWARD_OVER_FORWARD:g} ms (sleeps), StageRunners in threads over inproc p2p, median of {c['steps']} steps")  # fmt: skip
-    say(f"{'schedule':<9} {'theory':>7} {'simulated':>9} {'measured':>9} {'error':>7} {'makespan ms':>12} {'ideal ms':>9}  peak activations (expected)")
+    say(f"{'schedule':<9} {'theory':>7} {'simulated':>9} {'measured':>9} {'error':>7} {'makespan ms':>12} {'ideal ms':>9} {'overhead ms':>12}"
+        "  peak activations (expected)")  # fmt: skip
     for r in report["bubble"]:
         say(f"{r['schedule']:<9} {r['theory']:>7.4f} {r['simulated']:>9.4f} {r['measured']:>9.4f} {100 * r['error']:>6.1f}% "
-            f"{r['makespan_s'] * 1000:>12.1f} {r['ideal_makespan_s'] * 1000:>9.1f}  {r['peak_activations']} ({r['peak_expected']})")  # fmt: skip
+            f"{r['makespan_s'] * 1000:>12.1f} {r['ideal_makespan_s'] * 1000:>9.1f} {r['overhead_s'] * 1000:>12.1f}  {r['peak_activations']} ({r['peak_expected']})")  # fmt: skip
+    say(" overhead: the makespan less the schedule simulated with each stage's sleeps as they lasted (mean overshoot of a sleep "
+        f"{1000 * statistics.mean(r['sleep_overshoot_s'] for r in report['bubble']):.2f} ms): waiting for a core, the runner and p2p between sleeps")  # fmt: skip
     say("")
     say(f"p2p: one activation there and back a round, median of {c['rounds']} rounds after {c['warmup']} warm-up; GB = 1e9 B")
     say(f"{'route':<32} {'MiB':>5} {'GB/s':>6} {'round ms':>9} {'min ms':>7} {'max ms':>7}")

@@ -13,8 +13,8 @@ What runs
   endpoints on the **inproc** transport (one ``inproc://`` endpoint per stage). Each
   stage's module is one scalar parameter and an autograd function whose forward sleeps
   ``t`` (``--forward-ms``, 20; 5 with ``--quick``) and whose backward sleeps ``2t``: the
-  compute is a controlled sleep, so the figure is the schedule and its communication,
-  not the load of the 2 cores. A step runs ``--microbatches`` M microbatches (8) of a
+  compute is a controlled sleep, so the figure is the schedule, the runner and p2p, not
+  how fast the cores compute. A step runs ``--microbatches`` M microbatches (8) of a
   ``[4, 16]`` float32 activation; each schedule (``gpipe``, ``1f1b`` from
   :mod:`pdps.core.pipeline`) runs ``--steps`` steps (5; 2 with ``--quick``), the two
   schedules' steps interleaved, after one untimed step of each. Every stage thread
@@ -28,6 +28,8 @@ What runs
   ``(P - 1) / (M + P - 1)``, whatever the forward/backward ratio. The figure is the
   median over the steps; ``simulated`` is :func:`~pdps.core.pipeline.simulate` of the
   same schedule (equal to theory: a check of the schedule, not of the runner).
+  ``overhead_s``: the makespan less the same schedule simulated with each stage's sleeps
+  as they lasted, i.e. what the runner, p2p and waiting for a core added to the step.
 
   *Within 10%*: ``|measured - theory| <= 0.10 * theory``; the target figure is that
   relative error, ``|measured - theory| / theory`` (at most 0.10).
@@ -56,8 +58,8 @@ Ratios and targets (``pdps bench --suite pipeline --check``)
 
 Run
 ---
-    .venv/bin/python bench/pipeline.py            # ~15 s
-    .venv/bin/python bench/pipeline.py --quick    # ~5 s
+    .venv/bin/python bench/pipeline.py            # ~25-60 s on 2 shared cores
+    .venv/bin/python bench/pipeline.py --quick    # ~10 s
     .venv/bin/python bench/pipeline.py --stages 8 --microbatches 32 --forward-ms 10 --mib 8
 
 ``--json``: the table and progress on stderr, one JSON object on stdout's last line.
@@ -196,43 +198,45 @@ def bubble(stages: int, microbatches: int, forward_s: float, steps: int) -> list
     targets = torch.randn(microbatches * ROWS, WIDTH)
     step_ids = itertools.count()
     barrier = threading.Barrier(stages)
+    pool = ThreadPoolExecutor(max_workers=stages, thread_name_prefix="stage")
     try:
-        with ThreadPoolExecutor(max_workers=stages, thread_name_prefix="stage") as pool:
-            for k in range(-WARMUP_STEPS, steps):
-                for name in SCHEDULES if k % 2 == 0 else reversed(SCHEDULES):
-                    step = next(step_ids)
-                    busy_before = [c.busy_s for c in clocks]
+        for k in range(-WARMUP_STEPS, steps):
+            for name in SCHEDULES if k % 2 == 0 else reversed(SCHEDULES):
+                step = next(step_ids)
+                busy_before = [c.busy_s for c in clocks]
 
-                    def run_stage(s: int, name: str = name, step: int = step) -> tuple[float, float, int]:
-                        runner = runners[name][s]
-                        barrier.wait(STEP_TIMEOUT_S)
-                        t0 = time.perf_counter()
-                        if s == 0:
-                            runner.run(schedules[name][s], inputs, targets, step=step)
-                        else:
-                            runner.run(schedules[name][s], step=step)
-                        return t0, time.perf_counter(), runner.peak_activations
+                def run_stage(s: int, name: str = name, step: int = step) -> tuple[float, float, int]:
+                    runner = runners[name][s]
+                    barrier.wait(STEP_TIMEOUT_S)
+                    t0 = time.perf_counter()
+                    if s == 0:
+                        runner.run(schedules[name][s], inputs, targets, step=step)
+                    else:
+                        runner.run(schedules[name][s], step=step)
+                    return t0, time.perf_counter(), runner.peak_activations
 
-                    futures = [pool.submit(run_stage, s) for s in range(stages)]
-                    got = [f.result(STEP_TIMEOUT_S) for f in futures]
-                    makespan = max(end for _, end, _ in got) - min(start for start, _, _ in got)
-                    busy = [c.busy_s - b for c, b in zip(clocks, busy_before)]
-                    measured = 1.0 - sum(busy) / (stages * makespan)
-                    # the same schedule simulated with the sleeps as they lasted: what the step would take with free communication
-                    lasted = [[statistics.mean(c.slept[c.forward_s][-microbatches:]), statistics.mean(c.slept[c.backward_s][-microbatches:])] for c in clocks]
-                    floor = sched.simulate(schedules[name], [f for f, _ in lasted], [b for _, b in lasted]).makespan
-                    if k < 0:
-                        say(f"  {name:<5} warm-up step: makespan {makespan * 1000:.1f} ms (not counted: first calls, first metas)")
-                        continue
-                    rows[name]["steps"].append({"makespan_s": makespan, "busy_s": busy, "bubble": measured, "peaks": [p for _, _, p in got],
-                                                "overhead_s": makespan - floor, "sleep_overshoot_s": statistics.mean(
-                                                    x - want for c in clocks for want in (c.forward_s, c.backward_s) for x in c.slept[want][-microbatches:])})  # fmt: skip
-                    say(f"  {name:<5} step {k + 1}/{steps}: makespan {makespan * 1000:.1f} ms (ideal {rows[name]['ideal_makespan_s'] * 1000:.1f}, "
-                        f"overhead {(makespan - floor) * 1000:.1f}), "
-                        f"bubble {measured:.4f} (theory {rows[name]['theory']:.4f}), peak activations {[p for _, _, p in got]}")  # fmt: skip
+                futures = [pool.submit(run_stage, s) for s in range(stages)]
+                got = [f.result(STEP_TIMEOUT_S) for f in futures]
+                makespan = max(end for _, end, _ in got) - min(start for start, _, _ in got)
+                busy = [c.busy_s - b for c, b in zip(clocks, busy_before)]
+                measured = 1.0 - sum(busy) / (stages * makespan)
+                # the same schedule simulated with the sleeps as they lasted: what the step would take with free communication
+                lasted = [[statistics.mean(c.slept[c.forward_s][-microbatches:]), statistics.mean(c.slept[c.backward_s][-microbatches:])] for c in clocks]
+                floor = sched.simulate(schedules[name], [f for f, _ in lasted], [b for _, b in lasted]).makespan
+                if k < 0:
+                    say(f"  {name:<5} warm-up step: makespan {makespan * 1000:.1f} ms (not counted: first calls, first metas)")
+                    continue
+                rows[name]["steps"].append({"makespan_s": makespan, "busy_s": busy, "bubble": measured, "peaks": [p for _, _, p in got],
+                                            "overhead_s": makespan - floor, "sleep_overshoot_s": statistics.mean(
+                                                x - want for c in clocks for want in (c.forward_s, c.backward_s) for x in c.slept[want][-microbatches:])})  # fmt: skip
+                say(f"  {name:<5} step {k + 1}/{steps}: makespan {makespan * 1000:.1f} ms (ideal {rows[name]['ideal_makespan_s'] * 1000:.1f}, "
+                    f"overhead {(makespan - floor) * 1000:.1f}), "
+                    f"bubble {measured:.4f} (theory {rows[name]['theory']:.4f}), peak activations {[p for _, _, p in got]}")  # fmt: skip
     finally:
+        barrier.abort()  # a stage still at the barrier stops there
         for link in links:
-            link.close()
+            link.close()  # a stage waiting on a receive stops there
+        pool.shutdown(wait=True)
     out = []
     for name, row in rows.items():
         each = row.pop("steps")

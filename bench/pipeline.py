@@ -449,6 +449,8 @@ def print_table(report: dict[str, Any]) -> None:
     for r in report["p2p"]:
         say(f"{r['label']:<32} {r['mib']:>5g} {r['gbps']:>6.2f} {r['round_s'] * 1000:>9.2f} {r['min_round_s'] * 1000:>7.2f} {r['max_round_s'] * 1000:>7.2f}")
     say("")
+    say("load average (1, 5, 15 min): at the start " + ", ".join(f"{x:.1f}" for x in report["loadavg_start"])
+        + "; at the end " + ", ".join(f"{x:.1f}" for x in report["loadavg_end"]))  # fmt: skip
     for name, r in report["ratios"].items():
         if name.startswith("bubble_"):
             verdict = "MET" if r["value"] <= TARGETS[name] else "MISSED"
@@ -481,6 +483,7 @@ def main(argv: list[str] | None = None) -> int:
     if stages < 2 or microbatches < 1 or forward_ms <= 0 or steps < 1 or rounds < 1 or warmup < 0 or any(m <= 0 for m in mib):
         p.error("--stages must be at least 2; --microbatches, --steps, --rounds, --forward-ms and --mib positive; --warmup >= 0")
     began = time.monotonic()
+    loadavg_start = list(os.getloadavg())  # the figures move with what else runs on the cores
     try:
         say(f"bubble: {stages} stages x {microbatches} microbatches, forward {forward_ms:g} ms, backward {forward_ms * BACKWARD_OVER_FORWARD:g} ms, {steps} steps each")
         bubbles = bubble(stages, microbatches, forward_ms / 1000, steps)
@@ -499,6 +502,8 @@ def main(argv: list[str] | None = None) -> int:
         "ratios": ratios(bubbles, p2p_rows),
         "targets": TARGETS,
         "machine": describe("torch", "grpcio"),
+        "loadavg_start": loadavg_start,
+        "loadavg_end": list(os.getloadavg()),
         "command": shlex.join(["python", "bench/pipeline.py", *(argv if argv is not None else sys.argv[1:])]),
         "total_s": time.monotonic() - began,
     }  # fmt: skip

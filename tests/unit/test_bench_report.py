@@ -179,8 +179,28 @@ def sparse_json(grpc=2.4e6, tcp=4.0e6, inproc=1.8e6, local=2.0e6, rss_per_row=(3
     return {"config": {"rows": 10_000_000, "ids": 65536}, "throughput": rows, "memory": memory, "ctr": ctr_row, "ratios": ratios}
 
 
+def pipeline_json(gpipe=0.29, one_f_one_b=0.28, grpc=(1.6, 1.8), tcp=(2.0, 2.0)):
+    theory = 3 / 11  # 4 stages x 8 microbatches
+
+    def bubble(schedule, measured, peaks):
+        return {"schedule": schedule, "stages": 4, "microbatches": 8, "forward_s": 0.02, "backward_s": 0.04, "theory": theory,
+                "simulated": theory, "measured": measured, "measured_each": [measured] * 5, "error": abs(measured - theory) / theory,
+                "makespan_s": 0.66 / (1 - measured) * (1 - theory), "ideal_makespan_s": 0.66, "peak_activations": peaks, "peak_expected": peaks}
+
+    rows = []
+    for mib, g, t in zip((4.0, 16.0), grpc, tcp):
+        nbytes = int(mib * 2**20)
+        rows += [{"route": "grpc", "label": "p2p over gRPC (2 processes)", "mib": mib, "bytes": nbytes, "gbps": g, "round_s": 2 * nbytes / g / 1e9},
+                 {"route": "tcp", "label": "raw TCP echo (2 processes)", "mib": mib, "bytes": nbytes, "gbps": t, "round_s": 2 * nbytes / t / 1e9}]
+    bubbles = [bubble("gpipe", gpipe, [8, 8, 8, 8]), bubble("1f1b", one_f_one_b, [4, 3, 2, 1])]
+    each = [{"mib": mib, "value": g / t, "gbps": g, "baseline_gbps": t} for mib, g, t in zip((4.0, 16.0), grpc, tcp)]
+    ratios = {f"bubble_{b['schedule']}": {"value": b["error"], "measured": b["measured"], "theory": theory, "stages": 4, "microbatches": 8} for b in bubbles}
+    ratios["p2p_grpc_vs_tcp"] = {**min(each, key=lambda r: r["value"]), "each": each}
+    return {"config": {"stages": 4, "microbatches": 8, "forward_ms": 20.0}, "bubble": bubbles, "p2p": rows, "ratios": ratios}
+
+
 FAKES = {"transport": transport_json, "master": master_json, "checkpoint": checkpoint_json, "end-to-end": e2e_json, "scale": scale_json,
-         "elastic": elastic_json, "replicas": replicas_json, "online": online_json, "sparse": sparse_json}
+         "elastic": elastic_json, "replicas": replicas_json, "online": online_json, "sparse": sparse_json, "pipeline": pipeline_json}
 MACHINE = {"cpu_count": 2, "cpu_model": "Fake CPU 9000", "memory_gib": 7.5, "python": "3.11.7", "torch": "2.13.0", "etcd": "etcd Version: 3.4.23"}
 
 
@@ -352,6 +372,27 @@ def test_the_sparse_targets_are_rows_per_s_against_their_baselines_and_rss_again
     assert "CTR: torch, single process" not in {name for name, _, _ in tg.suite_figures("sparse", sparse_json(ctr=False))}
 
 
+def test_the_pipeline_targets_are_the_bubbles_within_10_percent_of_theory_and_p2p_against_raw_tcp():
+    theory = 3 / 11
+    verdicts = by_id(tg.evaluate({"pipeline": [pipeline_json(gpipe=1.1 * theory), pipeline_json(gpipe=0.31, grpc=(1.4, 1.8))]}))
+    gpipe = verdicts["pipeline.bubble_gpipe"]
+    assert gpipe["comparison"] == "<=" and gpipe["unit"] == "fraction" and gpipe["values"] == [pytest.approx(0.1), pytest.approx(0.31 / theory - 1)]
+    assert gpipe["status"] == tg.MISSED  # run 1 is at 10% exactly (met), run 2 at 13.7%
+    assert "GPipe, 4 stages x 8 microbatches: measured bubble 0.3100; theory (P-1)/(M+P-1) 0.2727" in gpipe["details"][1]
+    assert verdicts["pipeline.bubble_1f1b"]["status"] == tg.MET and verdicts["pipeline.bubble_1f1b"]["values"] == [pytest.approx(0.28 / theory - 1)] * 2
+    p2p = verdicts["pipeline.p2p_grpc_vs_tcp"]
+    assert p2p["values"] == [pytest.approx(0.8), pytest.approx(0.7)] and p2p["status"] == tg.MISSED  # the worst size of each run
+    assert "4 MiB activations: p2p over gRPC 1.40 GB/s; raw TCP echo 2.00 GB/s" in p2p["details"][1]
+    assert {v for v in verdicts if v.startswith("stability.")} == {"stability.pipeline.p2p_grpc_vs_tcp"}  # the relative errors are no ratios
+    figures = {name: (value, unit) for name, value, unit in tg.suite_figures("pipeline", pipeline_json())}
+    assert figures["GPipe: bubble, theory"] == (pytest.approx(theory), "fraction") and figures["1F1B: bubble, measured"] == (0.28, "fraction")
+    assert figures["GPipe: peak activations held, stage 3"] == (8.0, "microbatches") and figures["1F1B: peak activations held, stage 0"] == (4.0, "microbatches")
+    assert figures["p2p over gRPC (2 processes), 16 MiB"] == (1.8, "GB/s") and figures["raw TCP echo (2 processes), 4 MiB"] == (2.0, "GB/s")
+    assert figures["p2p over gRPC / raw TCP, GB/s, worst size"] == (pytest.approx(0.8), "x")
+    assert figures["1F1B: |measured - theory| / theory"] == (pytest.approx(0.28 / theory - 1), "fraction")
+    assert "| GPipe: bubble, measured | fraction | 0.2900 | 0.2900 |" in rp.render_markdown(results_of({"pipeline": ran(pipeline_json(), pipeline_json())}), {})
+
+
 def test_suites_not_run_have_no_verdicts():
     assert {v["suite"] for v in tg.evaluate({"checkpoint": [checkpoint_json()]})} == {"checkpoint"}
 
@@ -443,6 +484,7 @@ def full_results(**checkpoint):
         "replicas": ran(replicas_json(), replicas_json()),
         "online": ran(online_json(), online_json()),
         "sparse": ran(sparse_json(), sparse_json()),
+        "pipeline": ran(pipeline_json(), pipeline_json()),
     })
 
 

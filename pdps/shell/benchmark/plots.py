@@ -45,6 +45,7 @@ PLOTS: dict[str, PlotSpec] = {
                        "x", "ratio (target: speculation on / off <= 0.6)"),
     "sparse": PlotSpec("Sparse tables: pull + push rows/s against their baselines; pserver RSS a row against its raw bytes",
                        "x", "ratio (targets: rows/s >= 0.5x the baseline; RSS <= 1.5x the raw bytes)"),
+    "pipeline": PlotSpec("Pipeline: p2p activation throughput over gRPC against raw loopback TCP", "GB/s", "GB/s"),
 }
 
 

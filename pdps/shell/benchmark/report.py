@@ -174,6 +174,8 @@ def _num(value: float | None, unit: str) -> str:
         return "-"
     if unit == "x":
         return f"{value:.3f}" if value < 100 else f"{value:,.0f}"
+    if unit == "fraction":  # a bubble, a relative error: four places, as the pipeline suite prints them
+        return f"{value:.4f}"
     if abs(value) >= 1000:
         return f"{value:,.0f}"
     return f"{value:.2f}" if abs(value) < 100 else f"{value:,.1f}"

@@ -24,7 +24,7 @@ from pdps.core.errors import PdpsError
 
 MET, MISSED, ERROR, NOT_RUN, NOT_CHECKED = "MET", "MISSED", "ERROR", "NOT RUN", "NOT CHECKED"
 STABILITY = 0.15  # two consecutive runs agree on each ratio within 15%
-SUITES = ("transport", "master", "checkpoint", "end-to-end", "scale", "elastic", "replicas", "online", "sparse")
+SUITES = ("transport", "master", "checkpoint", "end-to-end", "scale", "elastic", "replicas", "online", "sparse", "pipeline")
 
 
 class BenchError(PdpsError):
@@ -388,6 +388,34 @@ def sparse_detail(name: str) -> Callable[[Report], str]:
     return detail
 
 
+# pipeline: {"bubble": [{"schedule", "stages", "microbatches", "theory", "simulated", "measured", "error", "makespan_s",
+#            "peak_activations", "peak_expected", ...}], "p2p": [{"route", "label", "mib", "gbps", "round_s", ...}],
+#            "ratios": {"bubble_gpipe" | "bubble_1f1b": {"value", "measured", "theory"},
+#                       "p2p_grpc_vs_tcp": {"value", "mib", "gbps", "baseline_gbps", "each"}}}
+
+PIPELINE_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B"}
+
+
+def pipeline_ratio(name: str) -> Callable[[Report], float]:
+    def figure(report: Report) -> float:
+        return number(get(report, "ratios", name, "value", suite="pipeline"), f"ratios.{name}.value", suite="pipeline")
+
+    return figure
+
+
+def pipeline_detail(name: str) -> Callable[[Report], str]:
+    def detail(report: Report) -> str:
+        r = get(report, "ratios", name, suite="pipeline")
+        if name.startswith("bubble_"):
+            return (
+                f"{PIPELINE_SCHEDULES.get(name.removeprefix('bubble_'), name)}, {r.get('stages')} stages x {r.get('microbatches')} "
+                f"microbatches: measured bubble {float(r['measured']):.4f}; theory (P-1)/(M+P-1) {float(r['theory']):.4f}"
+            )
+        return f"{float(r['mib']):g} MiB activations: p2p over gRPC {float(r['gbps']):.2f} GB/s; raw TCP echo {float(r['baseline_gbps']):.2f} GB/s"
+
+    return detail
+
+
 # --- the table ---------------------------------------------------------------------------
 
 TARGETS: tuple[Target, ...] = (
@@ -440,6 +468,15 @@ TARGETS: tuple[Target, ...] = (
            sparse_detail("inproc_vs_local")),
     Target("sparse.memory", "sparse", "pserver RSS growth over filling 10M rows / the raw bytes of its rows and their optimizer state, "
            "the worst pserver of SGD and Adagrad", 1.5, sparse_ratio("memory"), sparse_detail("memory"), at_most=True),
+    Target("pipeline.bubble_gpipe", "pipeline", "GPipe bubble, 4 stages x 8 microbatches (sleep compute, StageRunners over inproc p2p): "
+           "|measured - theory| / theory, theory (P-1)/(M+P-1)", 0.10, pipeline_ratio("bubble_gpipe"), pipeline_detail("bubble_gpipe"),
+           unit="fraction", at_most=True),
+    Target("pipeline.bubble_1f1b", "pipeline", "1F1B bubble, 4 stages x 8 microbatches (sleep compute, StageRunners over inproc p2p): "
+           "|measured - theory| / theory, theory (P-1)/(M+P-1)", 0.10, pipeline_ratio("bubble_1f1b"), pipeline_detail("bubble_1f1b"),
+           unit="fraction", at_most=True),
+    Target("pipeline.p2p_grpc_vs_tcp", "pipeline", "p2p activation there and back between 2 processes over gRPC / raw loopback TCP "
+           "echo of the same bytes, GB/s, the worst of 4 and 16 MiB", 0.75, pipeline_ratio("p2p_grpc_vs_tcp"),
+           pipeline_detail("p2p_grpc_vs_tcp")),
 )
 
 
@@ -544,6 +581,25 @@ def suite_figures(suite: str, report: Report) -> list[tuple[str, float, str]]:
                  "ctr_vs_torch": "CTR pdps / torch, samples/s"}  # fmt: skip
         for name, r in get(report, "ratios", suite=suite).items():
             out.append((names.get(name, name), number(r.get("value"), f"ratios.{name}.value", suite=suite), "x"))
+    elif suite == "pipeline":
+        for r in get(report, "bubble", suite=suite):
+            label = PIPELINE_SCHEDULES.get(r.get("schedule"), str(r.get("schedule")))
+            out.append((f"{label}: bubble, theory", number(r.get("theory"), f"{label} theory", suite=suite), "fraction"))
+            out.append((f"{label}: bubble, measured", number(r.get("measured"), f"{label} measured", suite=suite), "fraction"))
+            out.append((f"{label}: step makespan", number(r.get("makespan_s"), f"{label} makespan_s", suite=suite), "s"))
+            peaks = get(r, "peak_activations", suite=suite)
+            if not isinstance(peaks, list) or not peaks:
+                raise SuiteOutputError(f"{suite} suite JSON: {label} peak_activations is {peaks!r}, not a list of one count per stage")
+            for s, held in enumerate(peaks):
+                out.append((f"{label}: peak activations held, stage {s}", number(held, f"{label} peak_activations[{s}]", suite=suite), "microbatches"))
+        for r in get(report, "p2p", suite=suite):
+            label = f"{r.get('label')}, {float(r.get('mib', 0)):g} MiB"
+            out.append((label, number(r.get("gbps"), f"{label} gbps", suite=suite), "GB/s"))
+        names = {"bubble_gpipe": "GPipe: |measured - theory| / theory", "bubble_1f1b": "1F1B: |measured - theory| / theory",
+                 "p2p_grpc_vs_tcp": "p2p over gRPC / raw TCP, GB/s, worst size"}  # fmt: skip
+        for name, r in get(report, "ratios", suite=suite).items():
+            unit = "fraction" if name.startswith("bubble_") else "x"
+            out.append((names.get(name, name), number(r.get("value"), f"ratios.{name}.value", suite=suite), unit))
     else:
         raise BenchError(f"unknown suite {suite!r}; choose from {', '.join(SUITES)}")
     return out

@@ -1,0 +1,347 @@
+"""The trainer's pipeline role: a trainer as one stage of a pipeline job
+(design/pipeline.md §5; the user's guide is docs/pipeline.md).
+
+A job with ``pipeline_stages`` P > 1 runs ``trainers`` = P × D trainers: D data-parallel
+pipelines of P stages. Rules, in a few lines:
+
+* **Ranks.** Each trainer claims the lowest free rank of ``[0, P * D)`` under its lease
+  (:mod:`pdps.runtime.hybrid`), serving its p2p endpoint (:class:`~pdps.runtime.p2p.P2P`)
+  at the address it claims with. The rank decides its stage (``rank % P``) and its
+  pipeline (``rank // P``): :class:`~pdps.core.hybrid.HybridGroup`'s accessors.
+* **Parameters.** Every trainer builds the whole model and attaches it (the layout on
+  the pservers is the whole model's, the first trainer's values initialize them), then
+  keeps to its stage's parameters: it pushes and pulls only their blocks
+  (:meth:`~pdps.roles.trainer.pserver_client.PserverGroup.restrict`).
+* **Stage 0 holds the task.** It is the pipeline's trainer as the master and the sync
+  rounds know it: it leases tasks, reads each batch, cuts it into microbatches
+  (``pipeline_microbatches``, fewer for a batch of fewer rows) and sends a step header
+  down the pipeline: ``[kind, step, round, samples, microbatches]``, kind 0 a step, 1 the
+  end. The other stages leave the job's trainers (they are no participants of a round)
+  and follow the headers.
+* **Sync, exactly.** A pipeline is *one participant* of a round: every stage pushes its
+  own blocks' gradients (``part``) under stage 0's trainer id, so on each pserver that
+  key is staged once every block it holds has come, whichever stage sent it. Every stage
+  tells stage 0 its push was accepted (``<step>/pushed``); only then does stage 0 commit
+  the contribution (the batch's samples, its records), so a round never names a gradient
+  that is not wholly staged. Each stage's gradient is the sum over microbatches of the
+  microbatch losses weighted by their share of the batch, i.e. the gradient of the
+  batch-mean loss, so the round's update (the sample-weighted mean over pipelines) is
+  the one single-process training on the pipelines' concatenated batches makes.
+  Every stage then pulls the round's result for its own blocks.
+* **Failure.** Every receive has a deadline (``pipeline_timeout``); a stage whose peer
+  died raises :class:`~pdps.core.errors.Timeout` naming the peer and what it waited for,
+  so its pipeline stops (no hang). Stage 0's task goes back to the queue (given back
+  when it stops, re-queued by the master when it died); a stage waiting for the next
+  header gives up as soon as stage 0's rank claim is gone. A restarted trainer claims the
+  free rank (a dead one's frees when its lease runs out) and the pipeline forms again.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import numpy as np
+
+from pdps.core.errors import ConfigError, EpochChanged, NotInitialized, SlotMapChanged, StalePush, Timeout, TransportError
+from pdps.core.hybrid import HybridGroup, HybridLayout
+from pdps.core.pipeline import gpipe, one_f_one_b
+from pdps.core.wire import PushRequest
+from pdps.ports.compute import PipelineCompute
+from pdps.ports.coordination import Delete
+from pdps.roles.trainer.discovery import DISCOVERY_TIMEOUT
+from pdps.runtime.hybrid import claim_rank, ranks, release, wait_for_ranks
+from pdps.runtime.p2p import P2P
+
+if TYPE_CHECKING:
+    from pdps.roles.trainer.context import Batch, TrainerContext
+
+log = logging.getLogger(__name__)
+
+#: Header kinds: a step follows; the pipeline's work is over.
+STEP, END = 0, 1
+#: The schedules of ``pipeline_schedule``: per-rank action lists (:mod:`pdps.core.pipeline`).
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
+
+__all__ = ["END", "STEP", "Header", "PipelineStage"]
+
+
+@attrs.frozen
+class Header:
+    """What stage 0 sends down its pipeline before each step (tag ``h/<step>``)."""
+
+    kind: int
+    step: int
+    round_no: int
+    samples: int
+    microbatches: int
+
+    def values(self) -> list[int]:
+        return [self.kind, self.step, self.round_no, self.samples, self.microbatches]
+
+    @classmethod
+    def parse(cls, values: Sequence[int], src: int) -> Header:
+        """A received header; anything else is refused naming the sender."""
+        if len(values) != 5 or values[0] not in (STEP, END) or any(v < 0 for v in values) or (values[0] == STEP and (values[3] < 1 or values[4] < 1)):
+            raise ConfigError(f"rank {src} sent a malformed pipeline header {list(values)!r}: expected [kind 0|1, step, round, samples >= 1, microbatches >= 1]")
+        return cls(*(int(v) for v in values))
+
+
+class PipelineStage:
+    """This trainer's stage of a pipeline job: made by :meth:`TrainerContext.pipeline`,
+    run by :meth:`train`.
+
+    ``model`` is the whole model (an ``nn.Sequential``, built alike by every trainer);
+    ``loss_fn(output, target)`` the mean loss over a microbatch (used on the last stage);
+    ``points`` where the stages start (default: balanced by parameter count);
+    ``address`` where this stage's p2p endpoint serves (default: the transport's
+    loopback, a free port).
+    """
+
+    def __init__(
+        self,
+        ctx: TrainerContext,
+        model: Any,
+        loss_fn: Callable[[Any, Any], Any],
+        *,
+        points: Sequence[int] | None = None,
+        address: str | None = None,
+    ) -> None:
+        config = ctx.config
+        stages = config.pipeline_stages
+        if stages < 2:
+            raise ConfigError(f"ctx.pipeline() runs a stage of a pipeline job: set pipeline_stages >= 2 (the job has {stages}); without it, train with ctx.attach() and ctx.step()")
+        compute = ctx._compute
+        if not isinstance(compute, PipelineCompute):
+            raise ConfigError(f"the trainer's compute ({type(compute).__name__}) cannot cut a model into pipeline stages")
+        if not callable(loss_fn):
+            raise ConfigError(f"ctx.pipeline() needs loss_fn(output, target), the mean loss over a microbatch; got {loss_fn!r}")
+        self._ctx = ctx
+        self._compute = compute
+        self._store = ctx._store
+        self._keys = ctx._keys
+        self.layout = HybridLayout.from_counts(config.trainers, stages)
+        parts = compute.split(model, stages, points=points)  # refuses a model that cannot be cut, before anything is claimed
+        ctx.register()
+        assert ctx._keeper is not None
+        self._lease = ctx._keeper.lease
+        transport = ctx._transport
+        scheme = getattr(transport, "scheme", "grpc")
+        where = address or getattr(ctx, "p2p_address", None) or (f"{scheme}://" if scheme == "inproc" else f"{scheme}://127.0.0.1:0")
+        self._p2p = P2P(transport, 0, where, peers=self._address_of, timeout=config.pipeline_timeout)
+        self._claims: dict[int, Any] = {}
+        try:
+            self.group: HybridGroup = claim_rank(
+                self._store, self._keys, self.layout, ctx.trainer_id, self._p2p.address, self._lease, wait=DISCOVERY_TIMEOUT
+            )
+            self._p2p.rank = self.group.rank
+            self.stage = self.group.get_stage_id()
+            self.module = parts[self.stage]
+            if not self.group.is_first_stage:
+                # not a participant of the sync rounds: stage 0 commits for the pipeline
+                key = self._keys.trainer(ctx.trainer_id)
+                self._store.commit((), (Delete(key),))
+                ctx._rounds_member = False
+            ctx.attach(model)
+            if ctx._pipeline is not None:  # per-slot pushes during backward: not for a stage (it pushes after its step)
+                ctx._pipeline.close()
+                ctx._pipeline = None
+            assert ctx._group is not None
+            names = [n for n, p in self.module.named_parameters() if p.requires_grad]
+            if not names:
+                raise ConfigError(f"stage {self.stage} holds no trainable parameter: cut the model elsewhere (points=)")
+            ctx._group.restrict(names)
+            self._claims = wait_for_ranks(self._store, self._keys, self.layout, DISCOVERY_TIMEOUT)
+        except BaseException:
+            self._close(release_rank=True)
+            raise
+        self._ranks = self.group.get_pipe_parallel_group()
+        self._first = self._ranks[0]
+        self._lead = self._claims[self._first].member  # stage 0's trainer id: the key every stage pushes under
+        self.runner = compute.stage_runner(
+            self.module, self.stage, stages, self._p2p, loss_fn if self.group.is_last_stage else None, ranks=self._ranks, timeout=config.pipeline_timeout
+        )
+        self._schedule = SCHEDULES[config.pipeline_schedule]
+        self._loaded: int | None = None  # the round whose result this stage holds (stages after the first)
+        #: steps this stage ran; on stage 0 and the last stage, each step's batch-mean loss
+        self.steps = 0
+        self.losses: list[float] = []
+        self.peak_activations = 0
+        log.info("trainer %s is stage %d of pipeline %d (rank %d of %d)", ctx.trainer_id, self.stage, self.group.get_data_parallel_rank(), self.group.rank, self.layout.world_size)
+
+    # --- the loop ---------------------------------------------------------------------
+
+    def train(self, prepare: Callable[[Batch], tuple[Any, Any]]) -> list[float]:
+        """Train until the job is done. ``prepare(batch)`` (stage 0 only) returns the
+        batch's ``(inputs, targets)``: each a tensor cut along dim 0 into the job's
+        microbatches, or a list of microbatches (shapes may differ between them: a
+        sequence length). Returns :attr:`losses` (stage 0 and the last stage: each step's
+        batch-mean loss; other stages: empty)."""
+        from pdps.roles.trainer.context import Killed
+
+        crashed = False
+        try:
+            if self.group.is_first_stage:
+                self._run_first(prepare)
+            else:
+                self._run_follower()
+        except Killed:
+            crashed = True
+            raise
+        finally:
+            self._close(release_rank=not crashed)
+        return self.losses
+
+    def _run_first(self, prepare: Callable[[Batch], tuple[Any, Any]]) -> None:
+        ctx = self._ctx
+        step = 0
+        try:
+            for batch in ctx.batches():
+                self._maybe_killed()
+                inputs, targets = prepare(batch)
+                microbatches = len(inputs) if isinstance(inputs, (list, tuple)) else max(1, min(ctx.config.pipeline_microbatches, batch.size))
+                assert ctx._group is not None
+                round_no = max(p.round_no for p in ctx._group.parts)
+                header = Header(STEP, step, round_no, batch.size, microbatches)
+                self._send_header(header)
+                self.runner.run(self._actions(microbatches), inputs, targets, step=step)
+                self._note_run()
+                stale = self._push(round_no, batch.size)
+                for r in self._ranks[1:]:
+                    got = self._p2p.recv(r, f"{step}/pushed", timeout=ctx.config.pipeline_timeout)[0].tolist()
+                    stale = stale or bool(got[0])
+                    if r == self._ranks[-1]:
+                        self.losses.append(float(got[1]))
+                        ctx.metrics["loss"] = float(got[1])
+                self._settle(round_no, batch, stale)
+                step += 1
+        except (Timeout, TransportError) as exc:
+            log.error("trainer %s (stage 0 of pipeline %d): the pipeline is broken: %s", ctx.trainer_id, self.group.get_data_parallel_rank(), exc)
+            raise
+        self._send_header(Header(END, step, 0, 0, 0))
+
+    def _run_follower(self) -> None:
+        ctx = self._ctx
+        expected = 0
+        while True:
+            header = self._wait_header(expected)
+            if header.kind == END:
+                return
+            self._maybe_killed()
+            if header.round_no > 0 and self._loaded != header.round_no - 1:
+                ctx._pull_round(header.round_no - 1)  # rounds went by without this stage (stage 0 idle)
+            loss = self.runner.run(self._actions(header.microbatches), step=header.step)
+            self._note_run()
+            stale = self._push(header.round_no, header.samples)
+            if loss is not None:
+                self.losses.append(loss)
+                ctx.metrics["loss"] = loss
+            told = np.array([float(stale), float("nan") if loss is None else loss], dtype=np.float64)
+            self._p2p.send(self._first, f"{header.step}/pushed", [self._tensor(told)], stop_gradient=[True])
+            ctx._zero_grad()
+            ctx.steps += 1
+            ctx.samples += header.samples
+            ctx._pull_round(header.round_no)
+            self._loaded = header.round_no
+            expected = header.step + 1
+
+    # --- pieces -------------------------------------------------------------------------
+
+    def _actions(self, microbatches: int) -> list[Any]:
+        return self._schedule(self.layout.pipeline, microbatches)[self.stage]
+
+    def _note_run(self) -> None:
+        self.steps += 1
+        self.peak_activations = max(self.peak_activations, int(self.runner.peak_activations))
+
+    def _maybe_killed(self) -> None:
+        """``pdps.simulate``'s ``kill``: crash after that many steps."""
+        from pdps.roles.trainer.context import Killed
+
+        ctx = self._ctx
+        if ctx._kill_after is not None and self.steps >= ctx._kill_after:
+            ctx.killed = True
+            raise Killed(ctx.trainer_id)
+
+    def _tensor(self, values: np.ndarray) -> Any:
+        return self._compute.tensors({"v": values})["v"]  # type: ignore[attr-defined]
+
+    def _send_header(self, header: Header) -> None:
+        tensor = self._tensor(np.array(header.values(), dtype=np.int64))
+        for r in self._ranks[1:]:
+            self._p2p.send(r, f"h/{header.step}", [tensor], stop_gradient=[True])
+
+    def _wait_header(self, step: int) -> Header:
+        """The header of ``step`` from stage 0, however long stage 0 waits for work, as
+        long as it holds its rank: once its claim is gone or someone else's, Timeout
+        naming it (its pipeline is broken)."""
+        ctx = self._ctx
+        tag = f"h/{step}"
+        while True:
+            try:
+                got = self._p2p.recv(self._first, tag, timeout=ctx.config.pipeline_timeout)
+                return Header.parse([int(v) for v in got[0].tolist()], self._first)
+            except Timeout as exc:
+                claim = ranks(self._store, self._keys).get(self._first)
+                if claim is None or claim.member != self._lead:
+                    now = "free" if claim is None else f"held by {claim.member}"
+                    raise Timeout(f"stage {self.stage} (rank {self.group.rank}): stage 0 ({self._lead}, rank {self._first}) left the pipeline (its rank is {now}): {exc}") from None
+
+    def _push(self, round_no: int, samples: int) -> bool:
+        """Stage this stage's blocks' gradients for ``round_no`` under stage 0's key on
+        every pserver holding some; True if a pserver found the round closed."""
+        ctx = self._ctx
+        assert ctx._group is not None and ctx._replica is not None
+        ctx._replica.check_finite(ctx.trainer_id)
+        push = PushRequest(self._lead, epoch=ctx._epoch, version=ctx._slot_version, round_no=round_no, samples=samples, part=True)
+        requests = [(part, attrs.evolve(push, blocks=tuple(part.keys), tensors=tuple(ctx._replica.grads(part.blocks)))) for part in ctx._group.parts]
+        replies = ctx._call_each(requests)
+        stale = False
+        for part, reply in zip(ctx._group.parts, replies):
+            if isinstance(reply, (StalePush, SlotMapChanged)):
+                stale = True
+                log.warning("trainer %s: push to pserver %d was stale (%s)", ctx.trainer_id, part.index, reply)
+        if not stale:
+            ctx.pushes += len(requests)
+        return stale
+
+    def _settle(self, round_no: int, batch: Batch, stale: bool) -> None:
+        """Stage 0, every stage's push accepted: commit the pipeline's contribution, then
+        pull the round's result (as :meth:`TrainerContext.step` does for one trainer)."""
+        ctx = self._ctx
+        ctx.steps += 1
+        ctx.samples += batch.size
+        ctx._stepped = batch
+        try:
+            if not stale:
+                stale = not ctx._commit(round_no, ctx._contribution(batch.size, batch))
+            if stale:
+                ctx.stale_pushes += 1
+            ctx._zero_grad()
+            if stale:
+                ctx._pull_fresh()
+            else:
+                ctx._pull_round(round_no)
+        except (EpochChanged, NotInitialized) as exc:
+            log.warning("trainer %s: %s", ctx.trainer_id, exc)
+            ctx._resync()
+
+    def _address_of(self, rank: int) -> str:
+        """Where ``rank``'s p2p endpoint serves, by its claim (read again after a failed send)."""
+        claim = ranks(self._store, self._keys).get(rank)
+        if claim is None:
+            held = self._claims.get(rank)
+            if held is None:
+                raise Timeout(f"pipeline rank {rank} of job {self._keys.job!r} is not claimed: its trainer left")
+            return str(held.addr)
+        return claim.addr
+
+    def _close(self, *, release_rank: bool) -> None:
+        self._p2p.close()
+        if release_rank and hasattr(self, "group"):
+            try:
+                release(self._store, self._keys, self.group.rank, self._lease)
+            except Exception as exc:  # noqa: BLE001 - leaving anyway: the lease frees it
+                log.warning("trainer %s could not release pipeline rank %d: %s", self._ctx.trainer_id, self.group.rank, exc)

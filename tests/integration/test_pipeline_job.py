@@ -1,0 +1,151 @@
+"""A pipeline job in process (``pdps.simulate``, inproc, memory store): 4 stages x 2
+data-parallel pipelines, float64, sync SGD, train exactly as one process trains the
+whole model on the same batches (GPipe with the batch cut by rows, 1F1B with
+microbatches of different sequence lengths), each stage keeping to its own parameters;
+a job that cannot be a pipeline job is refused naming the setting."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import pdps
+from pdps.adapters.parquet import write_parquet_shards
+from pdps.core.errors import ConfigError
+from pdps.ports.data import read_whole
+
+P, D = 4, 2  # stages, pipelines
+K, B, T = 3, 8, 4  # steps per task, batch, time steps of a sequence
+M = 3  # microbatches
+POINTS = [2, 4, 6]  # each stage one Linear (and what follows it)
+SGD = {"lr": 0.1, "momentum": 0.9}
+
+
+class MeanOverTime(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mean(dim=1)
+
+
+def make_model() -> nn.Sequential:
+    g = torch.Generator().manual_seed(99)
+    model = nn.Sequential(
+        nn.Linear(5, 12), nn.Tanh(), nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 12), MeanOverTime(), nn.Linear(12, 3)
+    ).double()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.uniform_(-0.5, 0.5, generator=g)
+    return model
+
+
+def dataset(root: str) -> str:
+    """D tasks (a row group each) of K*B sequences of T steps of 5 features, flat."""
+    rng = np.random.default_rng(3)
+    n = K * B * D
+    x = rng.normal(size=(n, T * 5))
+    seq = x.reshape(n, T, 5)
+    y = np.stack([seq[:, :, 0].mean(1) - seq[:, 0, 1], np.sin(seq[:, :, 2].sum(1)), seq[:, -1, 3] * seq[:, 0, 4]], axis=1)
+    write_parquet_shards({"x": x, "y": y}, root, shards=1, row_group_size=K * B)
+    return root
+
+
+def as_tensor(batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole batch: sequences of T steps (the stage runner cuts it by rows)."""
+    return batch["x"].view(-1, T, 5), batch["y"]
+
+
+def ragged(batch) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """M microbatches whose sequences are cut to T, T-1, T-2 ... steps: shapes differ."""
+    x, y = batch["x"].view(-1, T, 5), batch["y"]
+    xs = [part[:, : T - m % T] for m, part in enumerate(torch.tensor_split(x, M))]
+    return xs, list(torch.tensor_split(y, M))
+
+
+def train(prepare):
+    def fn(ctx: pdps.TrainerContext):
+        pipe = ctx.pipeline(make_model(), F.mse_loss, points=POINTS)
+        losses = pipe.train(prepare)
+        return {"stage": pipe.stage, "rank": pipe.group.rank, "losses": losses, "peak": pipe.peak_activations, "pushed": ctx.pushes}
+
+    return fn
+
+
+def reference(source, history, prepare) -> dict[str, torch.Tensor]:
+    """Single-process torch: per sync round, one step on the pipelines' batches of that
+    round together (each microbatch's mean loss weighted by its share of the rows)."""
+    data = {t.id: read_whole(source, t) for t in source.tasks()}
+    rounds = defaultdict(list)
+    for trainer, steps in history.items():
+        for s in steps:
+            rounds[s.round].append((trainer, s))
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), **SGD)
+    for r in sorted(rounds):
+        batches = [s for _, s in sorted(rounds[r], key=lambda ts: ts[0])]
+        total = sum(s.samples for s in batches)
+        opt.zero_grad()
+        loss = 0
+        for s in batches:
+            cols = {k: torch.from_numpy(v[s.start : s.end]) for k, v in data[s.task].items()}
+            inputs, targets = prepare(cols)
+            if isinstance(inputs, torch.Tensor):
+                loss = loss + F.mse_loss(model(inputs), targets) * (s.samples / total)
+            else:
+                for xi, yi in zip(inputs, targets):
+                    loss = loss + F.mse_loss(model(xi), yi) * (len(yi) / total)
+        loss.backward()
+        opt.step()
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("schedule,prepare", [("gpipe", as_tensor), ("1f1b", ragged)], ids=["gpipe-rows", "1f1b-ragged"])
+def test_pipelines_train_as_one_process(tmp_path, schedule, prepare):
+    source = dataset(tmp_path.as_uri())
+    result = pdps.simulate(
+        train(prepare),
+        dataset=source,
+        trainers=P * D,
+        pservers=2,
+        mode="sync",
+        batch_size=B,
+        optimizer="SGD",
+        optimizer_args=SGD,
+        min_block=4,
+        num_slots=16,
+        pipeline_stages=P,
+        pipeline_microbatches=M,
+        pipeline_schedule=schedule,
+        pipeline_timeout=20.0,
+        timeout=120.0,
+    )
+    runs = list(result.trainers.values())
+    assert sorted(r["rank"] for r in runs) == list(range(P * D))
+    assert result.tasks_done == D
+    leads = {t for t, steps in result.history.items() if steps}
+    assert len(leads) == D and all(result.trainers[t]["stage"] == 0 for t in leads)  # stage 0 holds the task
+    assert sum(len(result.history[t]) for t in leads) == K * D
+    from pdps.adapters.parquet import ParquetSource
+
+    want = reference(ParquetSource(source), result.history, prepare)
+    assert set(result.params) == set(want)
+    for name, w in want.items():
+        torch.testing.assert_close(result.params[name], w, rtol=0, atol=1e-10, msg=lambda m, n=name: f"{n}: {m}")
+        assert not torch.equal(w, make_model().state_dict()[name])  # training moved it
+    for r in runs:
+        if r["stage"] == P - 1:
+            assert len(r["losses"]) == K and all(np.isfinite(r["losses"]))
+        # GPipe holds every microbatch's activations; 1F1B at most P - stage
+        assert r["peak"] == (M if schedule == "gpipe" else min(M, P - r["stage"]))
+
+
+def test_a_pipeline_job_is_refused_where_it_cannot_be_one():
+    with pytest.raises(ConfigError, match=r"trainers \(6\) must be a multiple of pipeline_stages \(4\)"):
+        pdps.JobConfig(trainers=6, pipeline_stages=4)
+    with pytest.raises(ConfigError, match="pipeline_schedule must be one of 'gpipe', '1f1b'"):
+        pdps.JobConfig(trainers=4, pipeline_stages=4, pipeline_schedule="zb")
+    with pytest.raises(ConfigError, match="needs mode = sync"):
+        pdps.JobConfig(trainers=4, pipeline_stages=4, mode="async")

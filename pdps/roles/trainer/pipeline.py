@@ -39,6 +39,7 @@ pipelines of P stages. Rules, in a few lines:
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -47,12 +48,14 @@ import numpy as np
 
 from pdps.core.errors import ConfigError, EpochChanged, NotInitialized, SlotMapChanged, StalePush, Timeout, TransportError
 from pdps.core.hybrid import HybridGroup, HybridLayout
+from pdps.core.job import says_done
 from pdps.core.pipeline import gpipe, one_f_one_b
 from pdps.core.wire import PushRequest
 from pdps.ports.compute import PipelineCompute
 from pdps.ports.coordination import Delete
 from pdps.roles.trainer.discovery import DISCOVERY_TIMEOUT
-from pdps.runtime.hybrid import claim_rank, ranks, release, wait_for_ranks
+from pdps.runtime.hybrid import claim_rank, ranks, release
+from pdps.runtime.watching import watch_until
 from pdps.runtime.p2p import P2P
 
 if TYPE_CHECKING:
@@ -87,6 +90,44 @@ class Header:
         if len(values) != 5 or values[0] not in (STEP, END) or any(v < 0 for v in values) or (values[0] == STEP and (values[3] < 1 or values[4] < 1)):
             raise ConfigError(f"rank {src} sent a malformed pipeline header {list(values)!r}: expected [kind 0|1, step, round, samples >= 1, microbatches >= 1]")
         return cls(*(int(v) for v in values))
+
+
+#: Seconds between looks at the claim of the peer a receive waits for.
+WATCH_EVERY = 0.5
+
+
+class WatchedLink:
+    """The stage's :class:`~pdps.runtime.p2p.P2P` as a Link whose receives also watch the
+    peer's rank claim: a peer whose claim is gone (it left, or died and its lease ran
+    out) or taken by another trainer ends the wait at once with a
+    :class:`~pdps.core.errors.Timeout` naming it, rather than at the deadline."""
+
+    def __init__(self, p2p: P2P, look: Callable[[int], Any], members: Callable[[int], str], rank: Callable[[], int]) -> None:
+        self._p2p, self._look, self._members, self._rank = p2p, look, members, rank
+
+    def send(self, peer: int, tag: str, tensors: Sequence[Any], *, stop_gradient: Sequence[bool] | None = None) -> None:
+        self._p2p.send(peer, tag, tensors, stop_gradient=stop_gradient)
+
+    def recv(self, peer: int, tag: str, *, timeout: float | None = None) -> list[Any]:
+        wait = self._p2p._timeout if timeout is None else timeout
+        deadline = time.monotonic() + wait
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return self._p2p.recv(peer, tag, timeout=max(0.0, min(WATCH_EVERY, left)))
+            except Timeout:
+                if time.monotonic() >= deadline:
+                    raise Timeout(self._p2p._waited(peer, tag, wait)) from None
+            claim = self._look(peer)
+            member = self._members(peer)
+            if claim is None or claim.member != member:
+                now = "free" if claim is None else f"held by {claim.member}"
+                raise Timeout(f"rank {self._rank()} waited for {tag!r} from rank {peer} ({member}), which left the pipeline (its rank is {now})")
+
+    def batch_send_recv(self, sends: Sequence[tuple[int, str, Sequence[Any]]], recvs: Sequence[tuple[int, str]], *, timeout: float | None = None) -> list[list[Any]]:
+        for peer, tag, tensors in sends:
+            self.send(peer, tag, tensors)
+        return [self.recv(peer, tag, timeout=timeout) for peer, tag in recvs]
 
 
 class PipelineStage:
@@ -131,7 +172,7 @@ class PipelineStage:
         scheme = getattr(transport, "scheme", "grpc")
         where = address or getattr(ctx, "p2p_address", None) or (f"{scheme}://" if scheme == "inproc" else f"{scheme}://127.0.0.1:0")
         self._p2p = P2P(transport, 0, where, peers=self._address_of, timeout=config.pipeline_timeout)
-        self._claims: dict[int, Any] = {}
+        self._claims: dict[int, Any] | None = {}
         try:
             self.group: HybridGroup = claim_rank(
                 self._store, self._keys, self.layout, ctx.trainer_id, self._p2p.address, self._lease, wait=DISCOVERY_TIMEOUT
@@ -144,24 +185,28 @@ class PipelineStage:
                 key = self._keys.trainer(ctx.trainer_id)
                 self._store.commit((), (Delete(key),))
                 ctx._rounds_member = False
-            ctx.attach(model)
-            if ctx._pipeline is not None:  # per-slot pushes during backward: not for a stage (it pushes after its step)
-                ctx._pipeline.close()
-                ctx._pipeline = None
-            assert ctx._group is not None
             names = [n for n, p in self.module.named_parameters() if p.requires_grad]
             if not names:
                 raise ConfigError(f"stage {self.stage} holds no trainable parameter: cut the model elsewhere (points=)")
-            ctx._group.restrict(names)
-            self._claims = wait_for_ranks(self._store, self._keys, self.layout, DISCOVERY_TIMEOUT)
+            self._claims = self._wait_for_pipeline()
+            if self._claims is not None:
+                ctx.attach(model)
+                if ctx._pipeline is not None:  # per-slot pushes during backward: not for a stage (it pushes after its step)
+                    ctx._pipeline.close()
+                    ctx._pipeline = None
+                assert ctx._group is not None
+                ctx._group.restrict(names)
         except BaseException:
             self._close(release_rank=True)
             raise
         self._ranks = self.group.get_pipe_parallel_group()
         self._first = self._ranks[0]
-        self._lead = self._claims[self._first].member  # stage 0's trainer id: the key every stage pushes under
+        #: the job was done before this stage's pipeline formed (a restart after the end): train() returns at once
+        self.job_done = self._claims is None
+        self._lead = "" if self._claims is None else self._claims[self._first].member  # stage 0's trainer id: the key every stage pushes under
+        self._link = WatchedLink(self._p2p, lambda r: ranks(self._store, self._keys).get(r), lambda r: self._claims[r].member if self._claims else "", lambda: self.group.rank)
         self.runner = compute.stage_runner(
-            self.module, self.stage, stages, self._p2p, loss_fn if self.group.is_last_stage else None, ranks=self._ranks, timeout=config.pipeline_timeout
+            self.module, self.stage, stages, self._link, loss_fn if self.group.is_last_stage else None, ranks=self._ranks, timeout=config.pipeline_timeout
         )
         self._schedule = SCHEDULES[config.pipeline_schedule]
         self._loaded: int | None = None  # the round whose result this stage holds (stages after the first)
@@ -169,7 +214,8 @@ class PipelineStage:
         self.steps = 0
         self.losses: list[float] = []
         self.peak_activations = 0
-        log.info("trainer %s is stage %d of pipeline %d (rank %d of %d)", ctx.trainer_id, self.stage, self.group.get_data_parallel_rank(), self.group.rank, self.layout.world_size)
+        if not self.job_done:
+            log.info("trainer %s is stage %d of pipeline %d (rank %d of %d)", ctx.trainer_id, self.stage, self.group.get_data_parallel_rank(), self.group.rank, self.layout.world_size)
 
     # --- the loop ---------------------------------------------------------------------
 
@@ -183,7 +229,9 @@ class PipelineStage:
 
         crashed = False
         try:
-            if self.group.is_first_stage:
+            if self.job_done:
+                log.info("trainer %s: the job is done; pipeline rank %d has nothing to train", self._ctx.trainer_id, self.group.rank)
+            elif self.group.is_first_stage:
                 self._run_first(prepare)
             else:
                 self._run_follower()
@@ -210,12 +258,12 @@ class PipelineStage:
                 self._note_run()
                 stale = self._push(round_no, batch.size)
                 for r in self._ranks[1:]:
-                    got = self._p2p.recv(r, f"{step}/pushed", timeout=ctx.config.pipeline_timeout)[0].tolist()
+                    got = self._link.recv(r, f"{step}/pushed", timeout=ctx.config.pipeline_timeout)[0].tolist()
                     stale = stale or bool(got[0])
                     if r == self._ranks[-1]:
                         self.losses.append(float(got[1]))
                         ctx.metrics["loss"] = float(got[1])
-                self._settle(round_no, batch, stale)
+                self._settle(round_no, batch, stale, step)
                 step += 1
         except (Timeout, TransportError) as exc:
             log.error("trainer %s (stage 0 of pipeline %d): the pipeline is broken: %s", ctx.trainer_id, self.group.get_data_parallel_rank(), exc)
@@ -223,6 +271,13 @@ class PipelineStage:
         self._send_header(Header(END, step, 0, 0, 0))
 
     def _run_follower(self) -> None:
+        try:
+            self._follow()
+        except (Timeout, TransportError) as exc:
+            log.error("trainer %s (stage %d of pipeline %d): the pipeline is broken: %s", self._ctx.trainer_id, self.stage, self.group.get_data_parallel_rank(), exc)
+            raise
+
+    def _follow(self) -> None:
         ctx = self._ctx
         expected = 0
         while True:
@@ -243,8 +298,15 @@ class PipelineStage:
             ctx._zero_grad()
             ctx.steps += 1
             ctx.samples += header.samples
-            ctx._pull_round(header.round_no)
-            self._loaded = header.round_no
+            # the round closes only once stage 0 committed (or gave up on) the step: wait
+            # for its word, watching its claim, rather than for a round nobody may commit
+            committed = bool(self._link.recv(self._first, f"{header.step}/committed", timeout=ctx.config.pipeline_timeout)[0].tolist()[0])
+            if committed:
+                ctx._pull_round(header.round_no)
+                self._loaded = header.round_no
+            else:
+                ctx._pull_fresh()
+                self._loaded = None
             expected = header.step + 1
 
     # --- pieces -------------------------------------------------------------------------
@@ -275,19 +337,17 @@ class PipelineStage:
 
     def _wait_header(self, step: int) -> Header:
         """The header of ``step`` from stage 0, however long stage 0 waits for work, as
-        long as it holds its rank: once its claim is gone or someone else's, Timeout
-        naming it (its pipeline is broken)."""
-        ctx = self._ctx
+        long as it holds its rank (a Timeout naming it once it does not)."""
         tag = f"h/{step}"
         while True:
             try:
-                got = self._p2p.recv(self._first, tag, timeout=ctx.config.pipeline_timeout)
-                return Header.parse([int(v) for v in got[0].tolist()], self._first)
-            except Timeout as exc:
+                got = self._link.recv(self._first, tag, timeout=self._ctx.config.pipeline_timeout)
+            except Timeout:
                 claim = ranks(self._store, self._keys).get(self._first)
                 if claim is None or claim.member != self._lead:
-                    now = "free" if claim is None else f"held by {claim.member}"
-                    raise Timeout(f"stage {self.stage} (rank {self.group.rank}): stage 0 ({self._lead}, rank {self._first}) left the pipeline (its rank is {now}): {exc}") from None
+                    raise
+                continue  # stage 0 is there, waiting for work itself
+            return Header.parse([int(v) for v in got[0].tolist()], self._first)
 
     def _push(self, round_no: int, samples: int) -> bool:
         """Stage this stage's blocks' gradients for ``round_no`` under stage 0's key on
@@ -307,9 +367,10 @@ class PipelineStage:
             ctx.pushes += len(requests)
         return stale
 
-    def _settle(self, round_no: int, batch: Batch, stale: bool) -> None:
-        """Stage 0, every stage's push accepted: commit the pipeline's contribution, then
-        pull the round's result (as :meth:`TrainerContext.step` does for one trainer)."""
+    def _settle(self, round_no: int, batch: Batch, stale: bool, step: int) -> None:
+        """Stage 0, every stage's push accepted: commit the pipeline's contribution, tell
+        the other stages whether it went into round ``round_no`` (``<step>/committed``),
+        then pull the round's result (as :meth:`TrainerContext.step` does for one trainer)."""
         ctx = self._ctx
         ctx.steps += 1
         ctx.samples += batch.size
@@ -320,6 +381,13 @@ class PipelineStage:
             if stale:
                 ctx.stale_pushes += 1
             ctx._zero_grad()
+        except (EpochChanged, NotInitialized) as exc:
+            self._tell(step, False)
+            log.warning("trainer %s: %s", ctx.trainer_id, exc)
+            ctx._resync()
+            return
+        self._tell(step, not stale)
+        try:
             if stale:
                 ctx._pull_fresh()
             else:
@@ -328,15 +396,40 @@ class PipelineStage:
             log.warning("trainer %s: %s", ctx.trainer_id, exc)
             ctx._resync()
 
+    def _tell(self, step: int, committed: bool) -> None:
+        told = self._tensor(np.array([int(committed)], dtype=np.int64))
+        for r in self._ranks[1:]:
+            self._link.send(r, f"{step}/committed", [told], stop_gradient=[True])
+
+    def _wait_for_pipeline(self) -> dict[int, Any] | None:
+        """The claims of this pipeline's ranks once all are claimed; None if the job is
+        done first (the other pipelines finished it while this one formed again)."""
+        mine = self.group.get_pipe_parallel_group()
+        missing: list[int] = []
+        done = object()
+
+        def look() -> Any:
+            kv = self._store.get(self._keys.state)
+            if kv is not None and says_done(kv.value, kv.key):
+                return done
+            claimed = ranks(self._store, self._keys)
+            missing[:] = [r for r in mine if r not in claimed]
+            return None if missing else {r: claimed[r] for r in mine}
+
+        def what() -> str:
+            return f"every rank of pipeline {self.group.get_data_parallel_rank()} of job {self._keys.job!r} to be claimed: ranks {missing} are not"
+
+        found = watch_until(self._store, self._keys.pipeline_ranks, look, DISCOVERY_TIMEOUT, what)
+        return None if found is done else found
+
     def _address_of(self, rank: int) -> str:
-        """Where ``rank``'s p2p endpoint serves, by its claim (read again after a failed send)."""
-        claim = ranks(self._store, self._keys).get(rank)
-        if claim is None:
-            held = self._claims.get(rank)
-            if held is None:
-                raise Timeout(f"pipeline rank {rank} of job {self._keys.job!r} is not claimed: its trainer left")
-            return str(held.addr)
-        return claim.addr
+        """Where ``rank``'s p2p endpoint serves, by the claims the pipeline formed with: a
+        send never reaches another trainer that took the rank since (a failed send is
+        the pipeline broken, not a peer to look up again)."""
+        held = None if self._claims is None else self._claims.get(rank)
+        if held is None:
+            raise Timeout(f"pipeline rank {rank} of job {self._keys.job!r} was not claimed when the pipeline formed")
+        return str(held.addr)
 
     def _close(self, *, release_rank: bool) -> None:
         self._p2p.close()

@@ -6,7 +6,9 @@ a job that cannot be a pipeline job is refused naming the setting."""
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -149,3 +151,12 @@ def test_a_pipeline_job_is_refused_where_it_cannot_be_one():
         pdps.JobConfig(trainers=4, pipeline_stages=4, pipeline_schedule="zb")
     with pytest.raises(ConfigError, match="needs mode = sync"):
         pdps.JobConfig(trainers=4, pipeline_stages=4, mode="async")
+
+
+def test_the_guide_example_runs(capsys):
+    text = (Path(__file__).resolve().parents[2] / "docs" / "pipeline.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert blocks, "docs/pipeline.md has no runnable example"
+    namespace: dict = {"__name__": "pipeline_guide"}
+    exec(compile("\n".join(blocks), "docs/pipeline.md", "exec"), namespace)  # the example asserts its own outcome
+    assert "8 tasks; last stages' final losses" in capsys.readouterr().out

@@ -245,8 +245,9 @@ class PipelineStage:
     def _run_first(self, prepare: Callable[[Batch], tuple[Any, Any]]) -> None:
         ctx = self._ctx
         step = 0
+        batches = ctx.batches()
         try:
-            for batch in ctx.batches():
+            for batch in batches:
                 self._maybe_killed()
                 inputs, targets = prepare(batch)
                 microbatches = len(inputs) if isinstance(inputs, (list, tuple)) else max(1, min(ctx.config.pipeline_microbatches, batch.size))
@@ -268,6 +269,8 @@ class PipelineStage:
         except (Timeout, TransportError) as exc:
             log.error("trainer %s (stage 0 of pipeline %d): the pipeline is broken: %s", ctx.trainer_id, self.group.get_data_parallel_rank(), exc)
             raise
+        finally:
+            batches.close()  # a broken step's task goes back to the queue now (a crash's: when its lease runs out)
         self._send_header(Header(END, step, 0, 0, 0))
 
     def _run_follower(self) -> None:

@@ -170,7 +170,7 @@ class PipelineStage:
         self._lease = ctx._keeper.lease
         transport = ctx._transport
         scheme = getattr(transport, "scheme", "grpc")
-        where = address or getattr(ctx, "p2p_address", None) or (f"{scheme}://" if scheme == "inproc" else f"{scheme}://127.0.0.1:0")
+        where = address or (f"{scheme}://" if scheme == "inproc" else f"{scheme}://127.0.0.1:0")
         self._p2p = P2P(transport, 0, where, peers=self._address_of, timeout=config.pipeline_timeout)
         self._claims: dict[int, Any] | None = {}
         try:

@@ -70,7 +70,8 @@ def train(prepare):
     def fn(ctx: pdps.TrainerContext):
         pipe = ctx.pipeline(make_model(), F.mse_loss, points=POINTS)
         losses = pipe.train(prepare)
-        return {"stage": pipe.stage, "rank": pipe.group.rank, "losses": losses, "peak": pipe.peak_activations, "pushed": ctx.pushes}
+        reached = sorted({b.param for part in ctx._group.parts for b in part.blocks})  # what its pushes and pulls name
+        return {"stage": pipe.stage, "rank": pipe.group.rank, "losses": losses, "peak": pipe.peak_activations, "reached": reached}
 
     return fn
 
@@ -136,7 +137,9 @@ def test_pipelines_train_as_one_process(tmp_path, schedule, prepare):
     for name, w in want.items():
         torch.testing.assert_close(result.params[name], w, rtol=0, atol=1e-10, msg=lambda m, n=name: f"{n}: {m}")
         assert not torch.equal(w, make_model().state_dict()[name])  # training moved it
+    stages = [[n for n, _ in s.named_parameters()] for s in [make_model()[a:b] for a, b in zip([0, *POINTS], [*POINTS, None])]]
     for r in runs:
+        assert r["reached"] == sorted(stages[r["stage"]])  # each stage pushes and pulls its own parameters only
         if r["stage"] == P - 1:
             assert len(r["losses"]) == K and all(np.isfinite(r["losses"]))
         # GPipe holds every microbatch's activations; 1F1B at most P - stage

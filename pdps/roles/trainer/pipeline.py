@@ -251,20 +251,22 @@ class PipelineStage:
                 self._maybe_killed()
                 inputs, targets = prepare(batch)
                 microbatches = len(inputs) if isinstance(inputs, (list, tuple)) else max(1, min(ctx.config.pipeline_microbatches, batch.size))
+                # the step's weight in the round: the rows its loss is the mean over (the batch's, unless prepare dropped some)
+                samples = sum(int(t.shape[0]) for t in targets) if isinstance(targets, (list, tuple)) else int(targets.shape[0])
                 assert ctx._group is not None
                 round_no = max(p.round_no for p in ctx._group.parts)
-                header = Header(STEP, step, round_no, batch.size, microbatches)
+                header = Header(STEP, step, round_no, samples, microbatches)
                 self._send_header(header)
                 self.runner.run(self._actions(microbatches), inputs, targets, step=step)
                 self._note_run()
-                stale = self._push(round_no, batch.size)
+                stale = self._push(round_no, samples)
                 for r in self._ranks[1:]:
                     got = self._link.recv(r, f"{step}/pushed", timeout=ctx.config.pipeline_timeout)[0].tolist()
                     stale = stale or bool(got[0])
                     if r == self._ranks[-1]:
                         self.losses.append(float(got[1]))
                         ctx.metrics["loss"] = float(got[1])
-                self._settle(round_no, batch, stale, step)
+                self._settle(round_no, batch, samples, stale, step)
                 step += 1
         except (Timeout, TransportError) as exc:
             log.error("trainer %s (stage 0 of pipeline %d): the pipeline is broken: %s", ctx.trainer_id, self.group.get_data_parallel_rank(), exc)
@@ -370,17 +372,17 @@ class PipelineStage:
             ctx.pushes += len(requests)
         return stale
 
-    def _settle(self, round_no: int, batch: Batch, stale: bool, step: int) -> None:
+    def _settle(self, round_no: int, batch: Batch, samples: int, stale: bool, step: int) -> None:
         """Stage 0, every stage's push accepted: commit the pipeline's contribution, tell
         the other stages whether it went into round ``round_no`` (``<step>/committed``),
         then pull the round's result (as :meth:`TrainerContext.step` does for one trainer)."""
         ctx = self._ctx
         ctx.steps += 1
-        ctx.samples += batch.size
+        ctx.samples += samples
         ctx._stepped = batch
         try:
             if not stale:
-                stale = not ctx._commit(round_no, ctx._contribution(batch.size, batch))
+                stale = not ctx._commit(round_no, ctx._contribution(samples, batch))
             if stale:
                 ctx.stale_pushes += 1
             ctx._zero_grad()

@@ -1,10 +1,11 @@
 """Issue 20's acceptance over processes: ``pdps launch --pipeline-stages 4`` runs 8 trainer
 processes as 2 data-parallel pipelines of 4 stages, over gRPC and etcd, sync, float64.
 A stage process SIGKILLs itself in the middle of a step: the other stages of its
-pipeline stop (their receives time out naming the peer), the launcher restarts them,
-the restarted ones claim the free ranks and the pipeline forms again; the job finishes
-with every task done, and its final parameters equal single-process training of the
-whole model on the batches of the rounds the job closed (atol 1e-10)."""
+pipeline stop (their receives end naming the peer that left), the launcher restarts
+them, the restarted ones claim the free ranks, and the pipeline forms again and trains
+(the other pipeline's stage 0 waits for it). The job finishes with every task done, and
+its final parameters equal single-process training of the whole model on the batches
+of the rounds the job closed (atol 1e-10)."""
 
 from __future__ import annotations
 
@@ -84,6 +85,8 @@ def test_launch_pipeline_stages_survives_a_killed_stage_and_trains_as_one_proces
     tasks = {t.id: read_whole(source, t) for t in source.tasks()}
     model = target.make_model()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
+    rejoined = {t for _, r in rounds for t, _ in r.weights() if "-r" in t}
+    assert rejoined, "no restarted trainer's step went into a round: the broken pipeline did not form again"
     trained = 0
     for _, record in rounds:
         weights = record.weights()

@@ -190,8 +190,11 @@ class JobConfig:
                     f"trainers ({self.trainers}) must be a multiple of pipeline_stages ({self.pipeline_stages}): "
                     f"each pipeline needs one trainer per stage (trainers = pipeline_stages x pipelines)"
                 )
-            if self.mode is not Mode.SYNC:
-                raise ConfigError(f"pipeline_stages = {self.pipeline_stages} needs mode = sync: an async pipeline job is not built yet")
+            if self.mode is Mode.ASYNC and (self.push_every != 1 or self.pull_every != 1):
+                raise ConfigError(
+                    f"pipeline_stages = {self.pipeline_stages} in async mode pushes and pulls every step: "
+                    f"push_every and pull_every must be 1, got {self.push_every} and {self.pull_every}"
+                )
             if self.replicas > 1:
                 raise ConfigError(f"pipeline_stages = {self.pipeline_stages} with replicas = {self.replicas}: a pipeline job keeps one copy of each slot in this version")
         if self.restore not in ("job", "lost"):

@@ -146,6 +146,53 @@ def test_pipelines_train_as_one_process(tmp_path, schedule, prepare):
         assert r["peak"] == (M if schedule == "gpipe" else min(M, P - r["stage"]))
 
 
+@pytest.mark.parametrize("pipelines", [1, 2])
+def test_async_pipelines_apply_every_record_once(tmp_path, pipelines):
+    """Async: each step applied on arrival, every stage's blocks in one step per pserver
+    (stage 0's final, with the step's records). One pipeline is sequential training: it
+    equals one process exactly; two apply every record of every task exactly once."""
+    source = dataset(tmp_path.as_uri())
+    result = pdps.simulate(
+        train(as_tensor),
+        dataset=source,
+        trainers=P * pipelines,
+        pservers=2,
+        mode="async",
+        batch_size=B,
+        optimizer="SGD",
+        optimizer_args={"lr": 0.1},
+        min_block=4,
+        num_slots=16,
+        pipeline_stages=P,
+        pipeline_microbatches=M,
+        pipeline_timeout=20.0,
+        timeout=120.0,
+    )
+    assert result.tasks_done == D and result.tasks_failed == 0
+    from pdps.adapters.parquet import ParquetSource
+
+    tasks = ParquetSource(source).tasks()
+    for rows in result.applied.values():  # each pserver: each task's records once, in order
+        by_task = defaultdict(list)
+        for task, _, start, end in rows:
+            by_task[task].append((start, end))
+        assert sorted(by_task) == sorted(t.id for t in tasks)
+        for spans in by_task.values():
+            assert [a for a, _ in spans] == [b for _, b in [(0, 0), *spans[:-1]]] and spans[-1][1] == K * B
+    if pipelines == 1:
+        data = {t.id: read_whole(ParquetSource(source), t) for t in tasks}
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        (lead,) = [t for t, steps in result.history.items() if steps]
+        for s in result.history[lead]:  # its steps in the order they were applied
+            cols = {k: torch.from_numpy(v[s.start : s.end]) for k, v in data[s.task].items()}
+            opt.zero_grad()
+            F.mse_loss(model(cols["x"].view(-1, T, 5)), cols["y"]).backward()
+            opt.step()
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(result.params[name], p.detach(), rtol=0, atol=1e-10, msg=lambda m, n=name: f"{n}: {m}")
+
+
 def test_the_guide_example_runs(capsys):
     text = (Path(__file__).resolve().parents[2] / "docs" / "pipeline.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)

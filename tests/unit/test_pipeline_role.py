@@ -32,8 +32,9 @@ def test_a_pipeline_job_is_refused_where_it_cannot_be_one():
         JobConfig(trainers=6, pipeline_stages=4)
     with pytest.raises(ConfigError, match="pipeline_schedule must be one of 'gpipe', '1f1b'"):
         JobConfig(trainers=4, pipeline_stages=4, pipeline_schedule="zb")
-    with pytest.raises(ConfigError, match="needs mode = sync"):
-        JobConfig(trainers=4, pipeline_stages=4, mode="async")
+    assert JobConfig(trainers=4, pipeline_stages=4, mode="async").mode == "async"
+    with pytest.raises(ConfigError, match="push_every and pull_every must be 1, got 2 and 1"):
+        JobConfig(trainers=4, pipeline_stages=4, mode="async", push_every=2)
     with pytest.raises(ConfigError, match="with replicas = 2"):
         JobConfig(trainers=4, pipeline_stages=4, pservers=2, replicas=2)
     with pytest.raises(ConfigError, match="pipeline_timeout must be a number of seconds > 0"):

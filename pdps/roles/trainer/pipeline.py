@@ -28,6 +28,11 @@ pipelines of P stages. Rules, in a few lines:
   batch-mean loss, so the round's update (the sample-weighted mean over pipelines) is
   the one single-process training on the pipelines' concatenated batches makes.
   Every stage then pulls the round's result for its own blocks.
+* **Async** (``push_every = pull_every = 1``): the stages push their blocks as pieces of
+  one step under stage 0's trainer id, each reporting the updates it last saw from each
+  pserver; stage 0 then sends the step's ``final`` (with its records) to every pserver
+  that took a piece, so each pserver applies the pipeline's whole step at once and each
+  task's records once; then stage 0 records the task's progress and every stage pulls.
 * **Failure.** Every receive has a deadline (``pipeline_timeout``); a stage whose peer
   died raises :class:`~pdps.core.errors.Timeout` naming the peer and what it waited for,
   so its pipeline stops (no hang). Stage 0's task goes back to the queue (given back
@@ -50,10 +55,12 @@ from pdps.core.errors import ConfigError, EpochChanged, NotInitialized, SlotMapC
 from pdps.core.hybrid import HybridGroup, HybridLayout
 from pdps.core.job import says_done
 from pdps.core.pipeline import gpipe, one_f_one_b
+from pdps.core.sgd import Mode
 from pdps.core.wire import PushRequest
 from pdps.ports.compute import PipelineCompute
 from pdps.ports.coordination import Delete
 from pdps.roles.trainer.discovery import DISCOVERY_TIMEOUT
+from pdps.roles.trainer.pserver_client import PserverGroup
 from pdps.runtime.hybrid import claim_rank, ranks, release
 from pdps.runtime.watching import watch_until
 from pdps.runtime.p2p import P2P
@@ -209,6 +216,12 @@ class PipelineStage:
             self.module, self.stage, stages, self._link, loss_fn if self.group.is_last_stage else None, ranks=self._ranks, timeout=config.pipeline_timeout
         )
         self._schedule = SCHEDULES[config.pipeline_schedule]
+        self._sync = config.mode is Mode.SYNC
+        #: async, stage 0: every pserver of the model (its step's finals go to those its stages pushed to)
+        self._everyone: PserverGroup | None = None
+        if not self._sync and self.group.is_first_stage and not self.job_done:
+            assert ctx._replica is not None
+            self._everyone = PserverGroup(self._store, ctx._transport, config, ctx._replica.specs, waits=ctx._waits, patience=ctx.patience)
         self._loaded: int | None = None  # the round whose result this stage holds (stages after the first)
         #: steps this stage ran; on stage 0 and the last stage, each step's batch-mean loss
         self.steps = 0
@@ -260,13 +273,27 @@ class PipelineStage:
                 self.runner.run(self._actions(microbatches), inputs, targets, step=step)
                 self._note_run()
                 stale = self._push(round_no, samples)
-                for r in self._ranks[1:]:
-                    got = self._link.recv(r, f"{step}/pushed", timeout=ctx.config.pipeline_timeout)[0].tolist()
-                    stale = stale or bool(got[0])
-                    if r == self._ranks[-1]:
-                        self.losses.append(float(got[1]))
-                        ctx.metrics["loss"] = float(got[1])
-                self._settle(round_no, batch, samples, stale, step)
+                seen: dict[int, int] = {}
+                for r in [self._first, *self._ranks[1:]]:
+                    got = self._seen() if r == self._first else self._link.recv(r, f"{step}/pushed", timeout=ctx.config.pipeline_timeout)[0].tolist()
+                    if r != self._first:
+                        stale = stale or bool(got[0])
+                        if r == self._ranks[-1]:
+                            self.losses.append(float(got[1]))
+                            ctx.metrics["loss"] = float(got[1])
+                        got = got[2:]
+                    for index, version in zip(got[::2], got[1::2]):
+                        seen[int(index)] = min(seen.get(int(index), int(version)), int(version))
+                if self._sync:
+                    self._settle(round_no, batch, samples, stale, step)
+                else:
+                    ctx.steps += 1
+                    ctx.samples += samples
+                    ctx._stepped = batch
+                    applied = not stale and self._apply(batch, seen)
+                    ctx._zero_grad()
+                    self._tell(step, applied)
+                    ctx._pull_fresh()
                 step += 1
         except (Timeout, TransportError) as exc:
             log.error("trainer %s (stage 0 of pipeline %d): the pipeline is broken: %s", ctx.trainer_id, self.group.get_data_parallel_rank(), exc)
@@ -290,7 +317,7 @@ class PipelineStage:
             if header.kind == END:
                 return
             self._maybe_killed()
-            if header.round_no > 0 and self._loaded != header.round_no - 1:
+            if self._sync and header.round_no > 0 and self._loaded != header.round_no - 1:
                 ctx._pull_round(header.round_no - 1)  # rounds went by without this stage (stage 0 idle)
             loss = self.runner.run(self._actions(header.microbatches), step=header.step)
             self._note_run()
@@ -298,7 +325,7 @@ class PipelineStage:
             if loss is not None:
                 self.losses.append(loss)
                 ctx.metrics["loss"] = loss
-            told = np.array([float(stale), float("nan") if loss is None else loss], dtype=np.float64)
+            told = np.array([float(stale), float("nan") if loss is None else loss, *([] if self._sync else self._seen())], dtype=np.float64)
             self._p2p.send(self._first, f"{header.step}/pushed", [self._tensor(told)], stop_gradient=[True])
             ctx._zero_grad()
             ctx.steps += 1
@@ -306,7 +333,9 @@ class PipelineStage:
             # the round closes only once stage 0 committed (or gave up on) the step: wait
             # for its word, watching its claim, rather than for a round nobody may commit
             committed = bool(self._link.recv(self._first, f"{header.step}/committed", timeout=ctx.config.pipeline_timeout)[0].tolist()[0])
-            if committed:
+            if not self._sync:
+                ctx._pull_fresh()  # async: the values as they are now, this stage's blocks
+            elif committed:
                 ctx._pull_round(header.round_no)
                 self._loaded = header.round_no
             else:
@@ -355,13 +384,21 @@ class PipelineStage:
             return Header.parse([int(v) for v in got[0].tolist()], self._first)
 
     def _push(self, round_no: int, samples: int) -> bool:
-        """Stage this stage's blocks' gradients for ``round_no`` under stage 0's key on
-        every pserver holding some; True if a pserver found the round closed."""
+        """Stage this stage's blocks' gradients under stage 0's key on every pserver
+        holding some: for ``round_no`` (sync), or as pieces of stage 0's step (async, which
+        stage 0's ``final`` applies); True if a pserver refused them as stale."""
         ctx = self._ctx
         assert ctx._group is not None and ctx._replica is not None
         ctx._replica.check_finite(ctx.trainer_id)
-        push = PushRequest(self._lead, epoch=ctx._epoch, version=ctx._slot_version, round_no=round_no, samples=samples, part=True)
-        requests = [(part, attrs.evolve(push, blocks=tuple(part.keys), tensors=tuple(ctx._replica.grads(part.blocks)))) for part in ctx._group.parts]
+        if self._sync:
+            base = PushRequest(self._lead, epoch=ctx._epoch, version=ctx._slot_version, round_no=round_no, samples=samples, part=True)
+            metas = [base] * len(ctx._group.parts)
+        else:
+            metas = [
+                PushRequest(self._lead, epoch=ctx._epoch, version=ctx._slot_version, updates=part.version, incarnation=part.incarnation, part=True)
+                for part in ctx._group.parts
+            ]
+        requests = [(part, attrs.evolve(meta, blocks=tuple(part.keys), tensors=tuple(ctx._replica.grads(part.blocks)))) for part, meta in zip(ctx._group.parts, metas)]
         replies = ctx._call_each(requests)
         stale = False
         for part, reply in zip(ctx._group.parts, replies):
@@ -371,6 +408,36 @@ class PipelineStage:
         if not stale:
             ctx.pushes += len(requests)
         return stale
+
+    def _seen(self) -> list[float]:
+        """``[pserver, updates seen]`` pairs of this stage's pservers, flat (async)."""
+        assert self._ctx._group is not None
+        return [float(v) for part in self._ctx._group.parts for v in (part.index, part.version)]
+
+    def _apply(self, batch: Batch, seen: dict[int, int]) -> bool:
+        """Async, stage 0, every stage's pieces accepted: the ``final`` of the step to every
+        pserver that took a piece (with the fewest updates any stage saw there, and the
+        step's records: each pserver applies a task's records once), then the task's
+        progress. Whether every pserver applied it (or had already)."""
+        ctx = self._ctx
+        assert self._everyone is not None and ctx._attempt is not None
+        held = ctx._attempt
+        records = (held.pass_no, held.task, held.attempt, batch.start, batch.start + batch.size)
+        parts = [p for p in self._everyone.parts if p.index in seen]
+        finals = [
+            (p, PushRequest(self._lead, epoch=ctx._epoch, version=ctx._slot_version, updates=seen[p.index], records=records, part=True, final=True, blocks=(), tensors=()))
+            for p in parts
+        ]
+        replies = self._everyone.call_each(finals)
+        applied = True
+        for part, reply in zip(parts, replies):
+            if isinstance(reply, (StalePush, SlotMapChanged)):
+                applied = False
+                ctx.stale_pushes += 1
+                log.warning("trainer %s: pserver %d dropped the pipeline's step: %s", ctx.trainer_id, part.index, reply)
+        if applied:
+            ctx._record_progress(held, (batch.start, batch.start + batch.size))
+        return applied
 
     def _settle(self, round_no: int, batch: Batch, samples: int, stale: bool, step: int) -> None:
         """Stage 0, every stage's push accepted: commit the pipeline's contribution, tell
@@ -438,6 +505,9 @@ class PipelineStage:
 
     def _close(self, *, release_rank: bool) -> None:
         self._p2p.close()
+        everyone, self._everyone = getattr(self, "_everyone", None), None
+        if everyone is not None:
+            everyone.close()
         if release_rank and hasattr(self, "group"):
             try:
                 release(self._store, self._keys, self.group.rank, self._lease)

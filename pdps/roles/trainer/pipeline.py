@@ -371,11 +371,15 @@ class PipelineStage:
 
     def _wait_header(self, step: int) -> Header:
         """The header of ``step`` from stage 0, however long stage 0 waits for work, as
-        long as it holds its rank (a Timeout naming it once it does not)."""
+        long as it holds its rank (a Timeout naming it once it does not). A stop asked of
+        this trainer (SIGTERM) between steps ends its part: an end header of its own."""
         tag = f"h/{step}"
         while True:
+            if self._ctx._stop.is_set():
+                log.warning("trainer %s leaves pipeline %d (stage %d) between steps: asked to stop", self._ctx.trainer_id, self.group.get_data_parallel_rank(), self.stage)
+                return Header(END, step, 0, 0, 0)
             try:
-                got = self._link.recv(self._first, tag, timeout=self._ctx.config.pipeline_timeout)
+                got = self._link.recv(self._first, tag, timeout=2 * WATCH_EVERY)
             except Timeout:
                 claim = ranks(self._store, self._keys).get(self._first)
                 if claim is None or claim.member != self._lead:

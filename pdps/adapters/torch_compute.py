@@ -234,6 +234,20 @@ class TorchCompute:
         """Torch's intra-op threads in this process (what a trainer computes with)."""
         return torch.get_num_threads()
 
+    def split(self, model: Any, stages: int, *, points: Sequence[int] | None = None) -> list[Any]:
+        """:func:`pdps.adapters.torch_pipeline.split` (the pipeline compute port)."""
+        from pdps.adapters.torch_pipeline import split
+
+        return split(model, stages, points=points)
+
+    def stage_runner(
+        self, module: Any, stage: int, stages: int, link: Any, loss_fn: Callable[[Any, Any], Any] | None, *, ranks: Sequence[int], timeout: float
+    ) -> Any:
+        """A :class:`pdps.adapters.torch_pipeline.StageRunner` (the pipeline compute port)."""
+        from pdps.adapters.torch_pipeline import StageRunner
+
+        return StageRunner(module, stage, stages, link, loss_fn, ranks=ranks, timeout=timeout)
+
     def check_optimizer(self, name: str, kwargs: Mapping[str, Any]) -> None:
         """ConfigError unless ``name`` is an element-wise rule that accepts ``kwargs``.
 

@@ -19,6 +19,8 @@ from pdps.core.sgd import Cadence, Mode
 from pdps.core.slots import DEFAULT_MIN_BLOCK, DEFAULT_NUM_SLOTS
 
 DEFAULT_JOB = "default"
+#: The schedules a pipeline job may run (``pipeline_schedule``; :mod:`pdps.core.pipeline`).
+PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 
 T = TypeVar("T")
 
@@ -131,6 +133,13 @@ class JobConfig:
     keep_rounds: int = attrs.field(default=10000, validator=_whole_number(1))  # sync: closed rounds kept
     # on: push each slot during backward, async: pull during the next forward; auto: see trainer
     overlap: str = attrs.field(default="auto", validator=_text)
+    # --- pipeline parallelism (docs/pipeline.md): trainers = pipeline_stages x pipelines ---
+    pipeline_stages: int = attrs.field(default=1, validator=_whole_number(1))
+    # microbatches each batch is cut into (at most: a batch of fewer rows is cut into one per row)
+    pipeline_microbatches: int = attrs.field(default=1, validator=_whole_number(1))
+    pipeline_schedule: str = attrs.field(default="1f1b", validator=_text)  # "gpipe" | "1f1b"
+    # seconds a stage waits for a message of its pipeline's other stages before the pipeline is broken
+    pipeline_timeout: float = attrs.field(default=60.0, validator=_seconds())
     # --- streaming jobs (a dataset URL of a streaming source; docs/online.md) ---
     # a window closes after this many records (0: not by count) / seconds open (0: not by time)
     window_records: int = attrs.field(default=0, validator=_whole_number(0))
@@ -173,6 +182,21 @@ class JobConfig:
             raise ConfigError("staleness is a bound >= 0 for async mode only")
         if self.overlap not in ("auto", "on", "off"):
             raise ConfigError(f"overlap must be 'auto', 'on' or 'off', got {self.overlap!r}")
+        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
+            raise ConfigError(f"pipeline_schedule must be one of {', '.join(repr(k) for k in PIPELINE_SCHEDULES)}, got {shown(self.pipeline_schedule)}")
+        if self.pipeline_stages > 1:
+            if self.trainers % self.pipeline_stages:
+                raise ConfigError(
+                    f"trainers ({self.trainers}) must be a multiple of pipeline_stages ({self.pipeline_stages}): "
+                    f"each pipeline needs one trainer per stage (trainers = pipeline_stages x pipelines)"
+                )
+            if self.mode is Mode.ASYNC and (self.push_every != 1 or self.pull_every != 1):
+                raise ConfigError(
+                    f"pipeline_stages = {self.pipeline_stages} in async mode pushes and pulls every step: "
+                    f"push_every and pull_every must be 1, got {self.push_every} and {self.pull_every}"
+                )
+            if self.replicas > 1:
+                raise ConfigError(f"pipeline_stages = {self.pipeline_stages} with replicas = {self.replicas}: a pipeline job keeps one copy of each slot in this version")
         if self.restore not in ("job", "lost"):
             raise ConfigError(f"restore must be 'job' or 'lost', got {self.restore!r}")
         if self.restore == "lost" and self.mode is Mode.SYNC:

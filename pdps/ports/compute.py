@@ -322,6 +322,35 @@ class Compute(Protocol):
 
 
 @runtime_checkable
+class StageRun(Protocol):
+    """One pipeline stage's runner (``pdps.adapters.torch_pipeline.StageRunner``): runs
+    this stage's actions of one step over a link (design/pipeline.md §5)."""
+
+    peak_activations: int
+
+    def run(self, actions: Sequence[Any], inputs: Any = None, targets: Any = None, *, step: int | None = None) -> float | None:
+        """Run ``actions``; the first stage takes ``inputs`` and ``targets`` (a tensor
+        cut into microbatches, or a list of them); the batch-mean loss on the last stage."""
+        ...
+
+
+@runtime_checkable
+class PipelineCompute(Protocol):
+    """A compute that can cut a model into pipeline stages and run one of them."""
+
+    def split(self, model: Any, stages: int, *, points: Sequence[int] | None = None) -> list[Any]:
+        """``model`` cut into ``stages`` contiguous stages holding its own parameters
+        under the whole model's names (ConfigError for a model that cannot be cut)."""
+        ...
+
+    def stage_runner(
+        self, module: Any, stage: int, stages: int, link: Any, loss_fn: Callable[[Any, Any], Any] | None, *, ranks: Sequence[int], timeout: float
+    ) -> StageRun:
+        """A runner of stage ``stage`` (``module``) over ``link``, its pipeline's stages at ``ranks``."""
+        ...
+
+
+@runtime_checkable
 class ThreadedCompute(Protocol):
     """A compute that knows how many CPU threads it computes with in this process (a
     trainer weighs them against the host's cores before overlapping communication)."""

@@ -171,6 +171,10 @@ SETTINGS: tuple[Setting, ...] = (
     _job("before_job", str, "a function (module:function or path/to/file.py:function) the master runs once before the job's first task"),
     _job("evaluate", str, "a function (module:function) given the parameters after each window, returning a number or a dict of numbers, recorded for pdps status"),
     _job("overlap", str, "trainers push each parameter's slots while backward still runs, and in async mode pull while the next forward runs: on, off, or auto (on where it pays: CUDA, in-process pservers, or CPU cores to spare)", choices=("auto", "on", "off")),
+    _job("pipeline_stages", int, "stages of each pipeline (docs/pipeline.md): trainers = pipeline_stages x data-parallel pipelines; 1: no pipeline"),
+    _job("pipeline_microbatches", int, "pipeline job: microbatches each batch is cut into"),
+    _job("pipeline_schedule", str, "pipeline job: the schedule each step runs", choices=("gpipe", "1f1b")),
+    _job("pipeline_timeout", float, "pipeline job: seconds a stage waits for a message of another stage of its pipeline before the pipeline is broken"),
 )
 
 BY_NAME = {s.name: s for s in SETTINGS}

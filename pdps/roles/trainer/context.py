@@ -166,6 +166,9 @@ class TrainerContext(SyncRound, AsyncCadence):
         self.acknowledged: Counter[int] = Counter()
         self.metrics: dict[str, float] = {}  # free for the training function; shown as progress
         self._pipeline: Pipeline | None = None
+        #: sync: this trainer takes part in the rounds (a pipeline stage after the first
+        #: does not: its stage 0 commits for the pipeline, roles/trainer/pipeline.py)
+        self._rounds_member = True
         self._tables: TrainerTables | None = None  # the model's sparse tables, if it has any
         self._times: dict[str, float] = defaultdict(float)
         self._times_lock = threading.Lock()
@@ -361,7 +364,7 @@ class TrainerContext(SyncRound, AsyncCadence):
                 self._init_part(part)
             self._store.put(self._keys.initialized, json.dumps({"by": self.trainer_id, "time": time.time()}).encode())
         self._pull_fresh()
-        if self.config.mode is Mode.SYNC:
+        if self.config.mode is Mode.SYNC and self._rounds_member:
             self._join()
         self._zero_grad()
         if self._pipeline is None and self._overlaps():
@@ -456,6 +459,17 @@ class TrainerContext(SyncRound, AsyncCadence):
             raise ConfigError("call ctx.attach(model) before ctx.applied()")
         request = AppliedRequest(self.trainer_id, epoch=self._epoch, version=self._slot_version)
         return {part.index: [list(r) for r in self._group.ask(part, request).ledger] for part in self._group.parts}
+
+    # --- pipeline parallelism -----------------------------------------------------------
+
+    def pipeline(self, model: Any, loss_fn: Callable[[Any, Any], Any], *, points: Sequence[int] | None = None, address: str | None = None) -> Any:
+        """Make this trainer a stage of a pipeline job (``pipeline_stages`` >= 2): claim a
+        rank, attach ``model`` (the whole model, an ``nn.Sequential``) and keep to the
+        stage's parameters. Returns a :class:`~pdps.roles.trainer.pipeline.PipelineStage`;
+        its ``train(prepare)`` runs until the job is done (docs/pipeline.md)."""
+        from pdps.roles.trainer.pipeline import PipelineStage
+
+        return PipelineStage(self, model, loss_fn, points=points, address=address)
 
     # --- data -------------------------------------------------------------------------
 
@@ -714,7 +728,7 @@ class TrainerContext(SyncRound, AsyncCadence):
                 try:
                     began = time.perf_counter()
                     try:
-                        reply = self._group.ask(part, request, self._into(part))
+                        reply = self._group.ask(part, self._named(request, part), self._into(part))
                     finally:
                         spent = time.perf_counter() - began
                         self._time("comm", spent)

@@ -12,7 +12,7 @@ from typing import Any
 import attrs
 
 from pdps.core.backoff import Backoff
-from pdps.core.errors import CorruptRecord, EpochChanged, NotInitialized, NotReady, PdpsError, SlotMapChanged, StalePush, StoreError, Timeout, TransportError
+from pdps.core.errors import ConfigError, CorruptRecord, EpochChanged, NotInitialized, NotReady, PdpsError, SlotMapChanged, StalePush, StoreError, Timeout, TransportError
 from pdps.core.job import JobConfig, Keys, decode_as
 from pdps.core.slots import Block, Layout, ParamSpec, SlotMap
 from pdps.core.wire import Request
@@ -78,6 +78,9 @@ class PserverGroup:
         self._waits = waits
         self.patience = patience
         self._specs, self._min_block = list(specs), config.min_block
+        #: the parameters this trainer pushes and pulls (a pipeline stage's: see
+        #: :meth:`restrict`); None: every parameter of the model
+        self.only: frozenset[str] | None = None
         slot_map = decode_as(wait_for_key(store, keys.slotmap, "the job's slot map"), keys.slotmap, SlotMap.from_json)
         self.parts: list[Part] = []
         self.backups_only: list[Part] = []  # replicas: pservers that hold backup copies only
@@ -96,6 +99,8 @@ class PserverGroup:
         slot_of = {b.key: s for b, s in zip(layout.blocks, layout.slots)}
         for i in range(slot_map.num_pservers):
             blocks = layout.blocks_of(i)
+            if self.only is not None:
+                blocks = [b for b in blocks if b.param in self.only]
             if not blocks and self._tables and i in slot_map.owners:
                 prev = old.pop(i, None)
                 addr = prev.address if prev is not None else self._address_of(i, wait=True)
@@ -132,6 +137,18 @@ class PserverGroup:
                 if self._pool is not None:
                     self._pool.shutdown(wait=True)
                 self._pool, self._pool_size = ThreadPoolExecutor(len(parts), thread_name_prefix="pdps-pserver-call"), len(parts)
+
+    def restrict(self, params: Sequence[str]) -> None:
+        """Push to and pull from the pservers only the blocks of ``params`` (a pipeline
+        stage's parameters, by the whole model's names): a pserver holding none of them
+        is no part any more. The layout stays the whole model's, so every stage agrees
+        on where each block lives. Pulls then name their blocks (``PullRequest.blocks``)."""
+        known = {s.name for s in self._specs}
+        unknown = sorted(set(params) - known)
+        if unknown:
+            raise ConfigError(f"cannot restrict the pserver group to parameters the model does not have: {unknown[:5]}")
+        self.only = frozenset(params)
+        self._use(self.layout.slot_map)
 
     def refresh(self) -> bool:
         """Follow a resize: re-read the slot map and, if it is newer than the one these

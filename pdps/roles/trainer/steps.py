@@ -288,6 +288,12 @@ class SyncRound:
             self._pull_fresh()
 
 
+    def _named(self, request: PullRequest, part: Part) -> PullRequest:
+        """``request`` to ``part``, naming its blocks when this trainer pulls only some
+        of the model's (a pipeline stage: :meth:`PserverGroup.restrict`)."""
+        assert self._group is not None
+        return request if self._group.only is None else attrs.evolve(request, blocks=tuple(part.keys))
+
     def _pull_round(self, round_no: int) -> None:
         """Sync: wait for round ``round_no`` to close on every pserver and load the result.
         A long wait is logged with whom the round waits for; a checkpoint taken right
@@ -300,7 +306,7 @@ class SyncRound:
         checkpoint = None
         newer = 0  # the newest slot map a pserver says it serves
         while pending:
-            replies = self._call_each([(part, request) for part in pending], into=self._into)
+            replies = self._call_each([(part, self._named(request, part)) for part in pending], into=self._into)
             self._time("barrier", max((r.wait_s or 0.0 for r in replies if isinstance(r, PullReply)), default=0.0))
             if any(isinstance(r, SlotMapChanged) for r in replies):
                 # the round switched the map (a resize): pull it from the pservers the new map names

@@ -45,6 +45,8 @@ PLOTS: dict[str, PlotSpec] = {
                        "x", "ratio (target: speculation on / off <= 0.6)"),
     "sparse": PlotSpec("Sparse tables: pull + push rows/s against their baselines; pserver RSS a row against its raw bytes",
                        "x", "ratio (targets: rows/s >= 0.5x the baseline; RSS <= 1.5x the raw bytes)"),
+    "graph": PlotSpec("Graph update rules: a 10M-parameter shard's Adam step from the graph / eager torch", "x",
+                      "ratio (target: graph / eager <= 1.5)"),
 }
 
 

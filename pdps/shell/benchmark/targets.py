@@ -24,7 +24,7 @@ from pdps.core.errors import PdpsError
 
 MET, MISSED, ERROR, NOT_RUN, NOT_CHECKED = "MET", "MISSED", "ERROR", "NOT RUN", "NOT CHECKED"
 STABILITY = 0.15  # two consecutive runs agree on each ratio within 15%
-SUITES = ("transport", "master", "checkpoint", "end-to-end", "scale", "elastic", "replicas", "online", "sparse")
+SUITES = ("transport", "master", "checkpoint", "end-to-end", "scale", "elastic", "replicas", "online", "sparse", "graph")
 
 
 class BenchError(PdpsError):
@@ -388,6 +388,28 @@ def sparse_detail(name: str) -> Callable[[Report], str]:
     return detail
 
 
+# graph: {"update": [{"route", "label", "step_s", "steps_s"}], "conversion": {"first_s", "hit_s", "pserver_build_s", "traced", "hits", ...},
+#         "ratios": {"graph_vs_eager" | "named_vs_eager": {"value", "step_s", "baseline_step_s", "row", "baseline"}}}
+
+
+def graph_ratio(name: str) -> Callable[[Report], float]:
+    def figure(report: Report) -> float:
+        return number(get(report, "ratios", name, "value", suite="graph"), f"ratios.{name}.value", suite="graph")
+
+    return figure
+
+
+def graph_detail(name: str) -> Callable[[Report], str]:
+    def detail(report: Report) -> str:
+        r = get(report, "ratios", name, suite="graph")
+        return (
+            f"{r.get('row')}: {float(r['step_s']) * 1000:,.1f} ms a step; {r.get('baseline')}: {float(r['baseline_step_s']) * 1000:,.1f} ms "
+            f"(median steps, the routes interleaved)"
+        )
+
+    return detail
+
+
 # --- the table ---------------------------------------------------------------------------
 
 TARGETS: tuple[Target, ...] = (
@@ -440,6 +462,9 @@ TARGETS: tuple[Target, ...] = (
            sparse_detail("inproc_vs_local")),
     Target("sparse.memory", "sparse", "pserver RSS growth over filling 10M rows / the raw bytes of its rows and their optimizer state, "
            "the worst pserver of SGD and Adagrad", 1.5, sparse_ratio("memory"), sparse_detail("memory"), at_most=True),
+    Target("graph.update_vs_eager", "graph", "a pserver shard's Adam step (10M float32 in 10 blocks) run from the graph rule "
+           "/ eager torch.optim.Adam on the same blocks, median step", 1.5, graph_ratio("graph_vs_eager"), graph_detail("graph_vs_eager"),
+           at_most=True),
 )
 
 
@@ -542,6 +567,19 @@ def suite_figures(suite: str, report: Report) -> list[tuple[str, float, str]]:
             out.append(("CTR: torch, single process", number(get(ctr, "torch", "samples_per_s", suite=suite), "ctr.torch.samples_per_s", suite=suite), "samples/s"))
         names = {"grpc_vs_tcp": "grpc / raw TCP, rows/s", "inproc_vs_local": "inproc / local, rows/s", "memory": "pserver RSS / raw bytes, worst",
                  "ctr_vs_torch": "CTR pdps / torch, samples/s"}  # fmt: skip
+        for name, r in get(report, "ratios", suite=suite).items():
+            out.append((names.get(name, name), number(r.get("value"), f"ratios.{name}.value", suite=suite), "x"))
+    elif suite == "graph":
+        for r in get(report, "update", suite=suite):
+            label = str(r.get("label"))
+            out.append((label, number(r.get("step_s"), f"{label} step_s", suite=suite) * 1000, "ms"))
+        conv = get(report, "conversion", suite=suite)
+        out.append(("conversion, first (traced)", number(get(conv, "first_s", suite=suite), "conversion.first_s", suite=suite), "s"))
+        out.append(("conversion, cached", number(get(conv, "hit_s", suite=suite), "conversion.hit_s", suite=suite) * 1000, "ms"))
+        out.append(("pserver check + runner build", number(get(conv, "pserver_build_s", suite=suite), "conversion.pserver_build_s", suite=suite) * 1000, "ms"))
+        out.append(("conversions traced", number(get(conv, "traced", suite=suite), "conversion.traced", suite=suite), "conversions"))
+        out.append(("cache hits", number(get(conv, "hits", suite=suite), "conversion.hits", suite=suite), "conversions"))
+        names = {"graph_vs_eager": "graph rule / eager Adam, step", "named_vs_eager": "named Adam / eager Adam, step"}
         for name, r in get(report, "ratios", suite=suite).items():
             out.append((names.get(name, name), number(r.get("value"), f"ratios.{name}.value", suite=suite), "x"))
     else:

@@ -263,12 +263,14 @@ class _NoData:
 
 @attrs.define
 class _Worker:
-    """One trainer worker: its context, its replica of the model, its thread and inbox."""
+    """One trainer worker: its context, its replica of the model, its thread and inbox;
+    it answers ``(index, value or exception)`` into the session's outbox."""
 
+    index: int
     ctx: Any
     model: Any
+    outbox: queue.Queue
     inbox: queue.Queue = attrs.field(factory=queue.Queue)
-    outbox: queue.Queue = attrs.field(factory=queue.Queue)
     thread: threading.Thread | None = None
 
 
@@ -296,6 +298,8 @@ class _Remote(_Runtime):
         self._settings = settings
         self._roles: list[Any] = []
         self._workers: list[_Worker] = []
+        self._outbox: queue.Queue = queue.Queue()
+        self._failed: BaseException | None = None
 
     def set_rule(self, rule: dict[str, Any]) -> None:  # pragma: no cover - refused before (needs_rule_at_start)
         raise ConfigError("a remote session's job starts with its optimizer")
@@ -321,12 +325,11 @@ class _Remote(_Runtime):
             for i in range(config.trainers):
                 ctx = TrainerContext(self._store, self._transport, compute, _NoData(), config, trainer_id=f"trainer-{i}", publisher="trainer-0")
                 ctx.register()
-                self._workers.append(_Worker(ctx, copy.deepcopy(loss.model)))
+                self._workers.append(_Worker(i, ctx, copy.deepcopy(loss.model), self._outbox))
             for w in self._workers:
                 w.thread = threading.Thread(target=self._serve, args=(w,), name=f"pdps-session-{w.ctx.trainer_id}", daemon=True)
                 w.thread.start()
-            for w in self._workers:
-                self._answer(w)  # attached (the first publishes the model's values)
+            self._answers()  # attached (the first publishes the model's values)
         except BaseException:
             self.close()
             raise
@@ -339,9 +342,9 @@ class _Remote(_Runtime):
         try:
             w.ctx.attach(w.model)
         except BaseException as exc:
-            w.outbox.put(exc)
+            w.outbox.put((w.index, exc))
             return
-        w.outbox.put(None)
+        w.outbox.put((w.index, None))
         while True:
             job = w.inbox.get()
             if job is None:
@@ -354,23 +357,36 @@ class _Remote(_Runtime):
                 else:
                     with torch.no_grad():
                         value = _loss_value(loss.fn(w.model, share))
-                w.outbox.put(float(value.detach()))
+                w.outbox.put((w.index, float(value.detach())))
             except BaseException as exc:  # the session raises it
-                w.outbox.put(exc)
+                w.outbox.put((w.index, exc))
 
-    @staticmethod
-    def _answer(w: _Worker) -> Any:
-        try:
-            got = w.outbox.get(timeout=EVAL_TIMEOUT)
-        except queue.Empty:
-            raise PdpsError(f"session: trainer worker {w.ctx.trainer_id} did not answer in {EVAL_TIMEOUT:.0f}s") from None
-        if isinstance(got, BaseException):
-            raise got
-        return got
+    def _answers(self) -> list[Any]:
+        """One answer of every worker, in their order. A worker that failed leaves the
+        job at once (so a round the others wait in closes without it), and the first
+        error is raised once all answered; the session is then failed for good."""
+        got: dict[int, Any] = {}
+        error: BaseException | None = None
+        while len(got) < len(self._workers):
+            try:
+                i, value = self._outbox.get(timeout=EVAL_TIMEOUT)
+            except queue.Empty:
+                self._failed = PdpsError(f"session: trainer workers {sorted(set(range(len(self._workers))) - set(got))} did not answer in {EVAL_TIMEOUT:.0f}s")
+                raise self._failed from None
+            got[i] = value
+            if isinstance(value, BaseException):
+                error = error or value
+                self._workers[i].ctx.leave()
+        if error is not None:
+            self._failed = error
+            raise error
+        return [got[i] for i in range(len(self._workers))]
 
     def eval(self, loss: Loss, feed: dict[str, Any], *, update: bool) -> float:
         import torch
 
+        if self._failed is not None:
+            raise ConfigError(f"session.eval: the session failed in an earlier eval ({self._failed!r}); close it and open another")
         n = len(self._workers)
         samples = _samples(feed)
         if samples < n:
@@ -378,7 +394,7 @@ class _Remote(_Runtime):
         shares = [dict(zip(feed, parts)) for parts in zip(*(torch.tensor_split(v, n) for v in feed.values()))]
         for w, share in zip(self._workers, shares):
             w.inbox.put((loss, share, update))
-        values = [self._answer(w) for w in self._workers]
+        values = self._answers()
         if update:  # the user's model gets what the pservers applied (pulled by every trainer)
             with torch.no_grad():
                 for mine, pulled in zip(loss.model.parameters(), self._workers[0].model.parameters()):

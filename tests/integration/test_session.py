@@ -77,3 +77,18 @@ def test_remote_over_etcd_and_grpc(etcd_store):
     assert local[0] == pytest.approx(remote[0], abs=1e-10, rel=0)
     for a, b in zip(local[1], remote[1]):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
+
+
+def test_a_trainer_that_fails_does_not_hang_the_others_and_fails_the_session():
+    def picky(model, feed):
+        if len(feed["x"]) == 3:  # 7 samples over 2 trainers: shares of 4 and 3
+            raise ValueError("this share is refused")
+        return mse(model, feed)
+
+    model = make_model()
+    loss, opt = pdps.Loss(model, picky), torch.optim.SGD(model.parameters(), lr=0.1)
+    with pdps.Session.remote(trainers=2, pservers=1) as session:
+        with pytest.raises(ValueError, match="this share is refused"):
+            session.eval([loss, opt], feed(n=7))
+        with pytest.raises(pdps.ConfigError, match="failed in an earlier eval"):
+            session.eval([loss], feed())

@@ -26,6 +26,7 @@ graph, ...):
 ``--warmup`` steps (2: the first makes Adam's state) are not timed; then ``--steps``
 timed steps of each route (20; 5 with ``--quick``); the figure is the median step.
 After the steps the graph-run parameters must equal eager torch's to 1e-5 (float32).
+The process runs torch with one intra-op thread, as ``pdps launch`` gives a pserver.
 
 Conversion: ``convert`` of a fresh ``torch.optim.Adam`` (hyper-parameters no other
 conversion in the process used) timed cold (the first trace of the process: make_fx on
@@ -74,6 +75,8 @@ FULL = {"params": 10_000_000, "blocks": 10, "steps": 20, "warmup": 2}
 QUICK = {"params": 1_000_000, "blocks": 10, "steps": 5, "warmup": 2}
 LR = 1e-3
 AGREE = 1e-5  # graph-run and eager parameters after the steps, float32
+#: torch's intra-op threads in this process: one, as ``pdps launch`` gives a pserver process
+THREADS = 1
 
 
 def say(*args: Any) -> None:
@@ -191,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     params, count, steps, warmup = (getattr(args, k) or preset[k] for k in ("params", "blocks", "steps", "warmup"))
     if count < 1 or params < count or steps < 1 or warmup < 1:
         p.error("--blocks, --steps and --warmup must be positive (warm-up makes Adam's state), --params at least --blocks")
+    torch.set_num_threads(THREADS)
     began = time.monotonic()
     report = run(params, count, steps, warmup)
     report = {

@@ -173,7 +173,7 @@ SUITE_SPECS: dict[str, Suite] = {
             "blocks, and the named 'Adam' shard (no target); the routes' steps interleaved, 2 warm-up and 20 timed steps "
             "each (5 with --quick), medians; the graph-run parameters must equal eager torch's to 1e-5. Conversion: convert "
             "of a fresh Adam cold (the process's first trace) and cached, the cache's counts, and a pserver's check and "
-            "runner build of the rule.",
+            "runner build of the rule. One torch intra-op thread, as pdps launch gives a pserver.",
             (),
             ("--quick",),
         ),

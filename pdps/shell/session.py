@@ -283,17 +283,19 @@ class _Remote(_Runtime):
         from pdps.registry import connect_store, open_transport
 
         self._own_store = isinstance(store, str) and not (store.startswith("memory://") and store.rstrip("/") != "memory:")
-        self._store = connect_store(store) if isinstance(store, str) else store
         self._transport = open_transport(transport) if isinstance(transport, str) else transport
         if address is None:
-            scheme = transport.split("://")[0] if isinstance(transport, str) else ""
+            from pdps.adapters.inproc import InprocTransport
+
+            scheme = transport.split("://")[0] if isinstance(transport, str) else None
             if scheme == "grpc":
                 address = transport if transport.split("://", 1)[1] else "grpc://127.0.0.1:0"
-            elif scheme in ("inproc", ""):
+            elif scheme == "inproc" or isinstance(self._transport, InprocTransport):
                 address = "inproc://"
             else:
-                raise ConfigError(f"Session.remote: give address= for the pservers of transport {transport!r}")
+                raise ConfigError(f"Session.remote: give address= (where the pservers serve) for transport {transport!r}")
         self._address = address
+        self._store = connect_store(store) if isinstance(store, str) else store  # last: nothing to close if an argument is refused
         self._trainers, self._pservers = trainers, pservers
         self._settings = settings
         self._roles: list[Any] = []

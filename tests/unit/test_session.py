@@ -47,6 +47,7 @@ def test_optimizer_target_applies_exactly_one_torch_step():
     loss, opt = pdps.Loss(model, mse), torch.optim.Adam(model.parameters(), lr=0.05)
     reference = torch.optim.Adam(twin.parameters(), lr=0.05)
     with pdps.Session.local() as session:
+        session.eval([loss], feed(seed=7))  # a local session takes its optimizer after a loss-only eval
         for i in range(3):
             targets = [loss, opt] if i == 0 else [opt]  # the loss named once is the one minimized
             got = session.eval(targets, feed(seed=i))
@@ -88,6 +89,8 @@ def test_refusals_name_the_argument():
         pdps.Session.remote(trainers=0)
     with pytest.raises(pdps.ConfigError, match="optimizer is set by the session"):
         pdps.Session.remote(optimizer="Adam")
+    with pytest.raises(pdps.ConfigError, match="give address="):
+        pdps.Session.remote(transport=object())
     session.close()
     session.close()  # idempotent
     with pytest.raises(pdps.ConfigError, match="closed"):

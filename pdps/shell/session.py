@@ -126,7 +126,7 @@ class Session:
         if self._closed:
             raise ConfigError("session.eval: the session is closed")
         if isinstance(targets, (str, bytes)) or not isinstance(targets, Sequence) or not targets:
-            raise ConfigError(f"session.eval: targets must be a non-empty list of a pdps.Session Loss and/or a torch optimizer, got {targets!r}")
+            raise ConfigError(f"session.eval: targets must be a non-empty list of a pdps.Loss and/or a torch.optim.Optimizer, got {targets!r}")
         losses = [t for t in targets if isinstance(t, Loss)]
         optimizers = [t for t in targets if isinstance(t, torch.optim.Optimizer)]
         others = [t for t in targets if not isinstance(t, (Loss, torch.optim.Optimizer))]
@@ -157,6 +157,8 @@ class Session:
                 raise ConfigError("session.eval: targets: a session runs one optimizer; this one is not the one it runs (open another session)")
             return
         params = [p for p in loss.model.parameters()]
+        if not params:
+            raise ConfigError("session.eval: targets: the Loss's model has no parameters for the optimizer to update")
         mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
         if mine != {id(p) for p in params}:
             raise ConfigError("session.eval: targets: the optimizer must be made over the Loss's model.parameters(), all of them")

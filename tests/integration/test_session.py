@@ -38,6 +38,8 @@ def run(session: pdps.Session, make_optimizer, evals: int = 3) -> tuple[list[flo
         got.append(session.eval([loss], feed(seed=9))[0])  # changes nothing
         assert all(torch.equal(a, b) for a, b in zip(before, values(model)))
         assert session.eval([opt], feed(seed=10)) == [None]  # the loss named before is the one minimized
+        pservers = getattr(session._runtime, "_roles", [])
+        assert all(ps.steps == evals + 1 for ps in pservers), [ps.steps for ps in pservers]  # one round per optimizer eval
     return got, values(model)
 
 

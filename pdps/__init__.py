@@ -64,6 +64,7 @@ if TYPE_CHECKING:
     from pdps.adapters.torch_graph import graph_rule
     from pdps.shell.faults import Faults
     from pdps.shell.sim import SimulationResult, fetch_parameters, simulate
+    from pdps.shell.session import Loss, Session
 
 __version__ = "0.1.0"
 
@@ -81,13 +82,15 @@ _LAZY = {
     "simulate_control_plane": "pdps.shell.control_plane",
     "scale": "pdps.shell.scale",
     "graph_rule": "pdps.adapters.torch_graph",
+    "Session": "pdps.shell.session",
+    "Loss": "pdps.shell.session",
 }
 
 __all__ = [
     "DEFAULT_JOB", "BadGraph", "BadRequest", "Batch", "ConfigError", "ControlPlaneReport", "Contended", "CorruptCheckpoint", "CorruptExport", "CorruptRecord", "DatasetError", "EpochChanged", "ExportConflict",
-    "Faults", "FencingError", "GradientRejected", "InvalidTransition", "JobConfig", "Killed", "LeaseExpired",
+    "Faults", "FencingError", "GradientRejected", "InvalidTransition", "JobConfig", "Killed", "LeaseExpired", "Loss",
     "MetaError", "MissingExtraError", "Mode", "NoSuchJob", "NoSuchPass", "NotInitialized", "NotReady", "PdpsError",
-    "ResizeInProgress", "SimulationResult", "SlotMapChanged", "StalePush", "StepRecord", "StorageError", "StoreError", "StoreUnavailable", "Timeout",
+    "ResizeInProgress", "Session", "SimulationResult", "SlotMapChanged", "StalePush", "StepRecord", "StorageError", "StoreError", "StoreUnavailable", "Timeout",
     "TrainerContext", "TransportError", "UnknownSchemeError", "UnknownTaskError",
     "fetch_parameters", "graph_rule", "open_compute", "open_data_source", "open_storage", "open_store", "open_transport", "scale", "simulate",
     "simulate_control_plane",

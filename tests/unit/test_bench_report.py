@@ -199,8 +199,18 @@ def pipeline_json(gpipe=0.29, one_f_one_b=0.28, grpc=(1.6, 1.8), tcp=(2.0, 2.0))
     return {"config": {"stages": 4, "microbatches": 8, "forward_ms": 20.0}, "bubble": bubbles, "p2p": rows, "ratios": ratios}
 
 
+def graph_json(graph=0.55, eager=0.5, named=0.6):
+    labels = {"graph": "graph rule (GraphOptimizer)", "eager": "eager torch.optim.Adam", "named": "named 'Adam' shard"}
+    rows = [{"route": k, "label": labels[k], "step_s": v, "steps_s": [v] * 20} for k, v in (("graph", graph), ("eager", eager), ("named", named))]
+    ratios = {k: {"value": v / eager, "step_s": v, "baseline_step_s": eager, "row": labels[r], "baseline": labels["eager"]}
+              for k, r, v in (("graph_vs_eager", "graph", graph), ("named_vs_eager", "named", named))}
+    conversion = {"first_s": 2.5, "hit_s": 0.0003, "pserver_build_s": 0.004, "traced": 1, "hits": 1, "rule_bytes": 9400, "nodes": {"first": 22, "step": 19}}
+    return {"config": {"params": 10_000_000, "blocks": 10, "steps": 20}, "update": rows, "conversion": conversion, "ratios": ratios, "max_diff": 1e-6}
+
+
 FAKES = {"transport": transport_json, "master": master_json, "checkpoint": checkpoint_json, "end-to-end": e2e_json, "scale": scale_json,
-         "elastic": elastic_json, "replicas": replicas_json, "online": online_json, "sparse": sparse_json, "pipeline": pipeline_json}
+         "elastic": elastic_json, "replicas": replicas_json, "online": online_json, "sparse": sparse_json, "pipeline": pipeline_json,
+         "graph": graph_json}
 MACHINE = {"cpu_count": 2, "cpu_model": "Fake CPU 9000", "memory_gib": 7.5, "python": "3.11.7", "torch": "2.13.0", "etcd": "etcd Version: 3.4.23"}
 
 
@@ -393,6 +403,17 @@ def test_the_pipeline_targets_are_the_bubbles_within_10_percent_of_theory_and_p2
     assert "| GPipe: bubble, measured | fraction | 0.2900 | 0.2900 |" in rp.render_markdown(results_of({"pipeline": ran(pipeline_json(), pipeline_json())}), {})
 
 
+def test_the_graph_target_is_the_graph_run_adam_step_over_eager_torch_at_most_1_5():
+    verdicts = by_id(tg.evaluate({"graph": [graph_json(graph=0.7), graph_json(graph=0.8)]}))
+    v = verdicts["graph.update_vs_eager"]
+    assert v["values"] == [pytest.approx(1.4), pytest.approx(1.6)] and v["comparison"] == "<=" and v["status"] == tg.MISSED
+    assert "graph rule (GraphOptimizer): 800.0 ms a step; eager torch.optim.Adam: 500.0 ms" in v["details"][1]
+    assert {x for x in verdicts if not x.startswith("stability.")} == {"graph.update_vs_eager"}  # no target on the named route
+    figures = {name: (value, unit) for name, value, unit in tg.suite_figures("graph", graph_json())}
+    assert figures["eager torch.optim.Adam"] == (pytest.approx(500.0), "ms") and figures["cache hits"] == (1.0, "conversions")
+    assert figures["graph rule / eager Adam, step"] == (pytest.approx(1.1), "x") and figures["conversion, first (traced)"] == (2.5, "s")
+
+
 def test_suites_not_run_have_no_verdicts():
     assert {v["suite"] for v in tg.evaluate({"checkpoint": [checkpoint_json()]})} == {"checkpoint"}
 
@@ -485,6 +506,9 @@ def full_results(**checkpoint):
         "online": ran(online_json(), online_json()),
         "sparse": ran(sparse_json(), sparse_json()),
         "pipeline": ran(pipeline_json(), pipeline_json()),
+
+
+        "graph": ran(graph_json(), graph_json()),
     })
 
 

@@ -46,6 +46,8 @@ PLOTS: dict[str, PlotSpec] = {
     "sparse": PlotSpec("Sparse tables: pull + push rows/s against their baselines; pserver RSS a row against its raw bytes",
                        "x", "ratio (targets: rows/s >= 0.5x the baseline; RSS <= 1.5x the raw bytes)"),
     "pipeline": PlotSpec("Pipeline: p2p activation throughput over gRPC against raw loopback TCP", "GB/s", "GB/s"),
+    "graph": PlotSpec("Graph update rules: a 10M-parameter shard's Adam step from the graph / eager torch", "x",
+                      "ratio (target: graph / eager <= 1.5)"),
 }
 
 

@@ -178,6 +178,19 @@ SUITE_SPECS: dict[str, Suite] = {
             (),
             ("--quick",),
         ),
+        Suite(
+            "graph",
+            "graph.py",
+            "Update rules as graphs (docs/graph.md). A pserver shard of 10M float32 parameters in 10 blocks (1M with --quick), "
+            "the real TorchShard stepped by apply with a fixed gradient per block: Adam (lr 1e-3) run from the graph rule "
+            "pdps.graph_rule makes (GraphOptimizer) against eager torch.optim.Adam (torch's defaults) on tensors of the same "
+            "blocks, and the named 'Adam' shard (no target); the routes' steps interleaved, 2 warm-up and 20 timed steps "
+            "each (5 with --quick), medians; the graph-run parameters must equal eager torch's to 1e-5. Conversion: convert "
+            "of a fresh Adam cold (the process's first trace) and cached, the cache's counts, and a pserver's check and "
+            "runner build of the rule. One torch intra-op thread, as pdps launch gives a pserver.",
+            (),
+            ("--quick",),
+        ),
     )
 }
 assert tuple(SUITE_SPECS) == SUITES

@@ -24,7 +24,7 @@ from pdps.core.errors import PdpsError
 
 MET, MISSED, ERROR, NOT_RUN, NOT_CHECKED = "MET", "MISSED", "ERROR", "NOT RUN", "NOT CHECKED"
 STABILITY = 0.15  # two consecutive runs agree on each ratio within 15%
-SUITES = ("transport", "master", "checkpoint", "end-to-end", "scale", "elastic", "replicas", "online", "sparse", "pipeline")
+SUITES = ("transport", "master", "checkpoint", "end-to-end", "scale", "elastic", "replicas", "online", "sparse", "pipeline", "graph")
 
 
 class BenchError(PdpsError):
@@ -403,6 +403,17 @@ def pipeline_ratio(name: str) -> Callable[[Report], float]:
     return figure
 
 
+# graph: {"update": [{"route", "label", "step_s", "steps_s"}], "conversion": {"first_s", "hit_s", "pserver_build_s", "traced", "hits", ...},
+#         "ratios": {"graph_vs_eager" | "named_vs_eager": {"value", "step_s", "baseline_step_s", "row", "baseline"}}}
+
+
+def graph_ratio(name: str) -> Callable[[Report], float]:
+    def figure(report: Report) -> float:
+        return number(get(report, "ratios", name, "value", suite="graph"), f"ratios.{name}.value", suite="graph")
+
+    return figure
+
+
 def pipeline_detail(name: str) -> Callable[[Report], str]:
     def detail(report: Report) -> str:
         r = get(report, "ratios", name, suite="pipeline")
@@ -412,6 +423,17 @@ def pipeline_detail(name: str) -> Callable[[Report], str]:
                 f"microbatches: measured bubble {float(r['measured']):.4f}; theory (P-1)/(M+P-1) {float(r['theory']):.4f}"
             )
         return f"{float(r['mib']):g} MiB activations: p2p over gRPC {float(r['gbps']):.2f} GB/s; raw TCP echo {float(r['baseline_gbps']):.2f} GB/s"
+
+    return detail
+
+
+def graph_detail(name: str) -> Callable[[Report], str]:
+    def detail(report: Report) -> str:
+        r = get(report, "ratios", name, suite="graph")
+        return (
+            f"{r.get('row')}: {float(r['step_s']) * 1000:,.1f} ms a step; {r.get('baseline')}: {float(r['baseline_step_s']) * 1000:,.1f} ms "
+            f"(median steps, the routes interleaved)"
+        )
 
     return detail
 
@@ -477,6 +499,9 @@ TARGETS: tuple[Target, ...] = (
     Target("pipeline.p2p_grpc_vs_tcp", "pipeline", "p2p activation there and back between 2 processes over gRPC / raw loopback TCP "
            "echo of the same bytes, GB/s, the worst of 4 and 16 MiB", 0.75, pipeline_ratio("p2p_grpc_vs_tcp"),
            pipeline_detail("p2p_grpc_vs_tcp")),
+    Target("graph.update_vs_eager", "graph", "a pserver shard's Adam step (10M float32 in 10 blocks) run from the graph rule "
+           "/ eager torch.optim.Adam on the same blocks, median step", 1.5, graph_ratio("graph_vs_eager"), graph_detail("graph_vs_eager"),
+           at_most=True),
 )
 
 
@@ -600,6 +625,19 @@ def suite_figures(suite: str, report: Report) -> list[tuple[str, float, str]]:
         for name, r in get(report, "ratios", suite=suite).items():
             unit = "fraction" if name.startswith("bubble_") else "x"
             out.append((names.get(name, name), number(r.get("value"), f"ratios.{name}.value", suite=suite), unit))
+    elif suite == "graph":
+        for r in get(report, "update", suite=suite):
+            label = str(r.get("label"))
+            out.append((label, number(r.get("step_s"), f"{label} step_s", suite=suite) * 1000, "ms"))
+        conv = get(report, "conversion", suite=suite)
+        out.append(("conversion, first (traced)", number(get(conv, "first_s", suite=suite), "conversion.first_s", suite=suite), "s"))
+        out.append(("conversion, cached", number(get(conv, "hit_s", suite=suite), "conversion.hit_s", suite=suite) * 1000, "ms"))
+        out.append(("pserver check + runner build", number(get(conv, "pserver_build_s", suite=suite), "conversion.pserver_build_s", suite=suite) * 1000, "ms"))
+        out.append(("conversions traced", number(get(conv, "traced", suite=suite), "conversion.traced", suite=suite), "conversions"))
+        out.append(("cache hits", number(get(conv, "hits", suite=suite), "conversion.hits", suite=suite), "conversions"))
+        names = {"graph_vs_eager": "graph rule / eager Adam, step", "named_vs_eager": "named Adam / eager Adam, step"}
+        for name, r in get(report, "ratios", suite=suite).items():
+            out.append((names.get(name, name), number(r.get("value"), f"ratios.{name}.value", suite=suite), "x"))
     else:
         raise BenchError(f"unknown suite {suite!r}; choose from {', '.join(SUITES)}")
     return out

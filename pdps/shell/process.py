@@ -309,6 +309,7 @@ def run_pserver(values: Mapping[str, Any]) -> int:
     from pdps.adapters.prometheus_metrics import pserver_reading
     from pdps.registry import open_checkpoint_files, open_compute
     from pdps.roles.pserver import Pserver
+    from pdps.shell.allocator import Trimmer
 
     # its id is the index it claims; until then, the one it asks for
     metrics = role_metrics(values, "pserver", "unclaimed" if values.get("index") is None else str(values["index"]))
@@ -328,7 +329,7 @@ def run_pserver(values: Mapping[str, Any]) -> int:
             checkpoints=open_checkpoint_files(config.checkpoint_url),
         )
         metrics.watch(pserver_reading(ps))
-        with serving_metrics(values, metrics):
+        with serving_metrics(values, metrics), _trimming(lambda: ps.row_bytes + ps.sent_bytes + ps.received_bytes, values["trim_every"], Trimmer):
             ps.start()
             metrics.id = str(ps.index)
             print(json.dumps({"pserver": ps.index, "address": ps.address}), flush=True)
@@ -345,6 +346,20 @@ def run_pserver(values: Mapping[str, Any]) -> int:
             return 0
     finally:
         store.close()
+
+
+@contextlib.contextmanager
+def _trimming(moved: Callable[[], int], every: float, trimmer: Callable[..., Any]) -> Iterator[None]:
+    """A pserver process gives the memory its row traffic freed back to the system
+    while it serves, every ``every`` seconds (0: never; :mod:`pdps.shell.allocator`)."""
+    if every <= 0:
+        yield
+        return
+    running = trimmer(moved, every=every, name="pdps-ps-trim").start()
+    try:
+        yield
+    finally:
+        running.stop()
 
 
 def default_trainer_id() -> str:

@@ -46,7 +46,7 @@ what they must hold (the fill's update, then one update per step that drew them)
 
 * **Memory** (the ``grpc`` pservers, and a second job of 2 pserver processes with
   ``sparse_optimizer = Adagrad``, filled the same way): each pserver process's RSS
-  (``/proc/<pid>/status``) after the attach, right after the fill, and ``SETTLE_S`` (5 s)
+  (``/proc/<pid>/status``) after the attach, right after the fill, and ``SETTLE_S`` (6 s)
   later: what the pserver holds once its pushes settle (its allocator trimmer,
   ``trim_every``, gives back what the pushes freed; ``--trim-every 0`` turns it off to
   compare). The settled growth over the
@@ -128,10 +128,10 @@ ROW_BYTES = {"SGD": DIM * 4, "Adagrad": 2 * DIM * 4}  # a row and its optimizer 
 TCP_BUFFER = 4 << 20  # the socket buffers of bench/transport.py's tcp route
 SERVER_START_S = 120.0
 PSERVER_STOP_S = 20.0
-#: after the fill, the memory is read again this long after it (the pservers' allocator
-#: trimmer, every ``trim_every`` seconds, has had two periods: what a pserver holds once its
-#: pushes settle)
-SETTLE_S = 5.0
+#: after the fill, the memory is read again this long after it: the pservers' allocator
+#: trimmer looks every ``trim_every`` (2) seconds and trims at the first look that finds the
+#: pushes paused, 4 s after the fill at most: what a pserver holds once its pushes settle
+SETTLE_S = 6.0
 CALL_PATIENCE_S = 120.0
 TARGETS = {"grpc_vs_tcp": 0.5, "inproc_vs_local": 0.5, "memory": 1.5}
 CTR = {"trainers": 2, "pservers": 2}

@@ -8,12 +8,15 @@ then holds freed memory it keeps for itself: 1.4-1.7x the raw bytes of its rows 
 their optimizer state where the rows alone are 1.05-1.1x (bench/notes.toml
 "sparse.memory"). ``malloc_trim(0)`` returns the free pages of every arena.
 
-:class:`Trimmer` calls it on a background thread of the pserver process, every
-``every`` seconds in which at least ``min_bytes`` of row or slot data went through the
-pserver (its ``row_bytes`` and migration counters): never on a request's path, and
-not at all while the pserver is idle. A trim costs a few milliseconds and the page
-faults of the freed pages used again, once per period, where a fixed low mmap
-threshold (``MALLOC_MMAP_THRESHOLD_``) costs those faults on every large buffer.
+:class:`Trimmer` calls it on a background thread of the pserver process, never on a
+request's path, once at least ``min_bytes`` of row or slot data went through the
+pserver (its ``row_bytes`` and migration counters) since the last trim: when that
+traffic pauses (a look, every ``every`` seconds, finds no bytes moved since the one
+before: a fill or a migration is over), and while it goes on, every ``busy_every``
+seconds. A trim itself takes milliseconds, but the next pushes fault in again the
+pages it gave back (tens of ms on a loaded 2-core VM for a 32k-row push): rare trims
+while traffic flows keep that cost small, where a fixed low mmap threshold
+(``MALLOC_MMAP_THRESHOLD_``) would pay it on every large buffer.
 
 Only where the process runs on glibc (``gnu_get_libc_version`` resolves); elsewhere
 the trimmer logs once that it has nothing to call and does nothing.
@@ -31,6 +34,8 @@ log = logging.getLogger(__name__)
 
 #: Seconds between looks at the pserver's counters.
 TRIM_EVERY = 2.0
+#: While row traffic goes on, a trim every this many looks at most.
+BUSY_LOOKS = 15
 #: Bytes that must have gone through the pserver since the last trim for the next one.
 TRIM_MIN_BYTES = 32 << 20
 
@@ -50,10 +55,12 @@ def glibc_malloc_trim() -> Callable[[], int] | None:
 
 
 class Trimmer:
-    """Calls ``trim`` (default :func:`glibc_malloc_trim`) at most once every ``every``
-    seconds, when ``moved()`` (a byte counter that only grows) has grown by at least
-    ``min_bytes`` since the last call. :meth:`tick` is one look (the thread's body);
-    :meth:`start` runs it on a daemon thread until :meth:`stop`."""
+    """Calls ``trim`` (default :func:`glibc_malloc_trim`) once ``moved()`` (a byte
+    counter that only grows) has grown by at least ``min_bytes`` since the last call,
+    at a look that finds it unchanged since the look before (the traffic paused), or
+    ``busy_every`` (default ``BUSY_LOOKS * every``) seconds after the last call.
+    :meth:`tick` is one look (the thread's body, every ``every`` seconds); :meth:`start`
+    runs it on a daemon thread until :meth:`stop`."""
 
     def __init__(
         self,
@@ -61,14 +68,18 @@ class Trimmer:
         *,
         every: float = TRIM_EVERY,
         min_bytes: int = TRIM_MIN_BYTES,
+        busy_every: float | None = None,
         trim: Callable[[], int] | None = None,
+        clock: Callable[[], float] = time.monotonic,
         name: str = "pdps-trim",
     ) -> None:
         if every <= 0 or min_bytes < 0:
             raise ValueError(f"Trimmer needs every > 0 and min_bytes >= 0, got every={every!r}, min_bytes={min_bytes!r}")
-        self._moved, self.every, self.min_bytes, self._name = moved, every, min_bytes, name
+        self._moved, self.every, self.min_bytes, self._name, self._clock = moved, every, min_bytes, name, clock
+        self.busy_every = BUSY_LOOKS * every if busy_every is None else busy_every
         self._trim = trim if trim is not None else glibc_malloc_trim()
-        self._at = moved()
+        self._at = self._seen = moved()  # the counter at the last trim, and at the last look
+        self._last = clock()  # when it last trimmed (or was made)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.trims = 0  # calls made
@@ -80,13 +91,19 @@ class Trimmer:
         return self._trim is not None
 
     def tick(self) -> bool:
-        """Trim if enough bytes moved since the last trim; whether it did."""
+        """One look: trim if enough bytes moved since the last trim and either none
+        since the last look or ``busy_every`` passed; whether it did."""
         if self._trim is None:
             return False
         moved = self._moved()
+        paused = moved == self._seen
+        self._seen = moved
         if moved - self._at < self.min_bytes:
             return False
-        self._at = moved
+        now = self._clock()
+        if not paused and now - self._last < self.busy_every:
+            return False
+        self._at, self._last = moved, now
         began = time.perf_counter()
         self._trim()
         took = time.perf_counter() - began

@@ -18,19 +18,24 @@ def rss() -> int:
     raise AssertionError("no VmRSS line")
 
 
-def test_trims_only_once_enough_bytes_moved_since_the_last_trim() -> None:
-    moved, calls = [100], []
-    trimmer = Trimmer(lambda: moved[0], every=1.0, min_bytes=50, trim=lambda: calls.append(1) or 1)
+def test_trims_once_enough_bytes_moved_and_the_traffic_paused_or_at_the_busy_period() -> None:
+    moved, calls, now = [100], [], [0.0]
+    trimmer = Trimmer(lambda: moved[0], every=1.0, min_bytes=50, busy_every=10.0, trim=lambda: calls.append(1) or 1, clock=lambda: now[0])
     assert not trimmer.tick() and calls == []  # nothing moved since it was made
     moved[0] = 149
-    assert not trimmer.tick()
+    assert not trimmer.tick()  # moving, and not enough
+    assert not trimmer.tick()  # paused, but 49 bytes are not enough
     moved[0] = 150
-    assert trimmer.tick() and len(calls) == 1 and trimmer.trims == 1
+    assert not trimmer.tick()  # enough, but still moving
+    assert trimmer.tick() and len(calls) == 1 and trimmer.trims == 1  # paused: trimmed
     assert not trimmer.tick()  # counted from the last trim, not from the start
-    moved[0] = 199
-    assert not trimmer.tick()
-    moved[0] = 1000
+    for t in range(1, 10):  # traffic that never pauses: only at the busy period
+        now[0], moved[0] = float(t), moved[0] + 100
+        assert not trimmer.tick()
+    now[0], moved[0] = 10.0, moved[0] + 100
     assert trimmer.tick() and len(calls) == 2
+    now[0], moved[0] = 11.0, moved[0] + 100
+    assert not trimmer.tick()
 
 
 def test_a_trimmer_with_nothing_to_call_does_nothing() -> None:
@@ -62,6 +67,6 @@ def test_glibc_malloc_trim_gives_freed_heap_blocks_back() -> None:
     moved = [0]
     trimmer = Trimmer(lambda: moved[0], min_bytes=1, trim=trim)
     moved[0] = 44 << 20
-    assert trimmer.tick()
+    assert not trimmer.tick() and trimmer.tick()  # the second look finds the traffic paused
     assert before - rss() >= 32 << 20, f"malloc_trim gave back {(before - rss()) / 2**20:.1f} MiB of the 44 freed"
     del last

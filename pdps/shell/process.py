@@ -309,7 +309,6 @@ def run_pserver(values: Mapping[str, Any]) -> int:
     from pdps.adapters.prometheus_metrics import pserver_reading
     from pdps.registry import open_checkpoint_files, open_compute
     from pdps.roles.pserver import Pserver
-    from pdps.shell.allocator import Trimmer
 
     # its id is the index it claims; until then, the one it asks for
     metrics = role_metrics(values, "pserver", "unclaimed" if values.get("index") is None else str(values["index"]))
@@ -329,7 +328,7 @@ def run_pserver(values: Mapping[str, Any]) -> int:
             checkpoints=open_checkpoint_files(config.checkpoint_url),
         )
         metrics.watch(pserver_reading(ps))
-        with serving_metrics(values, metrics), _trimming(lambda: ps.row_bytes + ps.sent_bytes + ps.received_bytes, values["trim_every"], Trimmer):
+        with serving_metrics(values, metrics), _trimming(lambda: ps.row_bytes + ps.sent_bytes + ps.received_bytes, values["trim_every"]):
             ps.start()
             metrics.id = str(ps.index)
             print(json.dumps({"pserver": ps.index, "address": ps.address}), flush=True)
@@ -349,13 +348,16 @@ def run_pserver(values: Mapping[str, Any]) -> int:
 
 
 @contextlib.contextmanager
-def _trimming(moved: Callable[[], int], every: float, trimmer: Callable[..., Any]) -> Iterator[None]:
-    """A pserver process gives the memory its row traffic freed back to the system
-    while it serves, every ``every`` seconds (0: never; :mod:`pdps.shell.allocator`)."""
+def _trimming(moved: Callable[[], int], every: float) -> Iterator[None]:
+    """A pserver process gives the memory its row traffic (``moved``, bytes) freed back
+    to the system while it serves, looking every ``every`` seconds (0: never;
+    :mod:`pdps.shell.allocator`)."""
+    from pdps.shell.allocator import Trimmer
+
     if every <= 0:
         yield
         return
-    running = trimmer(moved, every=every, name="pdps-ps-trim").start()
+    running = Trimmer(moved, every=every, name="pdps-ps-trim").start()
     try:
         yield
     finally:

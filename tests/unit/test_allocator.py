@@ -70,3 +70,18 @@ def test_glibc_malloc_trim_gives_freed_heap_blocks_back() -> None:
     assert not trimmer.tick() and trimmer.tick()  # the second look finds the traffic paused
     assert before - rss() >= 32 << 20, f"malloc_trim gave back {(before - rss()) / 2**20:.1f} MiB of the 44 freed"
     del last
+
+
+def test_a_pserver_process_trims_on_a_thread_of_its_own_unless_trim_every_is_0() -> None:
+    import threading
+
+    from pdps.shell.process import _trimming
+
+    def trimmers() -> list[str]:
+        return [t.name for t in threading.enumerate() if t.name == "pdps-ps-trim"]
+
+    with _trimming(lambda: 0, 0.0):
+        assert trimmers() == []
+    with _trimming(lambda: 0, 30.0):
+        assert trimmers() == ["pdps-ps-trim"]
+    assert trimmers() == []  # stopped with the pserver

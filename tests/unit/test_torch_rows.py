@@ -126,7 +126,7 @@ def test_a_push_reusing_its_trainers_pull_equals_one_probing_the_index():
     # same ids, unless a row left its place since (LFU evictions here), and rows created
     # since (by another trainer, or by this push) are looked up; never a different outcome
     spec = TableSpec(name="emb", dim=DIM, dtype="float64", num_rows=N, capacity=300)
-    keyed, plain = (store(spec, "Adagrad", {"lr": 0.1}, chunk_rows=128) for _ in range(2))
+    keyed, plain = (store(spec, "RowWiseAdagrad", {"lr": 0.1}, chunk_rows=128) for _ in range(2))  # own kernel: dense ops, fast
     rng = np.random.default_rng(7)
     for k in range(15):
         ids, g = section(rng, 120)

@@ -129,6 +129,10 @@ ROW_BYTES = {"SGD": DIM * 4, "Adagrad": 2 * DIM * 4}  # a row and its optimizer 
 TCP_BUFFER = 4 << 20  # the socket buffers of bench/transport.py's tcp route
 SERVER_START_S = 120.0
 PSERVER_STOP_S = 20.0
+#: a pserver process's grace after SIGTERM: it writes its table_stats as it stops, which the
+#: memory rows are checked against; stopping took 4.5-8.5 s on the loaded 2-core VM, past a
+#: grace of 5 s (the process then exits hard, leaving the periodic record of mid-fill)
+PSERVER_GRACE_S = 15.0
 #: after the fill, the memory is read again this many ``trim_every`` later: the pservers'
 #: allocator trimmer trims at the first look that finds the pushes paused, two periods after
 #: the fill at most: what a pserver holds once its pushes settle
@@ -415,7 +419,7 @@ class PserverProcess:
         env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", LAUNCHER_PID: str(os.getpid()),
                     "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])})  # fmt: skip
         argv = [sys.executable, "-m", "pdps", "pserver", "--store", store_url, "--job", job, "--index", str(index), "--metrics-port", "none",
-                "--grace", "5", "--log-level", "WARNING", "--trim-every", str(trim_every)]  # fmt: skip
+                "--grace", str(PSERVER_GRACE_S), "--log-level", "WARNING", "--trim-every", str(trim_every)]  # fmt: skip
         self.name = f"{job} pserver {index}"
         self.proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.pid = self.proc.pid

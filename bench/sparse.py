@@ -46,7 +46,11 @@ what they must hold (the fill's update, then one update per step that drew them)
 
 * **Memory** (the ``grpc`` pservers, and a second job of 2 pserver processes with
   ``sparse_optimizer = Adagrad``, filled the same way): each pserver process's RSS
-  (``/proc/<pid>/status``) after the attach and again after the fill; growth over the
+  (``/proc/<pid>/status``) after the attach, right after the fill, and 3 x ``trim_every``
+  later (6 s; ``--quick``: ``trim_every`` 0.5, 1.5 s): what the pserver holds once its
+  pushes settle (its allocator trimmer gives back what the pushes freed at its first look,
+  every ``trim_every`` seconds, that finds them paused; ``--trim-every 0`` turns it off to
+  compare, read 6 s after the fill as well). The settled growth over the
   raw bytes of the rows it holds and their optimizer state (SGD: the row, 256 B;
   Adagrad: the row and its ``state_sum``, 512 B). The rows a pserver holds are counted
   here from the ids' slots and the slot map, and checked against what its row store
@@ -111,8 +115,8 @@ from pdps.core.tables import row_slots  # noqa: E402
 from pdps.core.wire import PullRequest, PushRequest  # noqa: E402
 from pdps.nn import TableOptions  # noqa: E402
 
-FULL = {"rows": 10_000_000, "ids": 65_536, "repeats": 7, "warmup": 2, "ctr_samples": 20_000, "ctr_passes": 2}
-QUICK = {"rows": 1_000_000, "ids": 8_192, "repeats": 3, "warmup": 1, "ctr_samples": 2_500, "ctr_passes": 1}
+FULL = {"rows": 10_000_000, "ids": 65_536, "repeats": 7, "warmup": 2, "ctr_samples": 20_000, "ctr_passes": 2, "trim_every": 2.0}
+QUICK = {"rows": 1_000_000, "ids": 8_192, "repeats": 3, "warmup": 1, "ctr_samples": 2_500, "ctr_passes": 1, "trim_every": 0.5}
 DIM = 64
 PSERVERS = 2
 TABLE = "emb.weight"
@@ -125,6 +129,15 @@ ROW_BYTES = {"SGD": DIM * 4, "Adagrad": 2 * DIM * 4}  # a row and its optimizer 
 TCP_BUFFER = 4 << 20  # the socket buffers of bench/transport.py's tcp route
 SERVER_START_S = 120.0
 PSERVER_STOP_S = 20.0
+#: a pserver process's grace after SIGTERM: it writes its table_stats as it stops, which the
+#: memory rows are checked against; stopping took 4.5-8.5 s on the loaded 2-core VM, past a
+#: grace of 5 s (the process then exits hard, leaving the periodic record of mid-fill)
+PSERVER_GRACE_S = 15.0
+#: after the fill, the memory is read again this many ``trim_every`` later: the pservers'
+#: allocator trimmer trims at the first look that finds the pushes paused, two periods after
+#: the fill at most: what a pserver holds once its pushes settle
+SETTLE_PERIODS = 3
+TRIM_EVERY = 2.0  # the pservers' default trim_every
 CALL_PATIENCE_S = 120.0
 TARGETS = {"grpc_vs_tcp": 0.5, "inproc_vs_local": 0.5, "memory": 1.5}
 CTR = {"trainers": 2, "pservers": 2}
@@ -399,14 +412,14 @@ def run_inproc(rows: int, steps: list[np.ndarray], warmup: int, repeats: int) ->
 class PserverProcess:
     """``python -m pdps pserver`` of one job, as ``pdps launch`` starts it (one torch thread)."""
 
-    def __init__(self, store_url: str, job: str, index: int) -> None:
+    def __init__(self, store_url: str, job: str, index: int, trim_every: float = TRIM_EVERY) -> None:
         from pdps.shell.launch import LAUNCHER_PID
 
         env = {k: v for k, v in os.environ.items() if not k.startswith("PDPS_")}
         env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", LAUNCHER_PID: str(os.getpid()),
                     "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])})  # fmt: skip
         argv = [sys.executable, "-m", "pdps", "pserver", "--store", store_url, "--job", job, "--index", str(index), "--metrics-port", "none",
-                "--grace", "5", "--log-level", "WARNING"]  # fmt: skip
+                "--grace", str(PSERVER_GRACE_S), "--log-level", "WARNING", "--trim-every", str(trim_every)]  # fmt: skip
         self.name = f"{job} pserver {index}"
         self.proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.pid = self.proc.pid
@@ -465,12 +478,15 @@ def attached(store: Any, config: pdps.JobConfig, rows: int) -> Iterator[Tables]:
         ctx.leave()
 
 
-def fill_measured(tables: Tables, servers: Sequence[PserverProcess], rule: str) -> tuple[float, list[dict[str, Any]]]:
-    """Fill the table; each pserver's RSS before and after against its rows' raw bytes."""
+def fill_measured(tables: Tables, servers: Sequence[PserverProcess], rule: str, settle_s: float) -> tuple[float, list[dict[str, Any]]]:
+    """Fill the table; each pserver's RSS before, right after and ``settle_s`` after
+    the fill against its rows' raw bytes (the target's figure: the settled one)."""
     by_index = dict(zip(range(PSERVERS), servers))
     before = {i: rss(s.pid) for i, s in by_index.items()}
     say(f"grpc, {rule}: filling {tables.rows:,} rows (every id pushed once)")
     fill_s = tables.fill()
+    at_once = {i: rss(s.pid) for i, s in by_index.items()}
+    time.sleep(settle_s)
     after = {i: rss(s.pid) for i, s in by_index.items()}
     say(f"  filled in {fill_s:.1f} s ({tables.rows / fill_s:,.0f} rows/s)")
     rows = []
@@ -478,13 +494,14 @@ def fill_measured(tables: Tables, servers: Sequence[PserverProcess], rule: str) 
         raw = held * ROW_BYTES[rule]
         growth = after[i] - before[i]
         rows.append({"rule": rule, "pserver": i, "rows": held, "row_bytes": ROW_BYTES[rule], "raw_bytes": raw, "rss_before": before[i],
+                     "rss_at_once": at_once[i], "ratio_at_once": (at_once[i] - before[i]) / raw,
                      "rss_after": after[i], "growth": growth, "ratio": growth / raw, "bytes_per_row": growth / held})  # fmt: skip
-        say(f"  pserver {i}: {held:,} rows, RSS {before[i] / 2**20:,.0f} -> {after[i] / 2**20:,.0f} MiB: {growth / held:.0f} B a row "
-            f"against {ROW_BYTES[rule]} raw ({growth / raw:.3f}x)")  # fmt: skip
+        say(f"  pserver {i}: {held:,} rows, RSS {before[i] / 2**20:,.0f} -> {at_once[i] / 2**20:,.0f} MiB at once, {after[i] / 2**20:,.0f} "
+            f"after {settle_s:g} s: {growth / held:.0f} B a row against {ROW_BYTES[rule]} raw ({growth / raw:.3f}x)")  # fmt: skip
     return fill_s, rows
 
 
-def run_processes(rows: int, steps: list[np.ndarray], warmup: int, repeats: int, sections: set[str]) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
+def run_processes(rows: int, steps: list[np.ndarray], warmup: int, repeats: int, sections: set[str], trim_every: float = TRIM_EVERY) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
     """The jobs of pserver processes on a throwaway etcd: SGD (throughput against raw TCP, and
     memory), then Adagrad (memory). Every process is started at once, before anything is
     timed (their imports overlap); a job's pservers stop before the next job's fill."""
@@ -503,7 +520,7 @@ def run_processes(rows: int, steps: list[np.ndarray], warmup: int, repeats: int,
         for name, rule in jobs:
             configs[name] = job_config(name, rule)
             publish_job(store, configs[name])
-            servers[name] = [PserverProcess(etcd.url, name, i) for i in range(PSERVERS)]
+            servers[name] = [PserverProcess(etcd.url, name, i, trim_every) for i in range(PSERVERS)]
         stack.callback(stop_all, [s for group in servers.values() for s in group])
         share = len(steps[0]) * (8 + 4 * DIM) // PSERVERS
         echo_servers = start_servers(stack, [("tcp://127.0.0.1:0", share, i, None, "default") for i in range(PSERVERS)]) if "grpc" in sections else []
@@ -513,7 +530,7 @@ def run_processes(rows: int, steps: list[np.ndarray], warmup: int, repeats: int,
                 s.wait_ready(deadline)
         for name, rule in jobs:
             with attached(store, configs[name], rows) as tables:
-                fills[rule], mem = fill_measured(tables, servers[name], rule)
+                fills[rule], mem = fill_measured(tables, servers[name], rule, settle_s(trim_every))
                 memory += mem
                 if rule == "SGD" and "grpc" in sections:
                     grpc = PdpsRoute("grpc", tables, steps)
@@ -531,6 +548,11 @@ def run_processes(rows: int, steps: list[np.ndarray], warmup: int, repeats: int,
         for name, rule in jobs:  # what each row store said it held, as it stopped
             store_bytes(store, name, [m for m in memory if m["rule"] == rule])
     return throughput, memory, {"fill_s": fills}
+
+
+def settle_s(trim_every: float) -> float:
+    """How long after a fill its settled memory is read."""
+    return SETTLE_PERIODS * (trim_every if trim_every > 0 else TRIM_EVERY)
 
 
 def store_bytes(store: Any, job: str, rows: list[dict[str, Any]]) -> None:
@@ -612,7 +634,8 @@ def ratios(throughput: list[dict[str, Any]], memory: list[dict[str, Any]], ctr_r
     return out
 
 
-def run(*, rows: int, ids: int, repeats: int, warmup: int, ctr_samples: int, ctr_passes: int, sections: set[str], tmp: Path) -> dict[str, Any]:
+def run(*, rows: int, ids: int, repeats: int, warmup: int, ctr_samples: int, ctr_passes: int, sections: set[str], tmp: Path,
+        trim_every: float = TRIM_EVERY) -> dict[str, Any]:
     say(f"drawing {warmup + repeats} steps of {ids:,} distinct ids of {rows:,}")
     steps = draw_steps(rows, ids, warmup + repeats)
     throughput: list[dict[str, Any]] = []
@@ -627,7 +650,7 @@ def run(*, rows: int, ids: int, repeats: int, warmup: int, ctr_samples: int, ctr
         seconds["inproc"] = time.monotonic() - t0
     if sections & {"grpc", "memory"}:
         t0 = time.monotonic()
-        got, memory, info = run_processes(rows, steps, warmup, repeats, sections)
+        got, memory, info = run_processes(rows, steps, warmup, repeats, sections, trim_every)
         throughput += got
         fills["grpc"] = info["fill_s"]
         seconds["processes"] = time.monotonic() - t0
@@ -660,14 +683,16 @@ def print_table(report: dict[str, Any]) -> None:
             "GB/s: ids and rows both ways / step time)")  # fmt: skip
     if report["memory"]:
         say("")
-        say(f"pserver memory: RSS growth over the fill of {c['rows']:,} rows against the raw bytes of the rows and their optimizer state")
-        say(f"{'rule':<8} {'pserver':>7} {'rows':>11} {'RSS before MiB':>14} {'after MiB':>10} {'B/row':>7} {'raw B/row':>9} {'ratio':>7} "
-            f"{'store B/row':>11} {'store ratio':>11}")  # fmt: skip
+        trim = f"trim_every {c['trim_every']:g}" if c["trim_every"] > 0 else "trim_every 0: no malloc_trim"
+        say(f"pserver memory: RSS growth over the fill of {c['rows']:,} rows against the raw bytes of the rows and their optimizer state ({trim})")
+        say(f"{'rule':<8} {'pserver':>7} {'rows':>11} {'RSS before MiB':>14} {'at once MiB':>11} {'ratio':>7} {'settled MiB':>11} {'B/row':>7} {'raw B/row':>9} "
+            f"{'ratio':>7} {'store B/row':>11} {'store ratio':>11}")  # fmt: skip
         for r in report["memory"]:
-            say(f"{r['rule']:<8} {r['pserver']:>7} {r['rows']:>11,} {r['rss_before'] / 2**20:>14,.0f} {r['rss_after'] / 2**20:>10,.0f} "
-                f"{r['bytes_per_row']:>7.0f} {r['row_bytes']:>9} {r['ratio']:>7.3f} {r.get('store_bytes_per_row', float('nan')):>11.0f} "
-                f"{r.get('store_ratio', float('nan')):>11.3f}")  # fmt: skip
-        say("(ratio: RSS growth / raw bytes, the target's figure; store: the bytes the row store says it holds, table_stats)")
+            say(f"{r['rule']:<8} {r['pserver']:>7} {r['rows']:>11,} {r['rss_before'] / 2**20:>14,.0f} {r['rss_at_once'] / 2**20:>11,.0f} "
+                f"{r['ratio_at_once']:>7.3f} {r['rss_after'] / 2**20:>11,.0f} {r['bytes_per_row']:>7.0f} {r['row_bytes']:>9} {r['ratio']:>7.3f} "
+                f"{r.get('store_bytes_per_row', float('nan')):>11.0f} {r.get('store_ratio', float('nan')):>11.3f}")  # fmt: skip
+        say(f"(at once: right after the fill; settled: {c['settle_s']:g} s later, the target's figure: B/row and ratio are its RSS growth "
+            "over the raw bytes; store: the bytes the row store says it holds, table_stats)")  # fmt: skip
     if report["ctr"] is not None:
         x = report["ctr"]
         say("")
@@ -694,10 +719,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tmp", type=Path, default=Path(tempfile.gettempdir()), help="where the CTR dataset goes")
     p.add_argument("--quick", action="store_true", help="1M rows, 8k ids a step, 3 steps, a small CTR run")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout's last line")
+    p.add_argument("--trim-every", type=float, help=f"the pserver processes' trim_every (default {FULL['trim_every']:g}, --quick {QUICK['trim_every']:g}; "
+                   "0: no malloc_trim, to compare)")
     args = p.parse_args(argv)
     preset = QUICK if args.quick else FULL
     rows, ids, repeats, ctr_samples, ctr_passes = (getattr(args, k) or preset[k] for k in ("rows", "ids", "repeats", "ctr_samples", "ctr_passes"))
     warmup = preset["warmup"] if args.warmup is None else args.warmup
+    trim_every = preset["trim_every"] if args.trim_every is None else args.trim_every
     if not 1 <= ids <= rows or repeats < 1 or warmup < 0 or ctr_samples < 1 or ctr_passes < 1:
         p.error("--ids must be in [1, --rows]; --repeats, --ctr-samples and --ctr-passes positive; --warmup not negative")
     if ids > (1 << 20):
@@ -709,14 +737,16 @@ def main(argv: list[str] | None = None) -> int:
     began = time.monotonic()
     load_start = os.getloadavg()
     try:
-        report = run(rows=rows, ids=ids, repeats=repeats, warmup=warmup, ctr_samples=ctr_samples, ctr_passes=ctr_passes, sections=sections, tmp=args.tmp)
+        report = run(rows=rows, ids=ids, repeats=repeats, warmup=warmup, ctr_samples=ctr_samples, ctr_passes=ctr_passes, sections=sections, tmp=args.tmp,
+                     trim_every=trim_every)
     except (RuntimeError, TimeoutError, pdps.PdpsError) as exc:
         say(f"bench/sparse.py: {exc}")
         return 1
     report = {
         "config": {"rows": rows, "ids": ids, "dim": DIM, "dtype": "float32", "pservers": PSERVERS, "repeats": repeats, "warmup": warmup, "lr": LR,
                    "rules": ["SGD", "Adagrad"] if "memory" in sections else ["SGD"], "ctr_samples": ctr_samples, "ctr_passes": ctr_passes,
-                   "sections": sorted(sections), "torch_threads": THREADS},
+                   "sections": sorted(sections), "torch_threads": THREADS,
+                   "trim_every": trim_every, "settle_s": settle_s(trim_every)},
         **report,
         "machine": describe("torch", "grpcio", "numpy"),
         "loadavg_start": list(load_start),

@@ -63,6 +63,8 @@ from pdps.core.tables import (
 CHUNK_ROWS = 1 << 16
 #: The job setting ``sparse_max_ids``'s default: ids in one section of a push or pull.
 DEFAULT_MAX_IDS = 1 << 20
+#: Callers (trainers) whose last lookup a store keeps for their next apply, at most.
+LOOKUPS_KEPT = 32
 
 
 # --- storage ---------------------------------------------------------------------------------
@@ -132,6 +134,17 @@ class _Column:
     def put(self, plan: _Plan, value: float) -> None:
         for c, _, _, local in plan.runs:
             self.chunks[c].index_fill_(0, local, value)
+
+
+class _Looked:
+    """A caller's last lookup, kept for its next apply (design §10's lookup token): the
+    ids, their positions (-1: no row then) and, when every id had a row, the plan of
+    the positions; with the store's ``moves`` and ``generation`` when it was made."""
+
+    __slots__ = ("ids", "pos", "plan", "moves", "generation")
+
+    def __init__(self, ids: np.ndarray, pos: np.ndarray, plan: _Plan | None, moves: int, generation: int) -> None:
+        self.ids, self.pos, self.plan, self.moves, self.generation = ids, pos, plan, moves, generation
 
 
 class _Pending:
@@ -366,6 +379,9 @@ class TorchRows:
         self._staged: dict[str, dict[int, tuple[np.ndarray, torch.Tensor, int]]] = {}
         self._buffers: dict[tuple[str, int], tuple[np.ndarray, torch.Tensor]] = {}
         self._generation = 0  # moves whenever the set of rows changes (export pages are planned against it)
+        self._moves = 0  # moves whenever a row leaves its position (removed: the position may go to another id)
+        self._looked: dict[str, _Looked] = {}  # caller -> its last lookup, for its next apply (LOOKUPS_KEPT at most)
+        self.reused = 0  # applies that took their caller's lookup instead of probing the index
         self._order: tuple[Any, ...] | None = None
         self._counters = dict.fromkeys(("created", "admitted", "pending_dropped", "evicted_ttl", "evicted_lfu", "refused"), 0)
         self._try_rule()
@@ -460,6 +476,29 @@ class TorchRows:
             self._index.delete(ids)
             self._free = np.concatenate([self._free, pos])
             self._generation += 1
+            self._moves += 1
+
+    def _keep_lookup(self, key: str, ids: np.ndarray, pos: np.ndarray, plan: _Plan | None) -> None:
+        self._looked.pop(key, None)
+        self._looked[key] = _Looked(ids.copy(), pos, plan, self._moves, self._generation)
+        while len(self._looked) > LOOKUPS_KEPT:
+            del self._looked[next(iter(self._looked))]  # the oldest
+
+    def _positions(self, ids: np.ndarray, key: str | None) -> tuple[np.ndarray, _Plan | None]:
+        """The position of each id (-1: no row) and, when known, their plan: from
+        ``key``'s last lookup if it was of the same ids and no row has left its position
+        since (rows created since are looked up), else from the index."""
+        looked = None if key is None else self._looked.pop(key, None)
+        if looked is None or looked.moves != self._moves or not np.array_equal(looked.ids, ids):
+            return self._index.lookup(ids), None
+        self.reused += 1
+        if looked.plan is not None:
+            return looked.pos, looked.plan
+        pos = looked.pos
+        if looked.generation != self._generation:  # rows were created since: some of the missing ones may be among them
+            missing = np.flatnonzero(pos < 0)
+            pos[missing] = self._index.lookup(ids[missing])
+        return pos, None
 
     # --- checks ------------------------------------------------------------------------------
 
@@ -636,29 +675,33 @@ class TorchRows:
         self._apply(ids, grads.to(self.dtype))
         return True
 
-    def apply(self, ids: Any, grads: Any, *, step: int | None = None) -> None:
+    def apply(self, ids: Any, grads: Any, *, step: int | None = None, key: str | None = None) -> None:
         """Async: one step of the rule with this section (checked before). ``step``: the
         table step to apply it at, leaving this store's own unchanged (a backup applying
         its primary's push at the primary's step: an async table step is per pserver);
-        it evicts nothing then (async jobs with replicas evict by no step)."""
-        self._apply(_numpy(ids), grads.to(self.device), step)
+        it evicts nothing then (async jobs with replicas evict by no step). ``key``: the
+        caller, whose last :meth:`lookup` (with the same ``key``) of the same ids is
+        reused instead of probing the index again, unless a row left its position since;
+        the outcome is the same either way."""
+        self._apply(_numpy(ids), grads.to(self.device), step, key)
 
-    def _apply(self, ids: np.ndarray, grads: torch.Tensor, at_step: int | None = None) -> None:
+    def _apply(self, ids: np.ndarray, grads: torch.Tensor, at_step: int | None = None, key: str | None = None) -> None:
         own = self.step
         now = self._clock() if self._when is not None else 0.0
         self.step = own + 1 if at_step is None else at_step  # the kernels, the marks and admission read self.step
         try:
-            self._step_rows(ids, grads, now)
+            self._step_rows(ids, grads, now, key)
         finally:
             if at_step is not None:
                 self.step = own
         if at_step is None:
             self._evict(now)
 
-    def _step_rows(self, ids: np.ndarray, grads: torch.Tensor, now: float) -> None:
-        pos = self._index.lookup(ids)
+    def _step_rows(self, ids: np.ndarray, grads: torch.Tensor, now: float, key: str | None = None) -> None:
+        pos, plan = self._positions(ids, key)
         missing = np.flatnonzero(pos < 0)
         if len(missing):
+            plan = None
             new = ids[missing]
             if self._pending is not None:
                 admitted = self._pending.touch(new, self.spec.admit_after, self.step)
@@ -672,7 +715,7 @@ class TorchRows:
             if len(kept) < len(pos):
                 pos, grads = pos[kept], grads.index_select(0, self._tensor(kept))
         if len(pos):
-            plan = self._plan(pos)
+            plan = self._plan(pos) if plan is None else plan
             rows = self._values.gather(plan)
             state = {k: col.gather(plan) for k, col in self._state.items()}
             self._kernel.step(rows, state, plan.arrange(grads), self.step)
@@ -717,15 +760,20 @@ class TorchRows:
 
     # --- reads --------------------------------------------------------------------------------
 
-    def lookup(self, ids: Any) -> torch.Tensor:
+    def lookup(self, ids: Any, *, key: str | None = None) -> torch.Tensor:
         """``[n, dim]`` rows of ``ids`` (a new tensor): stored rows, and the init value
-        of ids with no row. Creates nothing."""
+        of ids with no row. Creates nothing. ``key``: the caller (a trainer), whose
+        positions of these ids are kept for its next :meth:`apply`."""
         a = _numpy(ids)
         pos = self._index.lookup(a)
         have = np.flatnonzero(pos >= 0)
         if len(have) == len(a):
             plan = self._plan(pos)
+            if key is not None:
+                self._keep_lookup(key, a, pos, plan)
             return plan.restore(self._values.gather(plan))
+        if key is not None:
+            self._keep_lookup(key, a, pos.copy(), None)
         out = torch.empty((len(a), self.spec.dim), dtype=self.dtype, device=self.device)
         if len(have):
             plan = self._plan(pos[have])

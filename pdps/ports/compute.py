@@ -236,15 +236,18 @@ class RowShard(Protocol):
         if none of them staged a section."""
         ...
 
-    def apply(self, ids: Any, grads: Any, *, step: int | None = None) -> None:
+    def apply(self, ids: Any, grads: Any, *, step: int | None = None, key: str | None = None) -> None:
         """Async: one step of the rule with this section (checked before); ``step``: at
         that table step (a primary's, forwarded to its backup), this store's own
-        unchanged and nothing evicted."""
+        unchanged and nothing evicted. ``key``: the caller (a trainer); a store may reuse
+        what its last ``lookup(..., key=key)`` of the same ids found, while no row has
+        left its place since: the outcome is the same as without ``key``."""
         ...
 
-    def lookup(self, ids: Any) -> Any:
+    def lookup(self, ids: Any, *, key: str | None = None) -> Any:
         """``[n, dim]`` rows of ``ids`` (a new tensor): the stored rows, the init value
-        for ids with no row. Never creates a row."""
+        for ids with no row. Never creates a row. ``key``: the caller, whose next
+        ``apply`` may reuse this lookup (a trainer pushes the rows it pulled)."""
         ...
 
     def export_slots(self, slots: Collection[int], offset: int = 0, limit: int | None = None) -> tuple[dict[str, Any], bool]:

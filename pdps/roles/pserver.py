@@ -420,6 +420,9 @@ class Pserver:
         self._my_slots: tuple[int, ...] = ()
         self.sent_bytes = 0  # slot state sent to receiving pservers, and received from sources
         self.received_bytes = 0
+        #: bytes of row sections taken (ids and gradients) and rows served (pulls): what
+        #: the process's allocator trimmer (pdps.shell.allocator) watches
+        self.row_bytes = 0
         self.version = 0  # updates applied
         self.epoch = 0
         self.round_no = 0  # the open sync round
@@ -1011,7 +1014,7 @@ class Pserver:
             queued = self._queue_forwards(req, indices, dense, sections)
             shard.apply(dense, indices)
             for name, ids, grads in sections:
-                self._tables[name].apply(ids, grads)
+                self._tables[name].apply(ids, grads, key=trainer)  # the positions of its pull of these ids, if nothing moved since
         else:
             if req.tables:
                 raise GradientRejected(f"trainer {trainer!r} sent row sections in a push of some slots; rows ride in whole pushes", field="tables", trainer=trainer)
@@ -1222,6 +1225,7 @@ class Pserver:
         forward = isinstance(req, ReplicateRequest)
         for name, ids, grads in sections:
             self._table(name, req.trainer).check(ids, grads, req.trainer, finite=not forward, slots=slots if forward else self._row_primary)
+            self.row_bytes += ids.nbytes + grads.nbytes  # type: ignore[attr-defined]
         return sections
 
     def _table(self, name: str, trainer: str, *, push: bool = True) -> RowShard:
@@ -1239,7 +1243,8 @@ class Pserver:
         for (name, _), ids in zip(req.tables or (), ids_of):
             rows = self._table(name, req.trainer, push=False)
             rows.check(ids, None, req.trainer, slots=self._row_primary)  # pulls are served by primaries
-            out.append(rows.lookup(ids))
+            out.append(rows.lookup(ids, key=req.trainer))  # kept for the trainer's push of the same ids
+            self.row_bytes += out[-1].nbytes
         return out
 
     def _frozen_for(self, req: PullRequest) -> bool:

@@ -328,7 +328,7 @@ def run_pserver(values: Mapping[str, Any]) -> int:
             checkpoints=open_checkpoint_files(config.checkpoint_url),
         )
         metrics.watch(pserver_reading(ps))
-        with serving_metrics(values, metrics):
+        with serving_metrics(values, metrics), _trimming(lambda: ps.row_bytes + ps.sent_bytes + ps.received_bytes, values["trim_every"]):
             ps.start()
             metrics.id = str(ps.index)
             print(json.dumps({"pserver": ps.index, "address": ps.address}), flush=True)
@@ -345,6 +345,23 @@ def run_pserver(values: Mapping[str, Any]) -> int:
             return 0
     finally:
         store.close()
+
+
+@contextlib.contextmanager
+def _trimming(moved: Callable[[], int], every: float) -> Iterator[None]:
+    """A pserver process gives the memory its row traffic (``moved``, bytes) freed back
+    to the system while it serves, looking every ``every`` seconds (0: never;
+    :mod:`pdps.shell.allocator`)."""
+    from pdps.shell.allocator import Trimmer
+
+    if every <= 0:
+        yield
+        return
+    running = Trimmer(moved, every=every, name="pdps-ps-trim").start()
+    try:
+        yield
+    finally:
+        running.stop()
 
 
 def default_trainer_id() -> str:

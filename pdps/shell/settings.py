@@ -116,6 +116,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("metrics_port", _port_or_none, 0, ALL, "port serving this role's Prometheus metrics at /metrics (0: a free one, logged; none: no metrics); pdps launch gives its master this port, pserver i port+1+i and trainer i port+1+pservers+i"),
     Setting("metrics_host", str, "127.0.0.1", ALL, "interface the metrics port listens on (0.0.0.0 in a pod, for Prometheus to scrape)"),
     Setting("index", _optional_int, None, (PSERVER,), "pserver index to claim (a StatefulSet's ordinal); default: the first free one"),
+    Setting("trim_every", float, 2.0, (PSERVER,), "seconds between a pserver's looks at its row traffic: once 32 MiB moved since its last trim, it gives the memory that traffic freed back to the system (glibc malloc_trim) at a look that finds the traffic paused, or 15 looks after the last trim while it goes on; 0: never"),
     Setting("trainer_id", str, None, (TRAINER,), "this trainer's id in the job (default: host-pid-random)"),
     Setting("target", str, None, (TRAINER, LAUNCH), "the training function, module:function or path/to/file.py:function"),
     Setting("linger", float, 30.0, (MASTER,), "after the last pass, seconds the master keeps serving for trainers still registered"),

@@ -8,6 +8,7 @@ arithmetic and that no trainer ever holds a table-sized tensor, not speed.
 from __future__ import annotations
 
 import gc
+import sys
 import weakref
 
 import numpy as np
@@ -15,6 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._pytree import tree_leaves
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import pdps
 import pdps.nn
@@ -70,17 +73,50 @@ def clicks(root: str) -> ParquetSource:
 SEEN: dict[str, object] = {}
 
 
+PSERVER_CODE = "pdps/roles/pserver.py"
+
+
+def in_a_pserver() -> bool:
+    """Whether a pserver's handler is on this thread's stack: inproc calls run the pserver
+    on the caller's thread, and the pserver's row chunks are not the trainer's."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_filename.replace("\\", "/").endswith(PSERVER_CODE):
+            return True
+        frame = frame.f_back
+    return False
+
+
+class Largest(TorchDispatchMode):
+    """The most elements of any tensor a torch op made on this thread while it is on
+    (factories, results, the autograd graph's), on a device that allocates, outside the
+    pservers' handlers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta" and t.numel() > self.numel and not in_a_pserver():
+                self.numel = t.numel()
+        return out
+
+
 def train(ctx: pdps.TrainerContext) -> None:
-    table = bag()
-    dropped = weakref.ref(table)
-    model = ctx.attach(Model(table))
-    del table
-    gc.collect()
-    SEEN.setdefault("user_table_freed", []).append(dropped() is None)  # type: ignore[union-attr]
-    SEEN.setdefault("flat", []).append(ctx._replica.numel)  # type: ignore[union-attr]
-    for batch in ctx.batches():
-        ctx.step(F.mse_loss(model(batch["ids"]), batch["y"]))
-    SEEN.setdefault("largest_rows", []).append(ctx._tables.largest_rows)  # type: ignore[union-attr]
+    with Largest() as made:  # the trainer's thread: attach, forwards, backwards, steps
+        table = bag()
+        dropped = weakref.ref(table)
+        model = ctx.attach(Model(table))
+        del table
+        gc.collect()
+        SEEN.setdefault("user_table_freed", []).append(dropped() is None)  # type: ignore[union-attr]
+        SEEN.setdefault("flat", []).append(ctx._replica.numel)  # type: ignore[union-attr]
+        for batch in ctx.batches():
+            ctx.step(F.mse_loss(model(batch["ids"]), batch["y"]))
+        SEEN.setdefault("largest_rows", []).append(ctx._tables.largest_rows)  # type: ignore[union-attr]
+    SEEN.setdefault("largest_tensor", []).append(made.numel)  # type: ignore[union-attr]
 
 
 ROW_RULE = {"SGD": torch.optim.SGD, "Adagrad": torch.optim.Adagrad, "Adam": torch.optim.SparseAdam}
@@ -136,6 +172,9 @@ def test_sync_rows_and_dense_equal_single_process_torch(tmp_path, optimizer, kwa
     assert SEEN["flat"] == [mlp] * N
     assert SEEN["user_table_freed"] == [True] * N
     assert 0 < max(SEEN["largest_rows"]) <= B * BAG  # type: ignore[type-var]
+    # ... and no torch op on a trainer's thread made a tensor of a table's size (ROWS x DIM),
+    # nor of a column of it: the biggest is a batch's rows, B * BAG x DIM
+    assert len(SEEN["largest_tensor"]) == N and 0 < max(SEEN["largest_tensor"]) <= B * BAG * DIM  # type: ignore[arg-type, type-var]
 
 
 # --- an unbounded id space, async ------------------------------------------------------

@@ -121,6 +121,44 @@ def test_async_pushes_equal_torch_stepping_each_push(rule, args, cls):
     torch.testing.assert_close(r.lookup(torch.arange(N)), emb.weight.detach(), rtol=0, atol=1e-12)
 
 
+def test_a_push_reusing_its_trainers_pull_equals_one_probing_the_index():
+    # design §10's lookup token: the pull's positions serve the same trainer's push of the
+    # same ids, unless a row left its place since (LFU evictions here), and rows created
+    # since (by another trainer, or by this push) are looked up; never a different outcome
+    spec = TableSpec(name="emb", dim=DIM, dtype="float64", num_rows=N, capacity=300)
+    keyed, plain = (store(spec, "RowWiseAdagrad", {"lr": 0.1}, chunk_rows=128) for _ in range(2))  # own kernel: dense ops, fast
+    rng = np.random.default_rng(7)
+    for k in range(15):
+        ids, g = section(rng, 120)
+        pulled = keyed.lookup(ids, key="t0")
+        torch.testing.assert_close(pulled, plain.lookup(ids), rtol=0, atol=0)
+        if k % 3 == 1:  # another trainer's push in between: creates rows, and evicts past capacity
+            other, og = section(rng, 80)
+            keyed.apply(other, og, key="t1")
+            plain.apply(other, og)
+        if k % 5 == 4:  # a push of other ids than pulled: probed
+            ids, g = section(rng, 60)
+        keyed.apply(ids, g, key="t0")
+        plain.apply(ids, g)
+        assert keyed.stats() == plain.stats()
+    assert_same_entries(exported(keyed), exported(plain))
+    assert keyed.stats()["evicted_lfu"] > 0
+    # 15 pushes: 3 of other ids, 5 after another trainer's push (which evicts, once past capacity)
+    assert 8 <= keyed.reused <= 12
+
+
+def test_a_kept_lookup_is_used_once_and_only_by_its_own_key():
+    r = store()
+    ids, g = section(np.random.default_rng(3), 50)
+    r.apply(ids, g)  # every id has a row
+    r.lookup(ids, key="t0")
+    r.apply(ids, g, key="t1")  # another trainer's: probes
+    assert r.reused == 0
+    r.apply(ids, g, key="t0")
+    r.apply(ids, g, key="t0")  # its lookup was taken by the push before
+    assert r.reused == 1
+
+
 def test_a_round_where_no_trainer_used_the_table_does_not_step_it():
     r = store(rule="SparseAdam", args={"lr": 0.1})
     ids, g = section(np.random.default_rng(3), 10)

@@ -532,6 +532,7 @@ def run_processes(rows: int, steps: list[np.ndarray], warmup: int, repeats: int,
             with attached(store, configs[name], rows) as tables:
                 fills[rule], mem = fill_measured(tables, servers[name], rule, settle_s(trim_every))
                 memory += mem
+                await_table_stats(store, name, mem)
                 if rule == "SGD" and "grpc" in sections:
                     grpc = PdpsRoute("grpc", tables, steps)
                     tcp = EchoRoute(echo_servers, len(steps[0]), pool)
@@ -553,6 +554,23 @@ def run_processes(rows: int, steps: list[np.ndarray], warmup: int, repeats: int,
 def settle_s(trim_every: float) -> float:
     """How long after a fill its settled memory is read."""
     return SETTLE_PERIODS * (trim_every if trim_every > 0 else TRIM_EVERY)
+
+
+def await_table_stats(store: Any, job: str, rows: list[dict[str, Any]]) -> None:
+    """Wait until each pserver's periodic ``table_stats/<i>`` record counts the rows its
+    slots own (it is put every ``TABLE_STATS_EVERY`` seconds while the counts change), so
+    the record is whole even if a pserver's stop runs past its grace and it exits before
+    writing its last one; past the wait, :func:`store_bytes` names the pserver."""
+    from pdps.core.job import Keys
+    from pdps.roles.pserver import TABLE_STATS_EVERY
+
+    deadline = time.monotonic() + 2 * TABLE_STATS_EVERY + 5
+    for m in rows:
+        while time.monotonic() < deadline:
+            kv = store.get(Keys(job).table_stats(m["pserver"]))
+            if kv is not None and json.loads(kv.value)["tables"].get(TABLE, {}).get("rows") == m["rows"]:
+                break
+            time.sleep(0.1)
 
 
 def store_bytes(store: Any, job: str, rows: list[dict[str, Any]]) -> None:

@@ -145,8 +145,20 @@ class Interrupted(PdpsError):
     """The launcher was asked to stop (SIGTERM); its roles are stopped on the way out."""
 
 
+_stopped_by: list[str] = []  # the signal that asked the launcher to stop, once it came
+
+
 def _on_sigterm(signum: int, _frame: object) -> None:
-    raise Interrupted(f"launcher stopped by {signal.Signals(signum).name}")
+    # Raised wherever the main thread is; a handler there that catches PdpsError (a store
+    # read retried, a progress line skipped) may swallow it, so the watch loop also checks
+    # this record each turn (:func:`_check_stopped`).
+    _stopped_by.append(signal.Signals(signum).name)
+    raise Interrupted(f"launcher stopped by {_stopped_by[0]}")
+
+
+def _check_stopped() -> None:
+    if _stopped_by:
+        raise Interrupted(f"launcher stopped by {_stopped_by[0]}")
 
 
 def launch(values: dict[str, Any], *, out: IO[str] = sys.stdout, err: IO[str] = sys.stderr) -> int:
@@ -154,6 +166,7 @@ def launch(values: dict[str, Any], *, out: IO[str] = sys.stdout, err: IO[str] = 
     from pdps.shell.process import load_target
 
     if threading.current_thread() is threading.main_thread():
+        _stopped_by.clear()
         signal.signal(signal.SIGTERM, _on_sigterm)  # unwinds through the launcher's cleanup
 
     fn, module = load_target(values["target"])
@@ -435,6 +448,7 @@ class Launcher:
         readings: dict[str, tuple[float, float]] = {}
         last_progress = 0.0
         while True:
+            _check_stopped()
             now = time.monotonic()
             if now - start > self.values["timeout"]:
                 raise PdpsError(f"job {self.config.name!r} did not finish in {self.values['timeout']:.0f}s")

@@ -70,10 +70,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
-import json
 import os
 import select
-import shlex
 import statistics
 import subprocess
 import sys
@@ -92,7 +90,7 @@ import attrs  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from bench.machine import describe  # noqa: E402
+from bench.machine import finish  # noqa: E402
 from bench.transport import SERVER_START_S, SERVER_STOP_S, TcpEchoServer, TcpRoute  # noqa: E402
 from pdps.adapters.inproc import InprocTransport  # noqa: E402
 from pdps.adapters.torch_pipeline import StageRunner  # noqa: E402
@@ -492,24 +490,12 @@ def main(argv: list[str] | None = None) -> int:
     except (RuntimeError, PdpsError, TimeoutError, threading.BrokenBarrierError) as exc:
         say(f"bench/pipeline.py: {type(exc).__name__}: {exc}")
         return 1
-    report = {
-        "config": {"stages": stages, "microbatches": microbatches, "forward_ms": forward_ms, "backward_over_forward": BACKWARD_OVER_FORWARD,
-                   "steps": steps, "mib": mib, "rounds": rounds, "warmup": warmup, "bubble_transport": "inproc",
-                   "p2p_transport": "grpc", "activation_width": ACT_WIDTH, "tcp_buffer_bytes": TCP_BUFFER},
-        "bubble": bubbles,
-        "p2p": p2p_rows,
-        "p2p_stats": stats,
-        "ratios": ratios(bubbles, p2p_rows),
-        "targets": TARGETS,
-        "machine": describe("torch", "grpcio"),
-        "loadavg_start": loadavg_start,
-        "loadavg_end": list(os.getloadavg()),
-        "command": shlex.join(["python", "bench/pipeline.py", *(argv if argv is not None else sys.argv[1:])]),
-        "total_s": time.monotonic() - began,
-    }  # fmt: skip
-    print_table(report)
-    if args.json:
-        print(json.dumps(report))
+    finish("bench/pipeline.py", argv, began,
+           {"stages": stages, "microbatches": microbatches, "forward_ms": forward_ms, "backward_over_forward": BACKWARD_OVER_FORWARD,
+            "steps": steps, "mib": mib, "rounds": rounds, "warmup": warmup, "bubble_transport": "inproc",
+            "p2p_transport": "grpc", "activation_width": ACT_WIDTH, "tcp_buffer_bytes": TCP_BUFFER},
+           {"bubble": bubbles, "p2p": p2p_rows, "p2p_stats": stats, "ratios": ratios(bubbles, p2p_rows), "targets": TARGETS},
+           packages=("torch", "grpcio"), table=print_table, as_json=args.json, loadavg_start=loadavg_start)  # fmt: skip
     return 0
 
 

@@ -125,7 +125,7 @@ import numpy as np  # noqa: E402
 
 import pdps  # noqa: E402
 from bench.elastic_trainer import MIB, STEPS_FILE, Matrices  # noqa: E402
-from bench.machine import describe  # noqa: E402
+from bench.machine import finish  # noqa: E402
 from pdps.adapters.memory_store import MemoryStore  # noqa: E402
 from pdps.adapters.parquet import write_parquet_shards  # noqa: E402
 from pdps.adapters.torch_compute import TorchCompute  # noqa: E402
@@ -875,17 +875,10 @@ def main(argv: list[str] | None = None) -> int:
     except (RuntimeError, TimeoutError, pdps.PdpsError) as exc:
         say(f"bench/elastic.py: {exc}")
         return 1
-    report = {
-        "config": {"roles": roles_way, "mib": list(mibs), "resizes": list(resizes), "steps": steps, "modes": list(modes), "transport": args.transport,
-                   "trainers": args.trainers, "optimizer": "SGD", "min_block": MIN_BLOCK, "num_slots": DEFAULT_NUM_SLOTS},
-        **report,
-        "machine": describe("torch", "grpcio"),
-        "command": shlex.join(["python", "bench/elastic.py", *(argv if argv is not None else sys.argv[1:])]),
-        "total_s": time.monotonic() - began,
-    }  # fmt: skip
-    print_table(report)
-    if args.json:
-        print(json.dumps(report))
+    finish("bench/elastic.py", argv, began,
+           {"roles": roles_way, "mib": list(mibs), "resizes": list(resizes), "steps": steps, "modes": list(modes), "transport": args.transport,
+            "trainers": args.trainers, "optimizer": "SGD", "min_block": MIN_BLOCK, "num_slots": DEFAULT_NUM_SLOTS},
+           report, packages=("torch", "grpcio"), table=print_table, as_json=args.json)  # fmt: skip
     return 0
 
 

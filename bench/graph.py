@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import statistics
 import sys
 import time
@@ -66,7 +65,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from bench.machine import describe  # noqa: E402
+from bench.machine import finish  # noqa: E402
 from pdps.adapters.torch_compute import TorchShard  # noqa: E402
 from pdps.adapters.torch_graph import GraphOptimizer, conversion_stats, convert  # noqa: E402
 from pdps.core.slots import Block  # noqa: E402
@@ -197,17 +196,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(THREADS)
     began = time.monotonic()
     report = run(params, count, steps, warmup)
-    report = {
-        "config": {"params": params, "blocks": count, "steps": steps, "warmup": warmup, "optimizer": f"Adam(lr={LR})", "dtype": "float32",
-                   "torch_threads": torch.get_num_threads()},
-        **report,
-        "machine": describe("torch"),
-        "command": shlex.join(["python", "bench/graph.py", *(argv if argv is not None else sys.argv[1:])]),
-        "total_s": time.monotonic() - began,
-    }  # fmt: skip
-    print_table(report)
-    if args.json:
-        print(json.dumps(report))
+    report = finish("bench/graph.py", argv, began,
+                    {"params": params, "blocks": count, "steps": steps, "warmup": warmup, "optimizer": f"Adam(lr={LR})", "dtype": "float32",
+                     "torch_threads": torch.get_num_threads()},
+                    report, packages=("torch",), table=print_table, as_json=args.json)  # fmt: skip
     if not report["max_diff"] <= AGREE:
         say(f"bench/graph.py: the graph-run parameters differ from eager torch's by {report['max_diff']:.2e} (more than {AGREE:g})")
         return 1

@@ -58,9 +58,7 @@ Run
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import shlex
 import shutil
 import statistics
 import sys
@@ -80,7 +78,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import pdps  # noqa: E402
-from bench.machine import describe  # noqa: E402
+from bench.machine import finish  # noqa: E402
 from pdps import streams  # noqa: E402
 from pdps.adapters.memory_store import MemoryStore  # noqa: E402
 from pdps.adapters.parquet import write_parquet_shards  # noqa: E402
@@ -258,20 +256,13 @@ def main(argv: list[str] | None = None) -> int:
     except (RuntimeError, pdps.PdpsError) as exc:
         say(f"bench/online.py: {exc}")
         return 1
-    report = {
-        "config": {"records": records, "repeats": repeats, "throughput_model": f"MLP {WIDTH}-{HIDDEN}-{HIDDEN}-1",
-                   "throughput_batch": BATCH, "task_records": TASK_RECORDS, "throughput_trainers": THROUGHPUT["trainers"],
-                   "throughput_pservers": THROUGHPUT["pservers"], "spec_tasks": SPEC_TASKS, "spec_steps": steps, "spec_batch": SPEC_BATCH,
-                   "step_s": STEP_S, "slow": SLOW, "speculation_trainers": SPECULATION["trainers"], "speculation_min_finished": MIN_FINISHED,
-                   "mode": "async"},
-        **report,
-        "machine": describe("torch", "redis"),
-        "command": shlex.join(["python", "bench/online.py", *(argv if argv is not None else sys.argv[1:])]),
-        "total_s": time.monotonic() - began,
-    }  # fmt: skip
-    print_table(report)
-    if args.json:
-        print(json.dumps(report))
+    finish("bench/online.py", argv, began,
+           {"records": records, "repeats": repeats, "throughput_model": f"MLP {WIDTH}-{HIDDEN}-{HIDDEN}-1",
+            "throughput_batch": BATCH, "task_records": TASK_RECORDS, "throughput_trainers": THROUGHPUT["trainers"],
+            "throughput_pservers": THROUGHPUT["pservers"], "spec_tasks": SPEC_TASKS, "spec_steps": steps, "spec_batch": SPEC_BATCH,
+            "step_s": STEP_S, "slow": SLOW, "speculation_trainers": SPECULATION["trainers"], "speculation_min_finished": MIN_FINISHED,
+            "mode": "async"},
+           report, packages=("torch", "redis"), table=print_table, as_json=args.json)  # fmt: skip
     return 0
 
 

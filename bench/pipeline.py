@@ -70,12 +70,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
-import json
 import os
 import select
-import shlex
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -88,12 +85,11 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # for bench.*
 
-import attrs  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from bench.machine import describe  # noqa: E402
-from bench.transport import SERVER_START_S, SERVER_STOP_S, TcpEchoServer, TcpRoute  # noqa: E402
+from bench.machine import finish  # noqa: E402
+from bench.transport import SERVER_START_S, StdinChild, TcpEchoServer, TcpRoute  # noqa: E402
 from pdps.adapters.inproc import InprocTransport  # noqa: E402
 from pdps.adapters.torch_pipeline import StageRunner  # noqa: E402
 from pdps.core import pipeline as sched  # noqa: E402
@@ -290,17 +286,17 @@ def echo_peer(tcp_bytes: int) -> int:
     return 0
 
 
-class EchoPeer:
-    """The ``--echo-peer`` process: started, its addresses read, ours written, stopped by closing stdin."""
+class EchoPeer(StdinChild):
+    """The ``--echo-peer`` process: started, its addresses read, ours written, stopped by closing stdin.
+    To ``TcpRoute`` it is a server process: ``address`` is its raw TCP echo's, once ``wait_ready`` read it."""
 
     def __init__(self, tcp_bytes: int) -> None:
-        argv = [sys.executable, str(Path(__file__).resolve()), "--echo-peer", "--tcp-bytes", str(tcp_bytes)]
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
-        self.pid = self.proc.pid
+        super().__init__([sys.executable, str(Path(__file__).resolve()), "--echo-peer", "--tcp-bytes", str(tcp_bytes)])
         self.lines: list[str] = []
+        self.address = ""
 
-    def wait_ready(self, rank0: str) -> tuple[str, str]:
-        """(its p2p address, its raw TCP echo address), once it printed them; then tells it ``rank0``."""
+    def wait_ready(self, rank0: str) -> str:
+        """Its p2p address, once it printed that and its raw TCP echo's (kept as ``address``); then tells it ``rank0``."""
         assert self.proc.stdout is not None and self.proc.stdin is not None
         deadline = time.monotonic() + SERVER_START_S
         while len(self.lines) < 2:
@@ -316,17 +312,8 @@ class EchoPeer:
                     raise RuntimeError(f"the echo peer (pid {self.pid}) printed {self.lines}, not its two addresses")
         self.proc.stdin.write(rank0 + "\n")
         self.proc.stdin.flush()
-        return self.lines[0], self.lines[1]
-
-    def stop(self) -> None:
-        with contextlib.suppress(OSError):
-            assert self.proc.stdin is not None
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(SERVER_STOP_S)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(SERVER_STOP_S)
+        self.address = self.lines[1]
+        return self.lines[0]
 
 
 class P2PRoute:
@@ -346,14 +333,6 @@ class P2PRoute:
     def verify(self) -> None:
         if len(self.last) != 1 or not torch.equal(self.last[0], self.activation):
             raise RuntimeError("p2p over gRPC: the echo differs from the activation sent")
-
-
-@attrs.frozen
-class _Server:
-    """What ``TcpRoute`` reads of a server: its address and process."""
-
-    address: str
-    pid: int
 
 
 class RawTcpRoute:
@@ -380,8 +359,7 @@ def throughput(sizes_mib: Sequence[float], rounds: int, warmup: int) -> tuple[li
         book: dict[int, str] = {}
         p2p = P2P(open_transport("grpc"), 0, "grpc://127.0.0.1:0", peers=book.__getitem__, timeout=STEP_TIMEOUT_S)
         stack.callback(p2p.close)
-        book[1], tcp_address = peer.wait_ready(p2p.address)
-        tcp_server = _Server(tcp_address, peer.pid)
+        book[1] = peer.wait_ready(p2p.address)
         counter = itertools.count()
         pool = stack.enter_context(ThreadPoolExecutor(max_workers=1))
         for mib in sizes_mib:
@@ -389,7 +367,7 @@ def throughput(sizes_mib: Sequence[float], rounds: int, warmup: int) -> tuple[li
             rows = max(1, nbytes // (4 * ACT_WIDTH))
             activation = torch.randn(rows, ACT_WIDTH)
             nbytes = activation.numel() * 4
-            tcp = TcpRoute([tcp_server], activation.reshape(-1), pool, TCP_BUFFER)
+            tcp = TcpRoute([peer], activation.reshape(-1), pool, TCP_BUFFER)
             stack.callback(tcp.close)
             routes = [P2PRoute(p2p, activation, counter), RawTcpRoute(tcp)]
             times: dict[str, list[float]] = {r.label: [] for r in routes}
@@ -492,24 +470,12 @@ def main(argv: list[str] | None = None) -> int:
     except (RuntimeError, PdpsError, TimeoutError, threading.BrokenBarrierError) as exc:
         say(f"bench/pipeline.py: {type(exc).__name__}: {exc}")
         return 1
-    report = {
-        "config": {"stages": stages, "microbatches": microbatches, "forward_ms": forward_ms, "backward_over_forward": BACKWARD_OVER_FORWARD,
-                   "steps": steps, "mib": mib, "rounds": rounds, "warmup": warmup, "bubble_transport": "inproc",
-                   "p2p_transport": "grpc", "activation_width": ACT_WIDTH, "tcp_buffer_bytes": TCP_BUFFER},
-        "bubble": bubbles,
-        "p2p": p2p_rows,
-        "p2p_stats": stats,
-        "ratios": ratios(bubbles, p2p_rows),
-        "targets": TARGETS,
-        "machine": describe("torch", "grpcio"),
-        "loadavg_start": loadavg_start,
-        "loadavg_end": list(os.getloadavg()),
-        "command": shlex.join(["python", "bench/pipeline.py", *(argv if argv is not None else sys.argv[1:])]),
-        "total_s": time.monotonic() - began,
-    }  # fmt: skip
-    print_table(report)
-    if args.json:
-        print(json.dumps(report))
+    finish("bench/pipeline.py", argv, began,
+           {"stages": stages, "microbatches": microbatches, "forward_ms": forward_ms, "backward_over_forward": BACKWARD_OVER_FORWARD,
+            "steps": steps, "mib": mib, "rounds": rounds, "warmup": warmup, "bubble_transport": "inproc",
+            "p2p_transport": "grpc", "activation_width": ACT_WIDTH, "tcp_buffer_bytes": TCP_BUFFER},
+           {"bubble": bubbles, "p2p": p2p_rows, "p2p_stats": stats, "ratios": ratios(bubbles, p2p_rows), "targets": TARGETS},
+           packages=("torch", "grpcio"), table=print_table, as_json=args.json, loadavg_start=loadavg_start)  # fmt: skip
     return 0
 
 

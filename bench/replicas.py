@@ -52,8 +52,6 @@ Run
 from __future__ import annotations
 
 import argparse
-import json
-import shlex
 import shutil
 import statistics
 import sys
@@ -69,7 +67,7 @@ if str(ROOT) not in sys.path:
 import pdps  # noqa: E402
 from bench import e2e_train  # noqa: E402
 from bench.end_to_end import BATCH, ROWS_PER_TASK, Launch, RunFailed, run_inproc, write_dataset  # noqa: E402
-from bench.machine import describe  # noqa: E402
+from bench.machine import finish  # noqa: E402
 from bench.recovery import TARGET as KILLED_JOB  # noqa: E402
 from bench.recovery import recoveries, say  # noqa: E402
 
@@ -216,18 +214,11 @@ def main(argv: list[str] | None = None) -> int:
     except (RuntimeError, TimeoutError, pdps.PdpsError) as exc:
         say(f"bench/replicas.py: {exc}")
         return 1
-    report = {
-        "config": {"lease_ttl": args.lease_ttl, "repeats": repeats, "checkpoint_every": every, "killed_job": KILLED_JOB, "roles": roles_way,
-                   "model": "-".join(map(str, e2e_train.SIZES)), "samples_per_trainer": samples, "warmup_steps": WARMUP, "modes": modes,
-                   "trainers": TRAINERS, "pservers": PSERVERS, "replicas": list(REPLICAS)},
-        **report,
-        "machine": describe("torch", "grpcio"),
-        "command": shlex.join(["python", "bench/replicas.py", *(argv if argv is not None else sys.argv[1:])]),
-        "total_s": time.monotonic() - began,
-    }  # fmt: skip
-    print_table(report)
-    if args.json:
-        print(json.dumps(report))
+    report = finish("bench/replicas.py", argv, began,
+                    {"lease_ttl": args.lease_ttl, "repeats": repeats, "checkpoint_every": every, "killed_job": KILLED_JOB, "roles": roles_way,
+                     "model": "-".join(map(str, e2e_train.SIZES)), "samples_per_trainer": samples, "warmup_steps": WARMUP, "modes": modes,
+                     "trainers": TRAINERS, "pservers": PSERVERS, "replicas": list(REPLICAS)},
+                    report, packages=("torch", "grpcio"), table=print_table, as_json=args.json)  # fmt: skip
     return 1 if any("not_run" in r for r in report["throughput"] if r["mode"] == "sync") else 0
 
 

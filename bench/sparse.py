@@ -89,7 +89,6 @@ import json
 import logging
 import os
 import select
-import shlex
 import shutil
 import statistics
 import subprocess
@@ -109,7 +108,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import pdps  # noqa: E402
-from bench.machine import describe  # noqa: E402
+from bench.machine import finish  # noqa: E402
 from bench.transport import ServerProcess, TcpRoute, start_servers  # noqa: E402
 from pdps.core.tables import row_slots  # noqa: E402
 from pdps.core.wire import PullRequest, PushRequest  # noqa: E402
@@ -760,21 +759,12 @@ def main(argv: list[str] | None = None) -> int:
     except (RuntimeError, TimeoutError, pdps.PdpsError) as exc:
         say(f"bench/sparse.py: {exc}")
         return 1
-    report = {
-        "config": {"rows": rows, "ids": ids, "dim": DIM, "dtype": "float32", "pservers": PSERVERS, "repeats": repeats, "warmup": warmup, "lr": LR,
-                   "rules": ["SGD", "Adagrad"] if "memory" in sections else ["SGD"], "ctr_samples": ctr_samples, "ctr_passes": ctr_passes,
-                   "sections": sorted(sections), "torch_threads": THREADS,
-                   "trim_every": trim_every, "settle_s": settle_s(trim_every)},
-        **report,
-        "machine": describe("torch", "grpcio", "numpy"),
-        "loadavg_start": list(load_start),
-        "loadavg_end": list(os.getloadavg()),
-        "command": shlex.join(["python", "bench/sparse.py", *(argv if argv is not None else sys.argv[1:])]),
-        "total_s": time.monotonic() - began,
-    }  # fmt: skip
-    print_table(report)
-    if args.json:
-        print(json.dumps(report))
+    finish("bench/sparse.py", argv, began,
+           {"rows": rows, "ids": ids, "dim": DIM, "dtype": "float32", "pservers": PSERVERS, "repeats": repeats, "warmup": warmup, "lr": LR,
+            "rules": ["SGD", "Adagrad"] if "memory" in sections else ["SGD"], "ctr_samples": ctr_samples, "ctr_passes": ctr_passes,
+            "sections": sorted(sections), "torch_threads": THREADS,
+            "trim_every": trim_every, "settle_s": settle_s(trim_every)},
+           report, packages=("torch", "grpcio", "numpy"), table=print_table, as_json=args.json, loadavg_start=load_start)  # fmt: skip
     return 0
 
 

@@ -270,7 +270,26 @@ def recv_exactly(sock: socket.socket, view: memoryview, *, allow_eof: bool = Fal
     return True
 
 
-class ServerProcess:
+class StdinChild:
+    """A child process run from the repository root that prints on stdout and exits when its stdin
+    closes: ``stop()`` closes it and waits ``SERVER_STOP_S``, then kills it and waits as long again."""
+
+    def __init__(self, argv: Sequence[str]) -> None:
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        self.pid = self.proc.pid
+
+    def stop(self) -> None:
+        with contextlib.suppress(OSError):
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(SERVER_STOP_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(SERVER_STOP_S)
+
+
+class ServerProcess(StdinChild):
     """This file run as ``--serve ADDRESS``: started, its address read, stopped by closing stdin."""
 
     def __init__(self, address: str, nbytes: int, index: int, chunk_mib: float | None = None, bulk_threshold: str = "default") -> None:
@@ -278,8 +297,7 @@ class ServerProcess:
         if chunk_mib is not None:
             argv += ["--chunk-mib", repr(chunk_mib)]
         argv += ["--bulk-threshold", bulk_threshold]
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
-        self.pid = self.proc.pid
+        super().__init__(argv)
         self.address = ""
 
     def wait_ready(self, deadline: float) -> str:
@@ -294,16 +312,6 @@ class ServerProcess:
             if ready:
                 self.address = self.proc.stdout.readline().strip()
         return self.address
-
-    def stop(self) -> None:
-        with contextlib.suppress(OSError):
-            assert self.proc.stdin is not None
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(SERVER_STOP_S)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(SERVER_STOP_S)
 
 
 def start_servers(stack: contextlib.ExitStack, specs: Sequence[tuple[str, int, int, float | None, str]]) -> list[ServerProcess]:

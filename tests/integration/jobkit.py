@@ -2,20 +2,26 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import attrs
+import torch
 
 import pdps
 from pdps.adapters.fsspec_storage import TEMP_PREFIX
+from pdps.adapters.grpc_transport import GrpcTransport
 from pdps.adapters.inproc import InprocTransport
 from pdps.adapters.memory_store import MemoryStore
 from pdps.adapters.torch_compute import TorchCompute
-from pdps.ports.transport import Transport
+from pdps.core.job import Keys
+from pdps.ports.transport import Channel, Message, Transport
 from pdps.registry import open_checkpoint_files
-from pdps.roles.master import Master
+from pdps.roles.master import Master, publish_job
 from pdps.roles.pserver import Pserver
 
 
@@ -66,6 +72,54 @@ def start_job(source: Any, *, transport: Transport | None = None, address: str =
     for ps in servers:
         ps.start()
     return LiveJob(store, transport, compute, config, source, master, servers)
+
+
+class NoData:
+    """A dataset with no tasks: for a trainer that only attaches its model."""
+
+    url = "memory://none"
+
+    def tasks(self) -> list[Any]:
+        return []
+
+
+@contextlib.contextmanager
+def grpc_pserver(model: torch.nn.Module, *, token: str, **settings: Any) -> Iterator[tuple[Pserver, Channel, Any]]:
+    """One real pserver over gRPC on 127.0.0.1 that wants ``token``, its job (async, one pserver,
+    unless ``settings`` say otherwise) published on a fresh memory store with no master; a real
+    trainer ``t0`` attaches ``model``, which sets the pserver's parameters. Yields (the pserver, a
+    channel to it, t0's part of pserver 0); closes them all after."""
+    settings.setdefault("mode", "async")
+    settings.setdefault("pservers", 1)
+    store = MemoryStore()
+    config = pdps.JobConfig(**settings)
+    publish_job(store, config)
+    transport = GrpcTransport(token=token)
+    ps = Pserver(store, transport, TorchCompute("cpu"), config, address="grpc://127.0.0.1:0")
+    ps.start()
+    ctx = pdps.TrainerContext(store, transport, TorchCompute("cpu"), NoData(), config, trainer_id="t0")
+    ctx.attach(model)
+    channel = transport.connect(json.loads(store.get(Keys(config.name).pserver(0)).value)["addr"])
+    try:
+        yield ps, channel, ctx._group.parts[0]
+    finally:
+        channel.close()
+        ctx.leave()
+        ps.stop()
+        store.close()
+
+
+def pull(channel: Channel) -> list[torch.Tensor]:
+    """Copies of the parameters the pserver at ``channel`` serves ``t0``."""
+    return [t.clone() for t in channel.call("pull", Message({"trainer": "t0"}), timeout=10).tensors]
+
+
+def valid_push(channel: Channel, part: Any, dtype: torch.dtype = torch.float32) -> tuple[dict, list[torch.Tensor]]:
+    """The meta and tensors of a push from ``t0`` that the pserver at ``channel`` takes: a gradient
+    of 0.5 (``dtype``, the parameters') for every block of ``part``, against its current version."""
+    version = int(channel.call("pull", Message({"trainer": "t0"}), timeout=10).meta["updates"])
+    grads = [torch.full(b.shape, 0.5, dtype=dtype) for b in part.blocks]
+    return {"trainer": "t0", "updates": version, "blocks": list(part.keys)}, grads
 
 
 def leftovers_on_disk(root: Path) -> list[str]:

@@ -14,15 +14,12 @@ import torch.nn.functional as F
 
 import pdps
 from pdps.adapters.grpc_transport import GrpcTransport
-from pdps.adapters.memory_store import MemoryStore
 from pdps.adapters.torch_compute import TorchCompute
 from pdps.core.errors import BadGraph
-from pdps.core.job import Keys
-from pdps.ports.data import read_whole
 from pdps.ports.transport import Message
 from pdps.roles.master import publish_job
-from pdps.roles.pserver import Pserver
-from tests.integration.test_inprocess_job import B, K, N, make_model, regression_dataset, train_mse
+from tests.integration.jobkit import grpc_pserver, pull, valid_push
+from tests.integration.test_inprocess_job import K, make_model, reference, regression_dataset, run_sync
 
 pytestmark = pytest.mark.integration
 
@@ -52,28 +49,11 @@ class Lion(torch.optim.Optimizer):
 LION = {"lr": 0.003, "betas": (0.9, 0.99), "weight_decay": 0.01}
 
 
-def lion_reference(source) -> dict[str, torch.Tensor]:
-    """Single-process Lion on the concatenated N*B batch of step k, for k < K."""
-    model = make_model(torch.float64)
-    opt = Lion(model.parameters(), **LION)
-    tasks = [read_whole(source, t) for t in source.tasks()]
-    for k in range(K):
-        xs = torch.cat([torch.from_numpy(t["x"][k * B : (k + 1) * B]) for t in tasks])
-        ys = torch.cat([torch.from_numpy(t["y"][k * B : (k + 1) * B]) for t in tasks])
-        opt.zero_grad()
-        F.mse_loss(model(xs), ys).backward()
-        opt.step()
-    return {name: p.detach() for name, p in model.named_parameters()}
-
-
 def test_a_user_defined_lion_trains_in_sync_exactly_as_single_process_torch(tmp_path):
     source = regression_dataset(tmp_path.as_uri(), np.float64)
     optimizer, args = pdps.graph_rule(Lion(make_model(torch.float64).parameters(), **LION))
-    result = pdps.simulate(
-        train_mse(torch.float64), dataset=source, trainers=N, pservers=2, mode="sync", batch_size=B,
-        optimizer=optimizer, optimizer_args=args, min_block=8, num_slots=64,
-    )  # fmt: skip
-    want = lion_reference(source)
+    result = run_sync(source, torch.float64, optimizer, args)
+    want = reference(source, torch.float64, Lion, LION)
     assert result.steps == K
     for name, w in want.items():
         torch.testing.assert_close(result.params[name], w, rtol=0, atol=1e-10, msg=lambda m, n=name: f"{n}: {m}")
@@ -85,36 +65,13 @@ def test_a_user_defined_lion_trains_in_sync_exactly_as_single_process_torch(tmp_
 TOKEN = "graph"
 
 
-class _NoData:
-    url = "memory://none"
-
-    def tasks(self):
-        return []
-
-
 @pytest.fixture(scope="module")
 def live():
     """A real pserver over gRPC running a Lion graph rule, initialized by a real trainer."""
     model = torch.nn.Linear(6, 3).double()
     optimizer, args = pdps.graph_rule(Lion(model.parameters(), **LION))
-    store = MemoryStore()
-    config = pdps.JobConfig(name="graph-live", mode="async", pservers=1, optimizer=optimizer, optimizer_args=args, min_block=4)
-    publish_job(store, config)
-    transport = GrpcTransport(token=TOKEN)
-    ps = Pserver(store, transport, TorchCompute("cpu"), config, address="grpc://127.0.0.1:0")
-    ps.start()
-    ctx = pdps.TrainerContext(store, transport, TorchCompute("cpu"), _NoData(), config, trainer_id="t0")
-    ctx.attach(model)
-    channel = transport.connect(json.loads(store.get(Keys("graph-live").pserver(0)).value)["addr"])
-    yield channel, args["graph"], ctx._group.parts[0]
-    channel.close()
-    ctx.leave()
-    ps.stop()
-    store.close()
-
-
-def pull(channel) -> list[torch.Tensor]:
-    return [t.clone() for t in channel.call("pull", Message({"trainer": "t0"}), timeout=10).tensors]
+    with grpc_pserver(model, token=TOKEN, name="graph-live", optimizer=optimizer, optimizer_args=args, min_block=4) as (_, channel, part):
+        yield channel, args["graph"], part
 
 
 def hostile(rule: dict, how: str) -> dict:
@@ -145,9 +102,7 @@ def test_a_hostile_rule_is_refused_and_the_pserver_serves_on_unchanged(live, how
     after = pull(channel)
     assert all(torch.equal(a, b) for a, b in zip(before, after))
     # the pserver still steps with its own rule: a push moves the parameters
-    version = int(channel.call("pull", Message({"trainer": "t0"}), timeout=10).meta["updates"])
-    grads = [torch.full(b.shape, 0.5, dtype=torch.float64) for b in part.blocks]
-    channel.call("push", Message({"trainer": "t0", "updates": version, "blocks": list(part.keys)}, grads), timeout=10)
+    channel.call("push", Message(*valid_push(channel, part, torch.float64)), timeout=10)
     assert not all(torch.equal(a, b) for a, b in zip(after, pull(channel)))
 
 

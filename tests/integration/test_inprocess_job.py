@@ -70,10 +70,11 @@ def train_mse(dtype: torch.dtype):
     return train
 
 
-def reference(source: ParquetSource, dtype: torch.dtype, optimizer: str, kwargs: dict) -> dict[str, torch.Tensor]:
-    """Single-process torch on the concatenated N*B batch of step k, for k < K."""
+def reference(source: ParquetSource, dtype: torch.dtype, optimizer: str | type[torch.optim.Optimizer], kwargs: dict) -> dict[str, torch.Tensor]:
+    """Single-process torch on the concatenated N*B batch of step k, for k < K; ``optimizer``
+    names a ``torch.optim`` class or is an optimizer class itself."""
     model = make_model(dtype)
-    opt = getattr(torch.optim, optimizer)(model.parameters(), **kwargs)
+    opt = (getattr(torch.optim, optimizer) if isinstance(optimizer, str) else optimizer)(model.parameters(), **kwargs)
     tasks = [read_whole(source, t) for t in source.tasks()]
     for k in range(K):
         xs = torch.cat([torch.from_numpy(t["x"][k * B : (k + 1) * B]) for t in tasks])

@@ -12,7 +12,6 @@ itself changes them (so the test can fail).
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
@@ -21,13 +20,9 @@ from hypothesis import strategies as st
 
 import pdps
 from pdps.adapters.grpc_transport import GrpcTransport
-from pdps.adapters.memory_store import MemoryStore
-from pdps.adapters.torch_compute import TorchCompute
 from pdps.core.errors import PdpsError
-from pdps.core.job import Keys
 from pdps.ports.transport import Message
-from pdps.roles.master import publish_job
-from pdps.roles.pserver import Pserver
+from tests.integration.jobkit import grpc_pserver, pull, valid_push
 
 pytestmark = pytest.mark.integration
 
@@ -35,40 +30,11 @@ TOKEN = "hostile"
 FUZZ = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
 
-class Source:
-    url = "memory://none"
-
-    def tasks(self):
-        return []
-
-
 @pytest.fixture(scope="module")
 def job():
-    store = MemoryStore()
-    config = pdps.JobConfig(name="hostile", mode="async", pservers=1, optimizer="SGD", optimizer_args={"lr": 0.1}, min_block=16)
-    publish_job(store, config)
-    transport = GrpcTransport(token=TOKEN)
-    ps = Pserver(store, transport, TorchCompute("cpu"), config, address="grpc://127.0.0.1:0")
-    ps.start()
-    ctx = pdps.TrainerContext(store, transport, TorchCompute("cpu"), Source(), config, trainer_id="t0")
-    ctx.attach(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3)))
-    part = ctx._group.parts[0]
-    channel = transport.connect(json.loads(store.get(Keys("hostile").pserver(0)).value)["addr"])
-    yield ps, channel, part
-    channel.close()
-    ctx.leave()
-    ps.stop()
-    store.close()
-
-
-def pull(channel) -> list[torch.Tensor]:
-    return [t.clone() for t in channel.call("pull", Message({"trainer": "t0"}), timeout=10).tensors]
-
-
-def valid_push(channel, part) -> tuple[dict, list[torch.Tensor]]:
-    version = int(channel.call("pull", Message({"trainer": "t0"}), timeout=10).meta["updates"])
-    grads = [torch.full(b.shape, 0.5, dtype=torch.float32) for b in part.blocks]
-    return {"trainer": "t0", "updates": version, "blocks": list(part.keys)}, grads
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    with grpc_pserver(model, token=TOKEN, name="hostile", optimizer="SGD", optimizer_args={"lr": 0.1}, min_block=16) as served:
+        yield served
 
 
 def bits(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

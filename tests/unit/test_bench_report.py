@@ -772,3 +772,24 @@ def test_import_pdps_does_not_import_matplotlib():
     code = "import pdps, pdps.shell.cli, pdps.shell.benchmark.report, pdps.shell.benchmark.runner, sys; print('matplotlib' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "False", out.stderr
+
+
+# --- bench/machine.py's finish: the report every program's --json ends with ----------------
+
+
+def test_finish_orders_the_keys_prints_the_table_then_one_json_line(capsys):
+    from bench.machine import finish
+
+    tables: list[dict] = []
+    report = finish("bench/x.py", ["--quick", "a b"], 0.0, {"rows": 3}, {"runs": [1], "ratios": {}},
+                    packages=("pdps",), table=tables.append, as_json=True)  # fmt: skip
+    assert list(report) == ["config", "runs", "ratios", "machine", "command", "total_s"]
+    assert report["command"] == "python bench/x.py --quick 'a b'"
+    assert report["config"] == {"rows": 3} and "pdps" in report["machine"] and report["total_s"] > 0
+    assert tables == [report]
+    assert json.loads(capsys.readouterr().out.splitlines()[-1]) == report
+
+    quiet = finish("bench/x.py", [], 0.0, {}, {}, packages=(), table=lambda r: None, as_json=False, loadavg_start=(1.0, 2.0, 3.0))
+    assert list(quiet) == ["config", "machine", "loadavg_start", "loadavg_end", "command", "total_s"]
+    assert quiet["loadavg_start"] == [1.0, 2.0, 3.0] and len(quiet["loadavg_end"]) == 3
+    assert capsys.readouterr().out == ""

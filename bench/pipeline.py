@@ -12,9 +12,13 @@ What runs
   (4), one thread each in this process, over real :class:`~pdps.runtime.p2p.P2P`
   endpoints on the **inproc** transport (one ``inproc://`` endpoint per stage). Each
   stage's module is one scalar parameter and an autograd function whose forward sleeps
-  ``t`` (``--forward-ms``, 20; 5 with ``--quick``) and whose backward sleeps ``2t``: the
+  ``t`` (``--forward-ms``, 50; 5 with ``--quick``) and whose backward sleeps ``2t``: the
   compute is a controlled sleep, so the figure is the schedule, the runner and p2p, not
-  how fast the cores compute. A step runs ``--microbatches`` M microbatches (8) of a
+  how fast the cores compute. (Why 50 ms: the step's overhead, below, is 20-45 ms here
+  whatever the sleeps, about 1 ms a microbatch crossing a stage boundary on the critical
+  path, most of it a thread waking on an idle vCPU; against a 660 ms step of 20 ms
+  forwards that alone is 10-13% of theory on a quiet machine. A stage worth pipelining
+  computes for tens to hundreds of ms a microbatch.) A step runs ``--microbatches`` M microbatches (8) of a
   ``[4, 16]`` float32 activation; each schedule (``gpipe``, ``1f1b`` from
   :mod:`pdps.core.pipeline`) runs ``--steps`` steps (5; 2 with ``--quick``), the two
   schedules' steps interleaved, after one untimed step of each. Every stage thread
@@ -58,7 +62,7 @@ Ratios and targets (``pdps bench --suite pipeline --check``)
 
 Run
 ---
-    .venv/bin/python bench/pipeline.py            # ~25-60 s on 2 shared cores
+    .venv/bin/python bench/pipeline.py            # ~40-80 s on 2 shared cores
     .venv/bin/python bench/pipeline.py --quick    # ~10 s
     .venv/bin/python bench/pipeline.py --stages 8 --microbatches 32 --forward-ms 10 --mib 8
 
@@ -97,7 +101,7 @@ from pdps.core.errors import PdpsError, Timeout, TransportError  # noqa: E402
 from pdps.registry import open_transport  # noqa: E402
 from pdps.runtime.p2p import P2P  # noqa: E402
 
-FULL = {"stages": 4, "microbatches": 8, "forward_ms": 20.0, "steps": 5, "mib": [4.0, 16.0], "rounds": 40, "warmup": 3}
+FULL = {"stages": 4, "microbatches": 8, "forward_ms": 50.0, "steps": 5, "mib": [4.0, 16.0], "rounds": 40, "warmup": 3}
 QUICK = {"stages": 4, "microbatches": 8, "forward_ms": 5.0, "steps": 2, "mib": [4.0], "rounds": 5, "warmup": 1}
 SCHEDULES: dict[str, Callable[[int, int], list[list[sched.Action]]]] = {"gpipe": sched.gpipe, "1f1b": sched.one_f_one_b}
 BACKWARD_OVER_FORWARD = 2.0  # a backward sleeps twice a forward

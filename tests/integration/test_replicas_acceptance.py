@@ -183,8 +183,9 @@ def test_a_replacement_killed_while_its_copies_are_made_costs_no_rollback(replic
     """As above; the sources hold each migrate call for 1 s (a fault-injection hook), and
     the replacement is SIGKILLed inside one, then started again."""
     monkeypatch.setenv(MIGRATE_DELAY_ENV, "1")  # the roles' environment: the sources hold every migrate call
-    # a 2 s lease: the copies wait 3 TTLs for the replacement (a process start) before going to the survivors
-    job = replicated(pservers=3, settings=("--lease-ttl", "2"))
+    # a 4 s lease: the copies wait 3 TTLs for the replacement before going to the survivors, and
+    # a process start took 7 s beside other work on the 2 cores (with 2 s, the survivors got them)
+    job = replicated(pservers=3, settings=("--lease-ttl", "4"))
     victim = kill_in_a_round(job, SEEDS[-1])
     wait_until(lambda: job.log_says(f"holds pserver-{victim}'s migrate call"), 60, f"a migrate call of the replacement pserver {victim}")
     job.kill(victim)

@@ -168,7 +168,7 @@ SUITE_SPECS: dict[str, Suite] = {
             "pipeline",
             "pipeline.py",
             "Pipeline parallelism (issue 20), each figure against a reference in the same run. Bubble: 4 real StageRunners, "
-            "one thread each, over inproc p2p, each stage's compute a sleep (forward 20 ms, backward 40 ms; 5 and 10 with "
+            "one thread each, over inproc p2p, each stage's compute a sleep (forward 50 ms, backward 100 ms; 5 and 10 with "
             "--quick), 8 microbatches a step, GPipe and 1F1B, median of 5 steps each (2 with --quick) after one untimed; "
             "bubble = 1 - sum of the stages' busy time / (stages x step makespan), against theory (P-1)/(M+P-1); within 10% "
             "means |measured - theory| <= 0.1 x theory. Peak activations held per stage, the runner's own counter (GPipe: M; "

@@ -205,12 +205,13 @@ def check_kills(job: Job, kills: list[tuple[str, int, float]], epochs: list[int]
         assert after - before == (1 if role.startswith("pserver") else 0), (role, epochs)  # only a pserver's loss rolls back
 
 
-@pytest.mark.parametrize("seed", [1, 2])
+@pytest.mark.parametrize("seed", [1])
 def test_job_survives_a_sigkill_of_each_role(etcd_server, tmp_path, seed):
     """One job per seed; each role is SIGKILLed once, at its own seeded point, a pass
     after the last kill at least (so each role's restart, and a pserver's rollback, is
     over before the next kill). Each is restarted, and only a pserver's loss rolls the
-    job back. (Seed 3's job is the etcd restart's, below.)"""
+    job back. (Seed 3's job is the etcd restart's, below: seeds 1 and 3 kill the roles
+    in two of the three rotations; seed 2, the third, is left out for the suite's time.)"""
     kills = seeded_kills(seed)
     print(f"seed {seed}: kills (role, pass, fraction) {kills}")
     job = Job(etcd_server.url, tmp_path)

@@ -174,7 +174,7 @@ SUITE_SPECS: dict[str, Suite] = {
             "means |measured - theory| <= 0.1 x theory. Peak activations held per stage, the runner's own counter (GPipe: M; "
             "1F1B: min(M, P - stage)). p2p: an activation of 4 and 16 MiB (4 with --quick) sent over gRPC (its bulk channel) "
             "from this process to a second one and sent back, against the raw loopback TCP echo of the same bytes by a thread "
-            "of that second process, rounds interleaved; GB/s = 2 x bytes / the median of 40 rounds (5 with --quick).",
+            "of that second process, rounds interleaved; GB/s = 2 x bytes / the median of 200 rounds (5 with --quick).",
             (),
             ("--quick",),
         ),

@@ -23,6 +23,7 @@ call and the error mapping below.
 
 from __future__ import annotations
 
+import functools
 import hmac
 import json
 import logging
@@ -36,12 +37,11 @@ import time
 import urllib.parse
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import grpc
 import numpy as np
-import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from pdps.adapters import bulk
@@ -61,6 +61,22 @@ from pdps.core.errors import (
 )
 from pdps.ports.transport import Handler, Message
 from pdps.runtime.retry import Retry
+
+if TYPE_CHECKING:
+    import torch
+else:
+
+    class _LazyTorch:
+        """torch, imported at its first use: a master's calls carry no tensors, so a
+        master process never loads it (1-2 s of CPU and some 200 MB a process)."""
+
+        def __getattr__(self, name: str) -> Any:
+            import torch as module
+
+            globals()["torch"] = module  # later uses find the module itself
+            return getattr(module, name)
+
+    torch = _LazyTorch()
 
 log = logging.getLogger(__name__)
 
@@ -186,12 +202,19 @@ def _server_options(transport: GrpcTransport) -> list[tuple[str, Any]]:
 
 
 # ----------------------------------------------------------------------------------
-# dtypes: every non-quantized torch dtype, by its name without "torch."
+# dtypes: every non-quantized torch dtype, by its name without "torch." (built at the first
+# tensor: torch is imported then, not with this module)
 
-DTYPES: dict[str, torch.dtype] = {
-    str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype) and not str(d).startswith("torch.q")
-}
-_DTYPE_NAMES = {d: name for name, d in DTYPES.items()}
+@functools.cache
+def dtypes() -> dict[str, torch.dtype]:
+    import torch as module  # the module itself: vars() of the lazy stand-in is empty
+
+    return {str(d).removeprefix("torch."): d for d in vars(module).values() if isinstance(d, module.dtype) and not str(d).startswith("torch.q")}
+
+
+@functools.cache
+def _dtype_names() -> dict[torch.dtype, str]:
+    return {d: name for name, d in dtypes().items()}
 
 
 # ----------------------------------------------------------------------------------
@@ -406,12 +429,12 @@ def _outgoing(method: str, meta: Mapping[str, Any], tensors: Sequence[Any]) -> t
         raise TransportError(f"meta of {method or 'a reply'!r} is not JSON-safe: {exc}") from exc
     specs, views = [], []
     for i, t in enumerate(tensors):
-        if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.dtype not in _DTYPE_NAMES:
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.dtype not in _dtype_names():
             what = type(t).__name__ if not isinstance(t, torch.Tensor) else f"{t.layout} {t.dtype} tensor"
             raise TransportError(f"tensor {i} of {method or 'a reply'!r} cannot travel: {what} (dense tensors only)")
         t = t.detach().cpu().resolve_conj().resolve_neg().contiguous()
         nbytes = t.numel() * t.element_size()
-        specs.append(TensorSpec(_DTYPE_NAMES[t.dtype], tuple(t.shape), nbytes))
+        specs.append(TensorSpec(_dtype_names()[t.dtype], tuple(t.shape), nbytes))
         if nbytes:
             views.append(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
     return encode_header(Header(method, meta_json, tuple(specs))), views
@@ -468,7 +491,7 @@ class _Inbound:
         self._layout: list[tuple[torch.dtype, tuple[int, ...], int, int]] = []  # dtype, shape, offset, nbytes
         offset = declared = 0
         for i, spec in enumerate(specs):
-            dtype = DTYPES.get(spec.dtype)
+            dtype = dtypes().get(spec.dtype)
             if dtype is None:
                 raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"tensor {i} has unknown dtype {spec.dtype!r}")
             if len(spec.shape) > MAX_DIMS:

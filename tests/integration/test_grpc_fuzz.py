@@ -156,7 +156,7 @@ def test_meta_that_is_not_a_json_object(server, meta):
 
 
 @FUZZ
-@given(st.text(max_size=20).filter(lambda name: name not in gt.DTYPES))
+@given(st.text(max_size=20).filter(lambda name: name not in gt.dtypes()))
 def test_unknown_dtype(server, dtype):
     assert_refused_and_unchanged(server, [header(specs=[(dtype, (N,), 4 * N)]), *chunks(GRADIENT)])
 

@@ -108,9 +108,9 @@ class TestGrpc(TransportContract):
 # --- tensors on the wire ----------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", sorted(gt.DTYPES), ids=str)
+@pytest.mark.parametrize("dtype", sorted(gt.dtypes()), ids=str)
 def test_every_dtype_and_shape_roundtrips_bit_for_bit(serve, dtype):
-    d = gt.DTYPES[dtype]
+    d = gt.dtypes()[dtype]
     ch = GrpcTransport().connect(serve({"same": same}).address)
     sent = []
     for shape in [(), (0,), (7,), (3, 5), (2, 0, 3), (2, 3, 1, 4)]:
@@ -703,7 +703,7 @@ def test_every_dtype_roundtrips_over_bulk(serve):
     ep = serve({"same": same, "ping": ping})
     ch = over_bulk(ep)
     sent = []
-    for name, d in sorted(gt.DTYPES.items()):
+    for name, d in sorted(gt.dtypes().items()):
         high = 2 if d == torch.bool else 256
         sent.append(torch.randint(0, high, (3 * 5 * d.itemsize,), dtype=torch.uint8).view(d).reshape(3, 5))
     reply = ch.call("same", Message({}, sent))

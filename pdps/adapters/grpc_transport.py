@@ -428,13 +428,14 @@ def _outgoing(method: str, meta: Mapping[str, Any], tensors: Sequence[Any]) -> t
     except (TypeError, ValueError) as exc:
         raise TransportError(f"meta of {method or 'a reply'!r} is not JSON-safe: {exc}") from exc
     specs, views = [], []
+    names = _dtype_names() if tensors else {}
     for i, t in enumerate(tensors):
-        if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.dtype not in _dtype_names():
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.dtype not in names:
             what = type(t).__name__ if not isinstance(t, torch.Tensor) else f"{t.layout} {t.dtype} tensor"
             raise TransportError(f"tensor {i} of {method or 'a reply'!r} cannot travel: {what} (dense tensors only)")
         t = t.detach().cpu().resolve_conj().resolve_neg().contiguous()
         nbytes = t.numel() * t.element_size()
-        specs.append(TensorSpec(_dtype_names()[t.dtype], tuple(t.shape), nbytes))
+        specs.append(TensorSpec(names[t.dtype], tuple(t.shape), nbytes))
         if nbytes:
             views.append(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
     return encode_header(Header(method, meta_json, tuple(specs))), views
@@ -490,8 +491,9 @@ class _Inbound:
     def __init__(self, specs: Sequence[TensorSpec], limit: int | None, into: Sequence[torch.Tensor] | None = None) -> None:
         self._layout: list[tuple[torch.dtype, tuple[int, ...], int, int]] = []  # dtype, shape, offset, nbytes
         offset = declared = 0
+        known = dtypes() if specs else {}
         for i, spec in enumerate(specs):
-            dtype = dtypes().get(spec.dtype)
+            dtype = known.get(spec.dtype)
             if dtype is None:
                 raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"tensor {i} has unknown dtype {spec.dtype!r}")
             if len(spec.shape) > MAX_DIMS:

@@ -153,7 +153,7 @@ def _on_sigterm(signum: int, _frame: object) -> None:
     # read retried, a progress line skipped) may swallow it, so the watch loop also checks
     # this record each turn (:func:`_check_stopped`).
     _stopped_by.append(signal.Signals(signum).name)
-    raise Interrupted(f"launcher stopped by {_stopped_by[0]}")
+    _check_stopped()
 
 
 def _check_stopped() -> None:

@@ -14,11 +14,11 @@ What runs
   stage's module is one scalar parameter and an autograd function whose forward sleeps
   ``t`` (``--forward-ms``, 50; 5 with ``--quick``) and whose backward sleeps ``2t``: the
   compute is a controlled sleep, so the figure is the schedule, the runner and p2p, not
-  how fast the cores compute. (Why 50 ms: the step's overhead, below, is 20-45 ms here
-  whatever the sleeps, about 1 ms a microbatch crossing a stage boundary on the critical
-  path, most of it a thread waking on an idle vCPU; against a 660 ms step of 20 ms
-  forwards that alone is 10-13% of theory on a quiet machine. A stage worth pipelining
-  computes for tens to hundreds of ms a microbatch.) A step runs ``--microbatches`` M microbatches (8) of a
+  how fast the cores compute. (Why 50 ms: the step's overhead, below, was 20-30 ms a
+  660 ms step of 20 ms forwards on a quiet machine here, 10-13% of theory on its own,
+  and 17-55 ms a 1650 ms step of 50 ms forwards: the runner's work between sleeps is
+  slow on threads that woke on an idle vCPU. A stage worth pipelining computes for tens
+  to hundreds of ms a microbatch.) A step runs ``--microbatches`` M microbatches (8) of a
   ``[4, 16]`` float32 activation; each schedule (``gpipe``, ``1f1b`` from
   :mod:`pdps.core.pipeline`) runs ``--steps`` steps (5; 2 with ``--quick``), the two
   schedules' steps interleaved, after one untimed step of each. Every stage thread

@@ -443,8 +443,6 @@ class Launcher:
         return "running" if code is None else f"exited {code}"
 
     def _watch(self, store: Any, start: float) -> None:
-        from pdps.shell.status import job_status
-
         readings: dict[str, tuple[float, float]] = {}
         last_progress = 0.0
         while True:
@@ -481,15 +479,21 @@ class Launcher:
             trainers = [r for r in self._roles if r.kind == "trainer"]
             if all(r.finished or r.left for r in trainers):
                 if job_done(store, self._keys):
+                    self._show_progress(store, readings)  # the last line says where the job ended (window 2/2), however short it was
                     return
                 raise PdpsError(f"every trainer of job {self.config.name!r} has exited, but the job is not done")
             if now - last_progress >= PROGRESS_EVERY:
                 last_progress = now
-                try:
-                    self._view.show(self._snapshot(job_status(store, self.config.name), readings))
-                except PdpsError as exc:
-                    log.debug("no progress this time: %s", exc)
+                self._show_progress(store, readings)
             time.sleep(POLL)
+
+    def _show_progress(self, store: Any, readings: dict[str, tuple[float, float]]) -> None:
+        from pdps.shell.status import job_status
+
+        try:
+            self._view.show(self._snapshot(job_status(store, self.config.name), readings))
+        except PdpsError as exc:
+            log.debug("no progress this time: %s", exc)
 
     def _desired(self, store: Any) -> Desired | None:
         """The job's desired counts; None (warned once) while they cannot be read."""

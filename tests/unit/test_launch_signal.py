@@ -41,3 +41,24 @@ def test_the_record_of_a_stop_is_cleared_by_the_next_launch(monkeypatch):
         launch._check_stopped()
     launch._stopped_by.clear()
     launch._check_stopped()  # nothing recorded: no stop
+
+
+def test_a_job_done_before_the_first_progress_tick_still_prints_where_it_ended(monkeypatch):
+    """A CI run saw a 4 s streaming job end with no ``window 2/2`` line: the launcher
+    printed progress once a second, and the job finished between two lines. Its last
+    turn now prints the job as it ended."""
+    from pdps.shell import status
+
+    monkeypatch.setattr(launch, "_stopped_by", [])
+    monkeypatch.setattr(launch, "PROGRESS_EVERY", 1e9)  # no periodic line at all
+    monkeypatch.setattr(launch, "read_desired", lambda *_args: None)
+    monkeypatch.setattr(launch, "job_done", lambda *_args: True)
+    ended = {"pass": 1, "done": 12, "failed": 0, "todo": 0, "pending": 0, "tasks": 12, "stream": {"windows_closed": 2}}
+    monkeypatch.setattr(status, "job_status", lambda *_args: ended)
+    config = JobConfig(name="quick", dataset="redis-stream://127.0.0.1:1/s", pservers=1, trainers=1, window_records=300, windows=2)
+    err = io.StringIO()
+    launcher = launch.Launcher({"timeout": 30.0}, config, PlainView(config, err))
+    launcher._roles = [launch.Role("trainer-0", "trainer", [])]
+    launcher._roles[0].finished = True
+    launcher._watch(open_store("memory://launch-quick"), start=launch.time.monotonic())
+    assert err.getvalue() == "window 2/2  tasks 12/12\n"

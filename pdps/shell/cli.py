@@ -231,12 +231,13 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
         help="run the benchmarks of the checkout's bench/, check the targets, regenerate docs/performance.md",
         description="Run the benchmark suites (programs in the source checkout's bench/), each --runs times in a row, "
         "judge the performance targets, write every figure as JSON and regenerate docs/performance.md with its plots. "
-        "Exit status: 0 when the suites ran (with --check: and every target is met), 1 when a suite failed to run or, "
-        "with --check, a target is missed, 2 for any other error (no bench/ directory).",
+        "The suites run replace theirs in the earlier results, which keep the others (--fresh: only this run's). "
+        "Exit status, judging only the suites run now: 0 when they ran (with --check: and every target of theirs is met), "
+        "1 when one failed to run or, with --check, one of their targets is missed, 2 for any other error (no bench/ directory).",
     )
     bench.add_argument("--suite", dest="suites", action="append", choices=SUITES, metavar="NAME",
                        help=f"a suite to run, may be given several times ({', '.join(SUITES)}; default: all, in this order)")
-    bench.add_argument("--check", action="store_true", help="exit 1 when a target is missed (one line per target either way)")
+    bench.add_argument("--check", action="store_true", help="exit 1 when a target of the suites run is missed (one line per such target either way)")
     bench.add_argument("--runs", type=_positive_int, default=2, help="consecutive runs of each suite (default: %(default)s; "
                        "stability needs 2)")
     bench.add_argument("--quick", action="store_true", help="small configurations, for development: figures not comparable "
@@ -245,6 +246,9 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
                        help="where to write results.json (default: docs/performance/ in the checkout, beside the plots; with --no-docs bench-results/)")
     bench.add_argument("--no-docs", dest="docs", action="store_false",
                        help="do not regenerate docs/performance.md and docs/performance/*.png")
+    bench.add_argument("--fresh", action="store_true",
+                       help="do not keep the suites of the earlier results; write only this run's (default: the suites "
+                       "run now replace theirs in the earlier results.json, the others are kept)")
     bench.add_argument("--timeout", type=float, default=1800.0, metavar="SECONDS",
                        help="stop a suite's run after this long and count it failed (default: %(default)s)")
     bench.set_defaults(func=cmd_bench)
@@ -419,6 +423,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         docs=args.docs,
         argv=args.argv,
         timeout=args.timeout,
+        fresh=args.fresh,
     )
 
 

@@ -4,6 +4,11 @@ All three are made from one results dict (:func:`assemble`), whose verdicts come
 :func:`pdps.shell.benchmark.targets.evaluate`. The markdown is a pure function of the
 results and the hand-written notes of ``bench/notes.toml`` (target id -> markdown,
 shown under that target when it is missed).
+
+A run of some suites merges into the results it finds (:func:`earlier_results`,
+:func:`merge`): its suites replace theirs, the others are kept as they were, each suite
+saying under ``measured`` which command, commit and date its figures come from, and the
+targets are judged again over them all.
 """
 
 from __future__ import annotations
@@ -23,6 +28,10 @@ DOC = Path("docs") / "performance.md"
 PLOT_DIR = Path("docs") / "performance"
 CURVES = "scale-curves"  # the scale suite's second plot: its costs against the sizes
 BREAKDOWN_ORDER = ("compute", "serialize", "network", "update", "barrier")
+# the machine fields that tell one benchmark machine from another: figures of two machines
+# are never merged (versions and the commit may differ: each suite records its own commit)
+MACHINE_IDENTITY = ("hostname", "cpu_model", "cpu_count")
+MEMORY_TOLERANCE = 0.02  # MemTotal moves by a few MiB across kernels on one machine
 
 
 def load_notes(path: Path) -> dict[str, str]:
@@ -58,14 +67,16 @@ def assemble(
     commands: Mapping[str, str],
     started: str,
     finished: str,
+    measured: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The results dict: the run's settings, each suite's runs and figures, the verdicts.
 
     ``suite_runs[suite]`` holds what :func:`pdps.shell.benchmark.suites.run_suite` returned
-    for each run, in order.
+    for each run, in order. Each suite's ``measured`` says where its figures come from:
+    ``command``, ``started``, ``finished``, ``git_commit`` (the machine's) and ``runs``;
+    ``measured[suite]`` may give the suite's own ``started`` and ``finished``.
     """
     suites: dict[str, Any] = {}
-    reports: dict[str, list[Mapping[str, Any] | None]] = {}
     for name, results in suite_runs.items():
         spec = SUITE_SPECS[name]
         entries = []
@@ -91,13 +102,20 @@ def assemble(
                 entry["returncode"] = r.get("returncode")
                 entry["stderr_tail"] = r.get("stderr_tail", "")
             entries.append(entry)
-            reports.setdefault(name, []).append(report)
         suites[name] = {
             "program": f"bench/{spec.program}",
             "about": spec.about,
             "command": commands.get(name, ""),
             "args": spec.args(quick),
             "config": config or {},
+            "measured": {
+                "command": command,
+                "started": started,
+                "finished": finished,
+                "git_commit": machine.get("git_commit"),
+                "runs": len(entries),
+                **(measured or {}).get(name, {}),
+            },
             "runs": entries,
         }
     return {
@@ -109,21 +127,144 @@ def assemble(
         "quick": quick,
         "runs": runs,
         "machine": dict(machine),
+        "suites_run": list(suites),
+        "suites_kept": [],
         "suites": suites,
-        "targets": tg.evaluate(reports),
+        "targets": tg.evaluate(suite_reports(suites)),
         "stability_tolerance": tg.STABILITY,
     }
+
+
+def suite_reports(suites: Mapping[str, Mapping[str, Any]]) -> dict[str, list[Mapping[str, Any] | None]]:
+    """Each suite's report per run (None for a run without one), as :func:`targets.evaluate` takes them."""
+    return {name: [r.get("report") for r in s["runs"]] for name, s in suites.items()}
+
+
+def _suite_problem(name: str, s: Any) -> str | None:
+    """Why the earlier results' entry of suite ``name`` cannot be kept (None: it can)."""
+    if not isinstance(s, Mapping):
+        return f"suite {name!r} is a {type(s).__name__}, not an object"
+    for key, kind in (("about", str), ("command", str), ("config", dict), ("runs", list)):
+        if not isinstance(s.get(key), kind):
+            return f"suite {name!r} has no {key!r} {kind.__name__}"
+    for r in s["runs"]:
+        if not isinstance(r, Mapping) or not isinstance(r.get("run"), int) or not isinstance(r.get("ok"), bool):
+            return f"suite {name!r} has a run without 'run' and 'ok': {r!r:.80}"
+        if not isinstance(r.get("figures", []), list) or not isinstance(r.get("report", {}), Mapping):
+            return f"suite {name!r} run {r['run']} has malformed 'figures' or 'report'"
+    measured = s.get("measured")
+    if measured is not None and not isinstance(measured, Mapping):
+        return f"suite {name!r} has a 'measured' that is not an object"
+    return None
+
+
+def earlier_results(path: Path) -> tuple[dict[str, Any] | None, str]:
+    """The results JSON at ``path`` to merge into, or None and why there is none to merge into."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None, f"no earlier results at {path}"
+    except (OSError, UnicodeDecodeError) as exc:
+        return None, f"the earlier {path} is unreadable ({exc})"
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        return None, f"the earlier {path} is not JSON ({exc})"
+    if not isinstance(data, dict):
+        return None, f"the earlier {path} holds a {type(data).__name__}, not a results object"
+    if data.get("schema") != SCHEMA:
+        return None, f"the earlier {path} has schema {data.get('schema')!r}, not {SCHEMA}"
+    if not isinstance(data.get("suites"), dict) or not isinstance(data.get("machine"), dict):
+        return None, f"the earlier {path} has no 'suites' or 'machine' object"
+    for name, s in data["suites"].items():
+        problem = _suite_problem(name, s)
+        if problem:
+            return None, f"the earlier {path} is malformed: {problem}"
+    return data, ""
+
+
+def same_machine(a: Mapping[str, Any], b: Mapping[str, Any]) -> str | None:
+    """None when the machine descriptions ``a`` and ``b`` are of one machine, else the field that differs.
+
+    Compares :data:`MACHINE_IDENTITY` where both name it (older results have no hostname)
+    and the memory within :data:`MEMORY_TOLERANCE`.
+    """
+    for key in MACHINE_IDENTITY:
+        if key in a and key in b and a[key] != b[key]:
+            return f"{key} {a[key]!r} against {b[key]!r}"
+    ma, mb = a.get("memory_gib"), b.get("memory_gib")
+    if isinstance(ma, (int, float)) and isinstance(mb, (int, float)) and abs(ma - mb) > MEMORY_TOLERANCE * max(ma, mb):
+        return f"memory_gib {ma:.1f} against {mb:.1f}"
+    return None
+
+
+def why_not_merge(results: Mapping[str, Any], earlier: Mapping[str, Any]) -> str | None:
+    """Why ``results`` must not be merged into the readable ``earlier`` results (None: it may)."""
+    if bool(earlier.get("quick")) != bool(results["quick"]):
+        kinds = {True: "--quick", False: "full"}
+        return (f"the earlier results are {kinds[bool(earlier.get('quick'))]} runs and this is {kinds[bool(results['quick'])]}: "
+                "their figures are not comparable")
+    differs = same_machine(results["machine"], earlier["machine"])
+    if differs:
+        return f"the earlier results come from another machine ({differs})"
+    return None
+
+
+def merge(results: Mapping[str, Any], earlier: Mapping[str, Any]) -> tuple[dict[str, Any], list[str], list[str]]:
+    """``results`` with the suites of ``earlier`` it did not run, and the targets judged over them all.
+
+    Returns the merged results, the suites kept from ``earlier`` and those dropped from it
+    (no longer a suite). The suites run now replace theirs; a kept suite is kept as it was,
+    with a ``measured`` made from ``earlier``'s own settings when it has none (results
+    written before suites recorded it). Suites are in :data:`targets.SUITES` order. The
+    caller has checked :func:`why_not_merge`.
+    """
+    ran = dict(results["suites"])
+    kept: dict[str, Any] = {}
+    dropped = []
+    for name, s in earlier["suites"].items():
+        if name in ran:
+            continue
+        if name not in SUITE_SPECS:
+            dropped.append(name)
+            continue
+        kept[name] = dict(s)
+        if "measured" not in s:
+            kept[name]["measured"] = {
+                "command": earlier.get("command", "unknown"),
+                "started": earlier.get("started"),
+                "finished": earlier.get("finished"),
+                "git_commit": earlier["machine"].get("git_commit"),
+                "runs": len(s["runs"]),
+            }
+    every = {**ran, **kept}
+    suites = {name: every[name] for name in tg.SUITES if name in every}
+    merged = dict(results)
+    merged["suites_run"] = list(results.get("suites_run", ran))
+    merged["suites_kept"] = [name for name in suites if name in kept]
+    merged["suites"] = suites
+    merged["targets"] = tg.evaluate(suite_reports(suites))
+    return merged, merged["suites_kept"], dropped
 
 
 def failed_runs(results: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any]]]:
     return [(name, r) for name, s in results["suites"].items() for r in s["runs"] if not r["ok"]]
 
 
+def _judged(results: Mapping[str, Any]) -> set[str]:
+    """The suites this invocation ran: the only ones its exit status and ``--check`` lines judge."""
+    return set(results.get("suites_run", results["suites"]))
+
+
 def exit_code(results: Mapping[str, Any], *, check: bool) -> int:
-    """1 when a suite failed to run, or with ``check`` when a target is not met; else 0."""
-    if failed_runs(results):
+    """1 when a suite run now failed to run, or with ``check`` when one of its targets is not met; else 0.
+
+    Suites kept from earlier results are shown in the docs, not judged again here.
+    """
+    judged = _judged(results)
+    if any(name in judged for name, _ in failed_runs(results)):
         return 1
-    if check and tg.failing(results["targets"]):
+    if check and tg.failing([v for v in results["targets"] if v["suite"] in judged]):
         return 1
     return 0
 
@@ -137,10 +278,13 @@ def write_json(results: Mapping[str, Any], path: Path) -> Path:
 
 
 def check_lines(results: Mapping[str, Any]) -> list[str]:
-    """One line per target (MET / MISSED / ...) with its figures and threshold, then each failed run."""
+    """One line per target of the suites run now (MET / MISSED / ...) with its figures and threshold,
+    then each of their failed runs."""
+    judged = _judged(results)
+    targets = [v for v in results["targets"] if v["suite"] in judged]
     lines = []
-    width = max((len(v["id"]) for v in results["targets"]), default=0)
-    for v in results["targets"]:
+    width = max((len(v["id"]) for v in targets), default=0)
+    for v in targets:
         figures = ", ".join(tg.format_value(x, v["unit"]) for x in v["values"])
         line = f"{v['status']:<11} {v['id']:<{width}}  {figures}  (threshold {tg.format_threshold(v)})"
         if v["errors"]:
@@ -151,6 +295,8 @@ def check_lines(results: Mapping[str, Any]) -> list[str]:
             line += ": needs 2 or more runs (--runs)"
         lines.append(line)
     for name, r in failed_runs(results):
+        if name not in judged:
+            continue
         tail = "\n".join("    " + s for s in (r.get("stderr_tail") or "").rstrip().splitlines()[-15:])
         lines.append(f"FAILED      suite {name}, run {r['run']}: {r['error']}" + (f"\n  stderr (last lines):\n{tail}" if tail else ""))
     return lines
@@ -195,10 +341,17 @@ def _machine_rows(m: Mapping[str, Any]) -> list[tuple[str, str]]:
 
 
 def render_markdown(results: Mapping[str, Any], notes: Mapping[str, str], *, results_link: str = "") -> str:
-    """docs/performance.md for ``results`` (links to the plots are relative to docs/)."""
+    """docs/performance.md for ``results`` (links to the plots are relative to docs/).
+
+    Suites may differ in their number of runs (some kept from earlier results): each suite's
+    table has its own runs, the targets table as many run columns as the suite with the most.
+    """
     runs = results["runs"]
-    run_cols = [f"run {i}" for i in range(1, runs + 1)]
+    suite_runs = {name: len(s["runs"]) for name, s in results["suites"].items()}
+    columns = max([runs, *suite_runs.values()])
     verdicts = results["targets"]
+    kept = [name for name in results.get("suites_kept", ()) if name in results["suites"]]
+    ran = [name for name in results.get("suites_run", results["suites"]) if name in results["suites"]]
     met = sum(v["status"] == tg.MET for v in verdicts)
     out = [
         "# Performance",
@@ -211,9 +364,16 @@ def render_markdown(results: Mapping[str, Any], notes: Mapping[str, str], *, res
         "",
         f"- Command: `{results['command']}`",
         f"- Date: {results['finished']} (started {results['started']})",
-        f"- Runs: {runs} consecutive run{'s' if runs != 1 else ''} of each suite",
-        f"- Targets: {met} of {len(verdicts)} met ([targets](#targets))",
     ]
+    if kept:
+        out += [
+            f"- Suites it ran: {', '.join(ran) or 'none'}, {runs} consecutive run{'s' if runs != 1 else ''} of each",
+            f"- Kept from earlier runs: {', '.join(kept)} (each suite's heading says which command, date and commit "
+            "measured it)",
+        ]
+    else:
+        out += [f"- Runs: {runs} consecutive run{'s' if runs != 1 else ''} of each suite"]
+    out += [f"- Targets: {met} of {len(verdicts)} met ([targets](#targets))"]
     if results_link:
         out.append(f"- Results JSON: `{results_link}`")
     if results["quick"]:
@@ -224,7 +384,10 @@ def render_markdown(results: Mapping[str, Any], notes: Mapping[str, str], *, res
             "in the same run, and asserts nothing. Other processes on the machine show up as noise: compare the runs."]
 
     for name, s in results["suites"].items():
-        out += ["", f"## {name}", "", s["about"], "", f"Command: `{s['command']}`"]
+        out += ["", f"## {name}", ""]
+        if isinstance(s.get("measured"), Mapping):
+            out += [_measured_line(s["measured"], kept=name in kept), ""]
+        out += [s["about"], "", f"Command: `{s['command']}`"]
         if s["config"]:
             out += ["", "Configuration (as the suite reports it):", "",
                     *_table(("setting", "value"), [(k, v if isinstance(v, str) else json.dumps(v)) for k, v in s["config"].items()])]
@@ -243,7 +406,7 @@ def render_markdown(results: Mapping[str, Any], notes: Mapping[str, str], *, res
             out += [f"**Run {r['run']} failed:** {r.get('error') or r.get('figures_error')}", ""]
         if names:
             rows = [(n, u, *(_num(v.get((n, u)), u) for v in per_run)) for n, u in names]
-            out += _table(("figure", "unit", *run_cols), rows)
+            out += _table(("figure", "unit", *(f"run {i}" for i in range(1, len(per_run) + 1))), rows)
             secs = ", ".join(f"{r['seconds']:.0f} s" if isinstance(r.get("seconds"), (int, float)) else "-" for r in s["runs"])
             out += ["", f"Run time: {secs}.", "", f"![{name}](performance/{_plot_name(name)})"]
         if name == "end-to-end":
@@ -256,13 +419,14 @@ def render_markdown(results: Mapping[str, Any], notes: Mapping[str, str], *, res
             f"{100 * results['stability_tolerance']:g}% (|a-b|/max(a,b), the worst pair).", ""]
     rows = []
     for v in verdicts:
-        vals = list(v["values"]) + [None] * (runs - len(v["values"]))
-        if _is_stability(v):  # one value, under the last run
-            cells = [""] * (runs - 1) + [tg.format_value(v["values"][0], v["unit"])]
+        if _is_stability(v):  # one value, under its suite's last run
+            last = min(max(suite_runs.get(v["suite"], runs), 1), columns)
+            cells = [""] * (last - 1) + [tg.format_value(v["values"][0], v["unit"])]
         else:
-            cells = [tg.format_value(x, v["unit"]) for x in vals[:runs]]
+            cells = [tg.format_value(x, v["unit"]) for x in v["values"][:columns]]
+        cells += [""] * (columns - len(cells))  # a suite with fewer runs than the most
         rows.append((f"`{v['id']}`: {v['description']}", tg.format_threshold(v), *cells, f"**{v['status']}**"))
-    out += _table(("target", "threshold", *run_cols, "verdict"), rows)
+    out += _table(("target", "threshold", *(f"run {i}" for i in range(1, columns + 1)), "verdict"), rows)
     for v in verdicts:
         if v["status"] == tg.MET or v["status"] == tg.NOT_CHECKED:
             continue
@@ -279,6 +443,16 @@ def render_markdown(results: Mapping[str, Any], notes: Mapping[str, str], *, res
         note = notes.get(v["id"])
         out += ["", note.strip() if note else "_No explanation yet: add one to `bench/notes.toml` under this target's id._"]
     return "\n".join(out) + "\n"
+
+
+def _measured_line(m: Mapping[str, Any], *, kept: bool) -> str:
+    """Where a suite's figures come from: "Measured by `pdps bench ...` on DATE, N runs, commit C"."""
+    n = m.get("runs")
+    parts = [f"Measured by `{m.get('command', 'unknown')}` on {m.get('finished') or 'an unknown date'}"]
+    if isinstance(n, int):
+        parts.append(f"{n} run{'s' if n != 1 else ''}")
+    parts.append(f"commit {m.get('git_commit') or 'unknown'}")
+    return ", ".join(parts) + (" (kept from an earlier run)." if kept else ".")
 
 
 def _is_stability(verdict: Mapping[str, Any]) -> bool:

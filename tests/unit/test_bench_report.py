@@ -793,3 +793,139 @@ def test_finish_orders_the_keys_prints_the_table_then_one_json_line(capsys):
     assert list(quiet) == ["config", "machine", "loadavg_start", "loadavg_end", "command", "total_s"]
     assert quiet["loadavg_start"] == [1.0, 2.0, 3.0] and len(quiet["loadavg_end"]) == 3
     assert capsys.readouterr().out == ""
+
+
+# --- a run of some suites merges into the earlier results ------------------------------------
+
+
+def earlier_of(suite_runs, runs=2, **settings):
+    results = results_of(suite_runs, runs=runs)
+    results.update(command="pdps bench --check", started="2025-12-01T00:00:00+00:00", finished="2025-12-01T00:30:00+00:00")
+    results["machine"] = {**results["machine"], "git_commit": "0ld0ld0"}
+    for s in results["suites"].values():
+        s["measured"].update(command="pdps bench --check", finished="2025-12-01T00:30:00+00:00", git_commit="0ld0ld0")
+    results.update(settings)
+    return json.loads(json.dumps(results))  # as read back from the file
+
+
+def test_merge_keeps_the_suites_not_run_replaces_those_run_and_judges_the_targets_over_all():
+    earlier = earlier_of({"checkpoint": ran(checkpoint_json(warm=0.5), checkpoint_json(warm=0.5)),
+                          "master": ran(master_json(), master_json()), "graph": ran(graph_json(), graph_json())})
+    now = results_of({"graph": ran(graph_json(graph=0.9)), "pipeline": ran(pipeline_json())}, runs=1)
+    merged, kept, dropped = rp.merge(now, earlier)
+    assert kept == merged["suites_kept"] == ["master", "checkpoint"] and dropped == []
+    assert list(merged["suites"]) == ["master", "checkpoint", "pipeline", "graph"]  # the suites' own order
+    assert merged["suites"]["checkpoint"] == earlier["suites"]["checkpoint"]  # kept as it was
+    assert merged["suites"]["graph"] == now["suites"]["graph"]  # run again: replaced
+    verdicts = by_id(merged["targets"])
+    assert verdicts["checkpoint.restore_warm"]["status"] == tg.MISSED  # a kept suite's verdicts stay
+    assert verdicts["checkpoint.restore_warm"]["values"] == [0.5, 0.5]
+    assert verdicts["graph.update_vs_eager"]["values"] == [pytest.approx(1.8)]  # the new graph figures, one run
+    assert {v["suite"] for v in merged["targets"]} == {"master", "checkpoint", "pipeline", "graph"}
+    assert merged["command"] == now["command"] and merged["suites_run"] == ["graph", "pipeline"]
+    # the exit status and the --check lines judge the suites run now: the kept miss does not fail this run
+    assert rp.exit_code(merged, check=True) == 1  # graph 1.8x > 1.5x
+    assert all(" checkpoint." not in line and " master." not in line for line in rp.check_lines(merged))
+    assert any(" graph.update_vs_eager " in line for line in rp.check_lines(merged))
+    met, _, _ = rp.merge(results_of({"pipeline": ran(pipeline_json())}, runs=1), earlier)
+    assert rp.exit_code(met, check=True) == 0 and tg.failing(met["targets"])
+
+
+def test_a_kept_suite_of_results_older_than_measured_gets_the_earlier_runs_settings_and_a_gone_suite_is_dropped():
+    earlier = earlier_of({"checkpoint": ran(checkpoint_json(), checkpoint_json())})
+    del earlier["suites"]["checkpoint"]["measured"]
+    earlier["suites"]["disk"] = dict(earlier["suites"]["checkpoint"])
+    merged, kept, dropped = rp.merge(results_of({"master": ran(master_json())}, runs=1), earlier)
+    assert kept == ["checkpoint"] and dropped == ["disk"] and "disk" not in merged["suites"]
+    assert merged["suites"]["checkpoint"]["measured"] == {
+        "command": "pdps bench --check", "started": "2025-12-01T00:00:00+00:00", "finished": "2025-12-01T00:30:00+00:00",
+        "git_commit": "0ld0ld0", "runs": 2,
+    }
+
+
+def test_no_merge_into_unreadable_or_other_schema_results_nor_across_quick_or_machines(tmp_path):
+    path = tmp_path / "results.json"
+    assert rp.earlier_results(path) == (None, f"no earlier results at {path}")
+    path.write_text("{not json")
+    assert rp.earlier_results(path)[0] is None and "is not JSON" in rp.earlier_results(path)[1]
+    good = earlier_of({"checkpoint": ran(checkpoint_json())}, runs=1)
+    path.write_text(json.dumps({**good, "schema": 99}))
+    assert rp.earlier_results(path) == (None, f"the earlier {path} has schema 99, not {rp.SCHEMA}")
+    broken = json.loads(json.dumps(good))
+    del broken["suites"]["checkpoint"]["runs"]
+    path.write_text(json.dumps(broken))
+    assert rp.earlier_results(path) == (None, f"the earlier {path} is malformed: suite 'checkpoint' has no 'runs' list")
+    path.write_text(json.dumps(good))
+    assert rp.earlier_results(path) == (good, "")
+
+    now = results_of({"master": ran(master_json())}, runs=1)
+    assert rp.why_not_merge(now, good) is None
+    assert "are full runs and this is --quick: their figures are not comparable" in rp.why_not_merge({**now, "quick": True}, good)
+    other = {**now, "machine": {**MACHINE, "cpu_model": "Other CPU"}}
+    assert rp.why_not_merge(other, good) == "the earlier results come from another machine (cpu_model 'Other CPU' against 'Fake CPU 9000')"
+    assert "memory_gib 15.0 against 7.5" in rp.why_not_merge({**now, "machine": {**MACHINE, "memory_gib": 15.0}}, good)
+    host = {**MACHINE, "hostname": "bench-1"}
+    assert rp.why_not_merge({**now, "machine": host}, good) is None  # older results name no host: not compared
+    assert "hostname 'bench-2' against 'bench-1'" in rp.why_not_merge({**now, "machine": {**host, "hostname": "bench-2"}}, {**good, "machine": host})
+
+
+def test_run_bench_merges_into_the_results_it_finds_unless_fresh_or_quick_differs(tmp_path):
+    root = fake_checkout(tmp_path, {"checkpoint.py": printing(checkpoint_json(warm=0.5)), "master_transitions.py": printing(master_json())})
+    out = tmp_path / "out"
+    echoed: list[str] = []
+    args = dict(runs=1, docs=False, out_dir=out, package_file=str(root / "pdps" / "__init__.py"), echo=echoed.append)
+
+    def results():
+        return json.loads((out / "results.json").read_text())
+
+    assert run_bench(suites=["checkpoint"], argv=["bench", "--suite", "checkpoint"], **args) == 0
+    assert f"pdps bench: writing only this run's suites: no earlier results at {out / 'results.json'}" in echoed
+    first = results()["suites"]["checkpoint"]
+    assert first["measured"]["command"] == "pdps bench --suite checkpoint" and first["measured"]["runs"] == 1
+    assert first["measured"]["started"] <= first["measured"]["finished"] and "git_commit" in first["measured"]
+    assert results()["machine"]["hostname"]
+
+    echoed.clear()
+    assert run_bench(suites=["master"], check=True, argv=["bench", "--suite", "master", "--check"], **args) == 0  # the kept miss is not judged
+    merged = results()
+    assert list(merged["suites"]) == ["master", "checkpoint"] and merged["suites"]["checkpoint"] == first
+    assert merged["suites_run"] == ["master"] and merged["suites_kept"] == ["checkpoint"]
+    assert by_id(merged["targets"])["checkpoint.restore_warm"]["status"] == tg.MISSED
+    assert "pdps bench: kept 1 suite from the earlier results (checkpoint); --fresh would write only this run's" in echoed
+
+    echoed.clear()
+    assert run_bench(suites=["master"], quick=True, argv=["bench", "--suite", "master", "--quick"], **args) == 0
+    assert list(results()["suites"]) == ["master"] and results()["quick"] is True
+    assert any("writing only this run's suites: the earlier results are full runs and this is --quick" in line for line in echoed)
+
+    run_bench(suites=["checkpoint"], quick=True, argv=["bench"], **args)
+    assert list(results()["suites"]) == ["master", "checkpoint"]
+    echoed.clear()
+    run_bench(suites=["checkpoint"], quick=True, fresh=True, argv=["bench", "--fresh"], **args)
+    assert list(results()["suites"]) == ["checkpoint"] and results()["suites_kept"] == []
+    assert "pdps bench: --fresh: writing only this run's suites, none kept from earlier results" in echoed
+
+
+def test_the_doc_says_where_each_suite_came_from_and_copes_with_suites_of_different_runs():
+    earlier = earlier_of({"checkpoint": ran(checkpoint_json(), checkpoint_json(save=0.95), checkpoint_json())}, runs=3)
+    now = results_of({"pipeline": ran(pipeline_json())}, runs=1)
+    now["command"] = "pdps bench --suite pipeline --check --runs 1"
+    now["suites"]["pipeline"]["measured"].update(command=now["command"], git_commit="abc1234")
+    merged, _, _ = rp.merge(now, earlier)
+    text = rp.render_markdown(merged, {})
+    assert "- Command: `pdps bench --suite pipeline --check --runs 1`" in text
+    assert "- Suites it ran: pipeline, 1 consecutive run of each" in text
+    assert "- Kept from earlier runs: checkpoint (each suite's heading says which command, date and commit measured it)" in text
+    assert ("## checkpoint\n\nMeasured by `pdps bench --check` on 2025-12-01T00:30:00+00:00, 3 runs, commit 0ld0ld0 "
+            "(kept from an earlier run).\n") in text
+    assert "## pipeline\n\nMeasured by `pdps bench --suite pipeline --check --runs 1` on 2026-01-01T00:10:00+00:00, 1 run, commit abc1234.\n" in text
+    checkpoint = text.split("## checkpoint", 1)[1].split("## ", 1)[0]
+    pipeline = text.split("## pipeline", 1)[1].split("## ", 1)[0]
+    assert "| figure | unit | run 1 | run 2 | run 3 |" in checkpoint and "| figure | unit | run 1 |\n" in pipeline
+    assert "| target | threshold | run 1 | run 2 | run 3 | verdict |" in text
+    assert "| `checkpoint.save`: " in text and "| >= 0.8x | 0.900x | 0.950x | 0.900x | **MET** |" in text
+    assert "| <= 15% |  |  | 5.3% | **MET** |" in text  # checkpoint's stability under its third run
+    assert "| <= 10% | 6.3% |  |  | **MET** |" in text  # pipeline's one run, padded
+    assert "| <= 15% | - |  |  | **NOT CHECKED** |" in text  # one run: no stability, under its run 1
+    alone = rp.render_markdown(results_of({"pipeline": ran(pipeline_json())}, runs=1), {})
+    assert "- Runs: 1 consecutive run of each suite" in alone and "Kept from earlier" not in alone

@@ -929,3 +929,15 @@ def test_the_doc_says_where_each_suite_came_from_and_copes_with_suites_of_differ
     assert "| <= 15% | - |  |  | **NOT CHECKED** |" in text  # one run: no stability, under its run 1
     alone = rp.render_markdown(results_of({"pipeline": ran(pipeline_json())}, runs=1), {})
     assert "- Runs: 1 consecutive run of each suite" in alone and "Kept from earlier" not in alone
+
+
+def test_the_fresh_flag_reaches_run_bench(monkeypatch):
+    from pdps.shell import cli
+    from pdps.shell.benchmark import runner
+
+    seen: list[dict] = []
+    monkeypatch.setattr(runner, "run_bench", lambda **kw: seen.append(kw) or 0)
+    for argv, fresh in ((["bench", "--suite", "master"], False), (["bench", "--suite", "master", "--fresh"], True)):
+        args = cli.build_parser(argv).parse_args(argv)
+        args.argv = argv
+        assert cli.cmd_bench(args) == 0 and seen[-1]["fresh"] is fresh and seen[-1]["suites"] == ["master"]

@@ -758,34 +758,36 @@ class Master:
         return GetTaskReply(wait=str(result), retry_in=RETRY_IN, epoch=epoch_now)
 
     def _report(self, req: TaskReport, event: Callable[..., list[Change]], *, ends_attempt: bool = False) -> ReportReply:
+        """A trainer's report on its attempt: ``event(queue, task, attempt[, applied])``
+        applied to the queue as it is once the lock is held. Never to a queue looked up
+        before: a rollback (or a rebuild) that held the lock meanwhile replaced it, and a
+        report applied to the one it replaced was lost in memory yet written to the store
+        (a fault run saw a task finished in the rolled-back queue trained again)."""
         task, attempt = req.task, req.attempt
         with self._locked():
-            assert self._queue is not None
+            queue = self._queue
+            assert queue is not None
             self._check_leading()
             if ends_attempt:
-                racer = None if self._queue.forgotten(task) else next((r for r in self._queue.racers(task) if r.attempt == attempt), None)
+                racer = None if queue.forgotten(task) else next((r for r in queue.racers(task) if r.attempt == attempt), None)
                 changes, applied = self._fence_attempts([] if racer is None else [(task, racer)])
-                changes += event(task, attempt, applied.get(task))
+                changes += event(queue, task, attempt, applied.get(task))
             else:
-                changes = event(task, attempt)
+                changes = event(queue, task, attempt)
             durable = self._stage(changes)
         self._store.wait(durable)
         ignored = next((c for c in changes if isinstance(c, Ignored)), None)
         return ReportReply(accepted=ignored is None, reason=ignored.reason if ignored else None)
 
     def _finish_task(self, req: FinishTaskRequest) -> ReportReply:
-        assert self._queue is not None
-        queue = self._queue
-        return self._report(req, lambda task, attempt: queue.finish(task, attempt, self._clock()))  # timed: speculation's median
+        return self._report(req, lambda queue, task, attempt: queue.finish(task, attempt, self._clock()))  # timed: speculation's median
 
     def _fail_task(self, req: FailTaskRequest) -> ReportReply:
-        assert self._queue is not None
         log.warning("trainer %s failed task %s: %s", req.trainer, req.task, req.error)
-        return self._report(req, self._queue.fail, ends_attempt=True)
+        return self._report(req, TaskQueue.fail, ends_attempt=True)
 
     def _give_back(self, req: GiveBackRequest) -> ReportReply:
-        assert self._queue is not None
-        return self._report(req, self._queue.give_back, ends_attempt=True)
+        return self._report(req, TaskQueue.give_back, ends_attempt=True)
 
     def _fence_attempts(self, ending: Iterable[tuple[int, Racer]]) -> tuple[list[Change], dict[int, int]]:
         """End these pending attempts in their tasks' progress records (lock held), before

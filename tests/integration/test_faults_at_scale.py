@@ -20,12 +20,13 @@ import pdps
 from bench.scale import Records, train
 from pdps.adapters.inproc import InprocTransport
 from pdps.adapters.memory_store import MemoryStore
-from pdps.core.checkpoints import MASTER_PART, CheckpointInfo, PartInfo, State
+from pdps.core.checkpoints import MASTER_PART, CheckpointInfo, Manifest, PartInfo, State
 from pdps.core.job import Keys
-from pdps.core.wire import CheckpointRequest, GetTaskRequest
+from pdps.core.wire import CheckpointRequest, FinishTaskRequest, GetTaskRequest
 from pdps.registry import open_checkpoint_files
 from pdps.roles import calls
 from pdps.roles.master import Master
+from pdps.runtime import recovery
 from pdps.shell.faults import MortalStore
 from pdps.shell.status import pass_audit
 from tests.integration.test_master_durable import register
@@ -121,3 +122,52 @@ def test_a_standby_master_does_not_rewrite_the_part_of_a_checkpoint_announced_be
             keeper.stop()
         old.stop()
         standby.stop()
+
+
+def test_a_report_that_waited_for_a_rollback_is_judged_by_the_rolled_back_queue(tmp_path):
+    """The fault job above once audited a task done twice. A trainer's finish report
+    reached the master while it was rolling back (lock held): the report had looked up
+    the queue before it waited for the lock, then finished the task in the queue the
+    rollback had just replaced. The task was todo in the new one, so it was handed out
+    and trained again, and the old queue's "done" went to the store and the audit.
+    Here the lock is held while the rollback runs and the report waits for it."""
+    source = Records(4, 1)
+    config = pdps.JobConfig(name="report-rollback", dataset=source.url, mode="sync", lease_ttl=2.0, checkpoint_url=f"{tmp_path.as_uri()}/ckpt")
+    keys, store, transport = Keys(config.name), MemoryStore(), InprocTransport()
+    files = open_checkpoint_files(config.checkpoint_url)
+    master = Master(store, transport, source, config, checkpoints=files)
+    master.start()
+    keepers = [register(store, config, t) for t in ("t", "u")]
+    try:
+        ckpt = "ckpt-0000-0000000002-0001"
+        info = CheckpointInfo(id=ckpt, epoch=0, round=2, mode="sync", state=State.WRITING, started=time.time())
+        store.put(keys.checkpoint_info(ckpt), json.dumps(info.to_json()).encode())  # as the pserver closing round 2 does
+        channel = transport.connect(master.address)
+        assert calls.call(channel, CheckpointRequest(trainer="t", checkpoint=ckpt)).accepted  # the queue as round 2 left it: all todo
+        got = calls.call(channel, GetTaskRequest(trainer="t"))  # after the checkpoint: the rollback undoes it
+        for writer in master._writers:  # the master's part of the checkpoint is written
+            writer.join(10)
+        part = PartInfo.from_json(json.loads(store.get(keys.checkpoint_part(ckpt, MASTER_PART)).value))
+        files.write_manifest(Manifest(id=ckpt, job=config.name, round=2, epoch=0, created=time.time(), parts={MASTER_PART: part}))
+
+        replies: list = []
+        with master._lock:  # the master is busy: the report waits, as it did behind the rollback
+            reporter = threading.Thread(target=lambda: replies.append(calls.call(channel, FinishTaskRequest("t", got.task.id, got.attempt))))
+            reporter.start()
+            time.sleep(0.3)  # it is waiting for the lock by now (wide margin)
+            master._restore_epoch(recovery.rollback(store, files, keys, "a pserver restarted", checkpoint=ckpt))
+        reporter.join(10)
+
+        assert [r.accepted for r in replies] == [False], replies  # the attempt belongs to the epoch rolled back
+        audit = pass_audit(store, config.name, 0)
+        [entry] = [e for e in audit["entries"] if e["task"] == got.task.id]
+        assert [a["outcome"] for a in entry["attempts"]] == ["rolled_back"] and entry["outcome"] == "todo", entry
+        again = calls.call(channel, GetTaskRequest(trainer="u", epoch=1))
+        assert (again.task.id, again.attempt) == (got.task.id, got.attempt + 1)
+        assert calls.call(channel, FinishTaskRequest("u", again.task.id, again.attempt)).accepted
+        entry = next(e for e in pass_audit(store, config.name, 0)["entries"] if e["task"] == got.task.id)
+        assert [a["outcome"] for a in entry["attempts"]] == ["rolled_back", "done"] and entry["record_counts"] == [[1, 1]], entry
+    finally:
+        for keeper in keepers:
+            keeper.stop()
+        master.stop()

@@ -46,6 +46,8 @@ REQUEST, ACCEPTED, REPLY, ERROR = 1, 2, 3, 4
 
 _HELLO = struct.Struct("!8sBH")
 _PREFIX = struct.Struct("!BI")
+#: Seconds a socket's armed timeout may run past an operation's deadline rather than be armed again.
+_REARM_SLACK = 0.001
 
 #: SO_SNDBUF and SO_RCVBUF of every bulk socket: what net.core.[rw]mem_max allows on
 #: the development machine, and what the raw TCP baseline of bench/transport.py uses.
@@ -124,6 +126,11 @@ class Connection:
             if left <= 0:
                 raise TimeoutError("deadline passed")
             limit = left if limit is None else min(limit, left)
+        # settimeout is a system call (FIONBIO) each time: a read of many chunks under the
+        # same stall keeps the one armed, and a deadline's up to _REARM_SLACK s longer
+        armed = self.sock.gettimeout()
+        if armed == limit or (armed is not None and limit is not None and limit <= armed <= limit + _REARM_SLACK):
+            return
         self.sock.settimeout(limit)
 
     def send(self, kind: int, header: bytes, views: Sequence[memoryview] = (), *, deadline: float | None = None, stall: float | None = None) -> None:

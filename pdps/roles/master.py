@@ -266,6 +266,8 @@ class Master:
         self._write([Put(self._keys.master_addr, self._endpoint.address.encode(), self._keeper.lease)])
         self._watch = self._store.watch(self._keys.trainers, self._on_trainer_event)
         self._watches.append(self._store.watch(self._keys.epoch, self._on_epoch_event))
+        with self._lock:  # a rollback begun after the catch-up above and before the watch reached no callback
+            self._restore_epoch(recovery.read_epoch(self._store, self._keys)[0])
         if self.config.mode is Mode.ASYNC:
             self._watches.append(self._store.watch(self._keys.checkpoints, self._on_checkpoint_event))
         self._reconcile()  # trainers that went while no master was watching

@@ -538,6 +538,13 @@ class Pserver:
                 self._restore_own_slots()
             else:
                 self._enter_epoch(self._rollback(f"pserver {self.index} restarted"))
+            # The epoch was read before its watch began: a rollback in between (another
+            # pserver's restart) reached no callback, and this pserver would serve the old
+            # epoch for good (a fresh-clone run saw a job hang so). Read it again now that
+            # the watch is on: a later one the watch brings, an earlier one this does.
+            latest, _ = recovery.read_epoch(self._store, self._keys)
+            if latest.epoch > self.epoch:
+                self._enter_epoch(latest)
         except BaseException:
             self.stop()
             raise

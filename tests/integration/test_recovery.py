@@ -224,3 +224,62 @@ def test_a_rollback_to_an_older_checkpoint_moves_the_pointer_so_a_later_restart_
     assert newest not in pointer(store, job)["history"]
     again = recovery.rollback(store, SafetensorsFiles(storage), keys, "pserver 1 restarted")
     assert (again.epoch, again.checkpoint) == (2, older)
+
+
+def test_a_rollback_between_a_starting_pservers_read_of_the_epoch_and_its_watch_is_entered():
+    """A pserver reads the job's epoch, then starts watching it. A fresh-clone run saw
+    another pserver's restart roll the job back in between: the starting pserver never
+    saw the new epoch, served the old one, refused every push for it, and the job hung
+    (test_replicas_acceptance, both copies killed at once). Here the rollback is written
+    the moment the watch is asked for: the pserver must come up in the new epoch."""
+    from pdps.adapters.inproc import InprocTransport
+    from pdps.adapters.torch_compute import TorchCompute
+    from pdps.core.checkpoints import Epoch
+    from pdps.roles.master import publish_job
+
+    config = pdps.JobConfig(name="epoch-race", dataset="file:///nowhere", mode="sync", pservers=1)
+    keys = Keys(config.name)
+
+    class RollbackBeforeTheWatch(MemoryStore):
+        def watch(self, prefix, callback):
+            if prefix == keys.epoch:  # as another pserver's restart would, just now
+                self.put(keys.epoch, json.dumps(Epoch(1, None, 0, "a pserver restarted").to_json(time.time())).encode())
+            return super().watch(prefix, callback)
+
+    store = RollbackBeforeTheWatch()
+    publish_job(store, config)
+    ps = Pserver(store, InprocTransport(), TorchCompute("cpu"), config)
+    ps.start()
+    try:
+        assert ps.epoch == 1 and ps.rollbacks == 1
+    finally:
+        ps.stop()
+        store.close()
+
+
+def test_a_rollback_between_a_starting_masters_catch_up_and_its_watch_is_entered():
+    """The master's start has the same gap: it catches up with the epoch, then watches it."""
+    from bench.scale import Records
+    from pdps.adapters.inproc import InprocTransport
+    from pdps.core.checkpoints import Epoch
+    from pdps.roles.master import Master
+
+    source = Records(4, 1)
+    config = pdps.JobConfig(name="epoch-race-master", dataset=source.url, mode="sync")
+    keys = Keys(config.name)
+
+    class RollbackBeforeTheWatch(MemoryStore):
+        def watch(self, prefix, callback):
+            if prefix == keys.epoch:
+                self.put(keys.epoch, json.dumps(Epoch(1, None, 0, "a pserver restarted").to_json(time.time())).encode())
+            return super().watch(prefix, callback)
+
+    store = RollbackBeforeTheWatch()
+    master = Master(store, InprocTransport(), source, config)
+    master.start()
+    try:
+        assert master.epoch == 1
+        assert json.loads(store.get(keys.state).value)["epoch"] == 1  # the queue was rolled back, and says so
+    finally:
+        master.stop()
+        store.close()

@@ -23,6 +23,7 @@ from pdps.adapters.memory_store import MemoryStore
 from pdps.core.checkpoints import MASTER_PART, CheckpointInfo, Manifest, PartInfo, State
 from pdps.core.job import Keys
 from pdps.core.wire import CheckpointRequest, FinishTaskRequest, GetTaskRequest
+from pdps.ports.transport import Channel
 from pdps.registry import open_checkpoint_files
 from pdps.roles import calls
 from pdps.roles.master import Master
@@ -78,6 +79,17 @@ def test_a_pass_survives_one_percent_of_trainers_a_pserver_and_the_master_killed
 # --- what killing the master at scale found ----------------------------------------------
 
 
+def checkpoint_round_2(store: MemoryStore, keys: Keys, master: Channel) -> str:
+    """Checkpoint ``ckpt-0000-0000000002-0001`` announced as the pserver closing round 2
+    announces it, and reported to the master at ``master`` (a channel) by trainer ``t``,
+    the first to report it: the master snapshots its queue as that round left it."""
+    ckpt = "ckpt-0000-0000000002-0001"
+    info = CheckpointInfo(id=ckpt, epoch=0, round=2, mode="sync", state=State.WRITING, started=time.time())
+    store.put(keys.checkpoint_info(ckpt), json.dumps(info.to_json()).encode())
+    assert calls.call(master, CheckpointRequest(trainer="t", checkpoint=ckpt)).accepted
+    return ckpt
+
+
 def test_a_standby_master_does_not_rewrite_the_part_of_a_checkpoint_announced_before_it_took_over(tmp_path):
     """A sync checkpoint's master part is the queue as it was when the checkpoint's round
     closed: the first trainer to report the checkpoint finds it so. Kill the master after
@@ -97,11 +109,8 @@ def test_a_standby_master_does_not_rewrite_the_part_of_a_checkpoint_announced_be
     standby = Master(store, transport, source, config, checkpoints=open_checkpoint_files(config.checkpoint_url))
     trainers = [register(store, config, t) for t in ("t", "u")]
     try:
-        ckpt = "ckpt-0000-0000000002-0001"
-        info = CheckpointInfo(id=ckpt, epoch=0, round=2, mode="sync", state=State.WRITING, started=time.time())
-        store.put(keys.checkpoint_info(ckpt), json.dumps(info.to_json()).encode())  # as the pserver closing round 2 does
         to_old = transport.connect(old.address)
-        assert calls.call(to_old, CheckpointRequest(trainer="t", checkpoint=ckpt)).accepted
+        ckpt = checkpoint_round_2(store, keys, to_old)
         task = calls.call(to_old, GetTaskRequest(trainer="t")).task  # the queue moves on
         mortal.die()
         old.stop()  # joins the writer of its part
@@ -139,11 +148,8 @@ def test_a_report_that_waited_for_a_rollback_is_judged_by_the_rolled_back_queue(
     master.start()
     keepers = [register(store, config, t) for t in ("t", "u")]
     try:
-        ckpt = "ckpt-0000-0000000002-0001"
-        info = CheckpointInfo(id=ckpt, epoch=0, round=2, mode="sync", state=State.WRITING, started=time.time())
-        store.put(keys.checkpoint_info(ckpt), json.dumps(info.to_json()).encode())  # as the pserver closing round 2 does
         channel = transport.connect(master.address)
-        assert calls.call(channel, CheckpointRequest(trainer="t", checkpoint=ckpt)).accepted  # the queue as round 2 left it: all todo
+        ckpt = checkpoint_round_2(store, keys, channel)  # the queue as round 2 left it: all todo
         got = calls.call(channel, GetTaskRequest(trainer="t"))  # after the checkpoint: the rollback undoes it
         for writer in master._writers:  # the master's part of the checkpoint is written
             writer.join(10)

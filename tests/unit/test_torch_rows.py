@@ -3,7 +3,8 @@
 Every rule is compared with torch stepping a whole ``[1000, 8]`` float64 table with
 ``sparse=True`` gradients; refusals are checked to change nothing; export/import is
 checked to be the identity across any cut of the slots; admission and eviction are
-counted on scripted ids. Small chunks (64 rows) so gathers and scatters cross chunks.
+counted on scripted ids. Every test runs on both layouts of the store: small chunks (64
+rows, so gathers and scatters cross chunks: the layout off the CPU) and flat (the CPU's).
 """
 
 from __future__ import annotations
@@ -23,8 +24,18 @@ N, DIM, SLOTS = 1000, 8, 16
 SPEC = TableSpec(name="emb", dim=DIM, dtype="float64", num_rows=N)
 
 
+LAYOUT = {"chunk_rows": 64}
+
+
+@pytest.fixture(autouse=True, params=[64, None], ids=["chunks-of-64", "flat"])
+def layout(request):
+    LAYOUT["chunk_rows"] = request.param
+    yield request.param
+    LAYOUT["chunk_rows"] = 64
+
+
 def store(spec: TableSpec = SPEC, rule: str = "SGD", args: dict | None = None, slots=range(SLOTS), **kw) -> TorchRows:
-    kw.setdefault("chunk_rows", 64)
+    kw.setdefault("chunk_rows", LAYOUT["chunk_rows"])
     return TorchRows(spec, rule, args or {}, slots, SLOTS, **kw)
 
 
@@ -371,10 +382,10 @@ def test_drop_slots_forgets_their_rows_and_stops_holding_them():
     with pytest.raises(GradientRejected, match="slot 2"):
         a.check(torch.tensor([some]), torch.zeros((1, DIM), dtype=torch.float64), "t0")
     # the freed positions are reused before the store grows
-    chunks = len(a._values.chunks)
+    capacity = a._values.capacity
     a.hold([2, 3])
     a.import_slots({k: torch.from_numpy(v) for k, v in gone.items()})
-    assert a.stats()["rows"] == rows and len(a._values.chunks) == chunks
+    assert a.stats()["rows"] == rows and a._values.capacity == capacity
 
 
 # --- replicas: a backup's copies stepped as its primaries' ---------------------------------------
@@ -623,3 +634,4 @@ def test_half_precision_rounds_sum_in_float32_and_round_once():
     want = torch.from_numpy(init_rows(spec, ids.numpy())).bfloat16()
     want.add_((0.5 * sent.float() + 0.5 * g2.float()).bfloat16(), alpha=-1.0)
     assert torch.equal(r.lookup(ids), want)
+

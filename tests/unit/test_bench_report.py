@@ -461,6 +461,13 @@ def test_markdown_shows_every_run_of_a_missed_at_most_target_and_its_threshold()
     assert "| <= 1,024 B/task | 600 B/task | 600 B/task | **MET** |" in text
 
 
+def test_a_target_missed_by_one_run_of_two_names_both_runs_figures():
+    results = results_of({"scale": ran(scale_json(step_ops=11.0), scale_json(step_ops=13.0))})
+    assert by_id(tg.evaluate({"scale": [scale_json(step_ops=11.0), scale_json(step_ops=13.0)]}))["scale.step_ops_trainers"]["status"] == tg.MISSED
+    text = rp.render_markdown(results, {})
+    assert "Measured: 11.000x at best (best run), 13.000x at worst; every run must meet the threshold, <= 12x." in text
+
+
 def test_check_lines_one_per_target_with_figures_and_threshold():
     results = results_of({"checkpoint": ran(checkpoint_json(save=0.9, warm=0.5), checkpoint_json(save=0.92, warm=0.5))})
     lines = rp.check_lines(results)

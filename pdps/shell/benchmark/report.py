@@ -432,10 +432,10 @@ def render_markdown(results: Mapping[str, Any], notes: Mapping[str, str], *, res
             continue
         out += ["", f"### {v['status']}: `{v['id']}`", ""]
         if v["best"] is not None:
+            at_most = v["comparison"] == "<="
             got = [x for x in v["values"] if x is not None]
-            worst = (max(got) if v["comparison"] == "<=" else min(got)) if got else v["best"]
-            best_met = v["best"] <= v["threshold"] if v["comparison"] == "<=" else v["best"] >= v["threshold"]
-            if _is_stability(v) or not best_met:
+            worst = (max(got) if at_most else min(got)) if got else v["best"]
+            if _is_stability(v) or not tg.meets(v["best"], v["threshold"], at_most=at_most):
                 out += [f"Measured: {tg.format_value(v['best'], v['unit'])} at best ({'lowest spread' if _is_stability(v) else 'best run'}), "
                         f"threshold {tg.format_threshold(v)}."]
             else:  # the best run met it and another did not: say so, or the figure reads as a contradiction

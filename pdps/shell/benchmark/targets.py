@@ -77,7 +77,13 @@ class Target:
         return "<=" if self.at_most else ">="
 
     def meets(self, value: float) -> bool:
-        return value <= self.threshold if self.at_most else value >= self.threshold
+        return meets(value, self.threshold, at_most=self.at_most)
+
+
+def meets(value: float, threshold: float, *, at_most: bool) -> bool:
+    """Whether ``value`` meets ``threshold`` (at most it, or at least it): a Target's rule,
+    also for a verdict read back from results JSON (``comparison`` "<=": at most)."""
+    return value <= threshold if at_most else value >= threshold
 
 
 # --- reading a suite's JSON -------------------------------------------------------------

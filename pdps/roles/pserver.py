@@ -1449,7 +1449,7 @@ class Pserver:
             reason = f"pserver {self.index} lacks the committed gradients of {missing} for round {record.round_no}"
             log.error("%s", reason)
             self._move(PserverEvent.ROLL_BACK)
-            threading.Thread(target=self._request_rollback, args=(reason,), daemon=True).start()
+            threading.Thread(target=self._request_rollback, args=(reason, self.epoch), daemon=True).start()
             raise EpochChanged(reason)
         rows_applied = False
         for rows in self._tables.values():
@@ -1632,17 +1632,20 @@ class Pserver:
 
     # --- rollbacks --------------------------------------------------------------------
 
-    def _rollback(self, reason: str) -> Epoch:
-        return recovery.rollback(self._store, self._files, self._keys, reason, grace=self.config.checkpoint_orphan_grace)
+    def _rollback(self, reason: str, since: int | None = None) -> Epoch:
+        return recovery.rollback(self._store, self._files, self._keys, reason, grace=self.config.checkpoint_orphan_grace, since=since)
 
-    def _request_rollback(self, reason: str) -> None:
+    def _request_rollback(self, reason: str, since: int) -> None:
+        """Ask for a rollback because of what this pserver saw in epoch ``since``: a no-op
+        once the job has left that epoch (a rollback meanwhile restored everything, e.g. a
+        source's restart, whose lost slots a migration call of the old epoch reports late)."""
         if self._keeper is not None and not self._keeper.held:
             # its index may be someone else's by now (a backup promoted in its place): what
             # it lacks is no reason for the job to roll back
             log.error("pserver %s may have lost its lease; not asking for a rollback (%s)", self.index, reason)
             return
         try:
-            self._rollback(reason)
+            self._rollback(reason, since)
         except PdpsError as exc:
             log.error("pserver %s could not start a rollback (%s): %s", self.index, reason, exc)
 
@@ -2124,7 +2127,7 @@ class Pserver:
             t.join()
         if lost:
             # the job rolls back, and every pserver loads its slots of this map from the checkpoint
-            self._request_rollback(lost[0])
+            self._request_rollback(lost[0], epoch)
             return
         if any(not isinstance(v, int) for v in outcome.values()):
             return  # the epoch or the map moved on: the checkpoint restores these slots

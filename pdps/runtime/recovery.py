@@ -358,7 +358,7 @@ def choose(store: CoordinationStore, files: CheckpointFiles, keys: Keys, *, skip
 
 def rollback(
     store: CoordinationStore, files: CheckpointFiles | None, keys: Keys, reason: str, *,
-    checkpoint: str | None = None, grace: float | None = None,
+    checkpoint: str | None = None, grace: float | None = None, since: int | None = None,
 ) -> Epoch:  # fmt: skip
     """Start a new epoch from the best checkpoint (or ``checkpoint``); returns it.
 
@@ -368,8 +368,13 @@ def rollback(
     deleted by :func:`cleanup`, with leftovers older than ``grace`` (the job's
     ``checkpoint_orphan_grace``; None leaves them to the next commit). When another
     rollback bumps the epoch first, that one stands and its epoch is returned.
+    ``since``: the epoch in which the caller saw what calls for this rollback (default:
+    the current one). A failure seen in an epoch the job has left since is moot, since
+    the rollback that ended that epoch restored everything from a checkpoint: then
+    nothing is written and the current epoch is returned.
     """
-    since = read_epoch(store, keys)[0].epoch
+    if since is None:
+        since = read_epoch(store, keys)[0].epoch
 
     def read() -> RollbackView:
         return RollbackView(

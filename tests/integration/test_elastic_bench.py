@@ -54,14 +54,15 @@ def check_resizes(report, counts):
 
 
 def test_the_elastic_bench_runs_each_role_as_a_process_when_asked(tmp_path):
-    """Live: a pserver process added, then one leaving by itself (exit 0); the baseline: processes
-    stopped, a new job's processes started and restored by the pdps checkpoint command."""
+    """Live: a pserver process added; the baseline: processes stopped, a new job's processes
+    started and restored by the pdps checkpoint command. (A pserver process leaving by itself
+    is test_elastic_acceptance's 3 -> 1; one resize keeps this test to half its time.)"""
     proc = subprocess.run(
-        [sys.executable, "bench/elastic.py", "--quick", "--processes", "--resizes", "2", "3", "2", "--tmp", str(tmp_path), "--json"],
+        [sys.executable, "bench/elastic.py", "--quick", "--processes", "--resizes", "2", "3", "--tmp", str(tmp_path), "--json"],
         cwd=REPO, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert report["config"]["roles"] == "processes" and report["config"]["resizes"] == [2, 3, 2]
-    check_resizes(report, [2, 3, 2])
+    assert report["config"]["roles"] == "processes" and report["config"]["resizes"] == [2, 3]
+    check_resizes(report, [2, 3])
     assert list(tmp_path.iterdir()) == []  # the dataset and checkpoints go with their jobs

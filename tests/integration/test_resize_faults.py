@@ -197,10 +197,12 @@ def test_the_process_that_asked_killed_mid_resize_changes_nothing(etcd_server, t
         job.close()
 
 
-@pytest.mark.parametrize("victim,seed", [("source", 21), ("destination", 22)])
+@pytest.mark.parametrize("victim,seed", [("source", 21)])
 def test_a_pserver_killed_in_the_middle_of_a_shrink(etcd_server, tmp_path, victim, seed):
     """Shrinking 2 -> 1, pserver 0 fetches pserver 1's slots; pserver 1 (the source, leaving)
-    or pserver 0 (the destination) is SIGKILLed a seeded time into that call."""
+    is SIGKILLed a seeded time into that call. (Killing the destination, pserver 0, runs as
+    ``("destination", 22)``: a pserver of the new map restarting mid-migration, as the grow's
+    destination above, left out for the suite's time.)"""
     rng = random.Random(seed)
     job = ResizingJob(etcd_server.url, tmp_path, delay=DELAY, timeout=60)
     try:

@@ -1172,7 +1172,7 @@ def test_a_call_to_a_stopped_process_fails_and_a_long_quiet_call_does_not():
                               env={**os.environ, "PYTHONPATH": root})
     try:
         address = server.stdout.readline().strip()
-        channel = GrpcTransport().connect(address)
+        channel = GrpcTransport(connect_timeout=3.0).connect(address)  # the default (10 s) would only make this test longer
         quiet = 2.5 * CALL_PING_S
         assert channel.call("slow", Message({"s": quiet}), timeout=60).meta == {"slept": quiet}
         threading.Timer(0.5, os.kill, (server.pid, signal.SIGSTOP)).start()
@@ -1183,7 +1183,7 @@ def test_a_call_to_a_stopped_process_fails_and_a_long_quiet_call_does_not():
         began = time.monotonic()  # a call made while it is stopped: its kernel still accepts the connection
         with pytest.raises(TransportError, match="cannot reach"):
             channel.call("slow", Message({"s": 1.0}), timeout=60)
-        assert time.monotonic() - began < 15  # not the 20 s gRPC waits for a handshake by default
+        assert time.monotonic() - began < 8  # connect_timeout and a handshake's margin, not the 20 s gRPC waits by default
     finally:
         os.kill(server.pid, signal.SIGCONT)
         server.kill()

@@ -225,6 +225,15 @@ class SlotMap:
         return self if self.base is None else SlotMap.initial(self.base, self.num_slots)
 
     @property
+    def _placed_by(self) -> int:
+        """``base`` of every map that follows this one: the pserver count of the job's
+        first map. A map's blocks are placed by that map, never by one whose primaries a
+        failover or a resize moved (:attr:`placement`): with its own owners as the
+        placement, a small model's blocks would change slots (and so pservers) with no
+        slot moving, and a promoted backup would lack them."""
+        return self.num_pservers if self.base is None else self.base
+
+    @property
     def num_slots(self) -> int:
         return len(self.owners)
 
@@ -304,7 +313,7 @@ class SlotMap:
         holders = replicas_.place(replicas_.keep(surviving, self.owners, quota), surviving, quota, self.replicas)
         # the kept copies lead each list in their old order: the old primary, else its first surviving backup
         owners = replicas_.balance_primaries(holders, [hs[0] for hs in holders], m)
-        base = self.num_pservers if self.base is None else self.base
+        base = self._placed_by
         return SlotMap(
             version=self.version + 1, num_pservers=m, owners=tuple(owners), base=base, replicas=self.replicas,
             backups=[[p for p in hs if p != o] for hs, o in zip(holders, owners)],
@@ -332,7 +341,7 @@ class SlotMap:
                 "without it they are lost, and the job must roll back to its last checkpoint"
             )
         holders = [[p for p in self.holders(s) if p != pserver] for s in range(self.num_slots)]
-        return attrs.evolve(self, version=self.version + 1, owners=[hs[0] for hs in holders], backups=[hs[1:] for hs in holders])
+        return attrs.evolve(self, version=self.version + 1, owners=[hs[0] for hs in holders], backups=[hs[1:] for hs in holders], base=self._placed_by)
 
     def replenish(self, live: Collection[int] | None = None) -> SlotMap:
         """The next map with every slot back to ``replicas`` copies, made one at a time on
@@ -351,7 +360,7 @@ class SlotMap:
             raise ConfigError(f"{len(live)} live pservers {live} cannot hold {self.replicas} replicas of each slot; at least {self.replicas} are needed")
         holders = [list(self.holders(s)) for s in range(self.num_slots)]
         replicas_.replenish(holders, live, self.replicas, self.num_pservers)
-        return attrs.evolve(self, version=self.version + 1, backups=[hs[1:] for hs in holders])
+        return attrs.evolve(self, version=self.version + 1, backups=[hs[1:] for hs in holders], base=self._placed_by)
 
     def moved(self, other: SlotMap) -> int:
         """How many copies ``other`` makes anew (:meth:`moves`)."""

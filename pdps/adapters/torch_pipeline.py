@@ -32,6 +32,7 @@ from torch import nn
 
 from pdps.core.errors import BadRequest, ConfigError
 from pdps.core.pipeline import Action, Op, check_rank, lower_rank
+from pdps.nn import tables_of
 from pdps.ports.link import Link
 
 __all__ = ["StageRunner", "split"]
@@ -44,9 +45,16 @@ def split(model: nn.Sequential, stages: int, *, points: Sequence[int] | None = N
     those the largest stage's child count least, and among those the latest cuts (a
     child without parameters, an activation, stays with the one before it). A stage holds the model's children
     (not copies) under the model's names. Refused: a model that is not an
-    ``nn.Sequential``, fewer children than stages, bad points, a parameter two stages share."""
+    ``nn.Sequential``, a sparse table in it (no stage pulls or pushes rows), fewer children
+    than stages, bad points, a parameter two stages share."""
     if not isinstance(model, nn.Sequential):
         raise ConfigError(f"split cuts an nn.Sequential into stages; got {type(model).__name__}: wrap the model's layers in one")
+    tables = [name for name, _, _ in tables_of(model)]
+    if tables:
+        raise ConfigError(
+            f"the model holds sparse tables {tables}: a pipeline stage does not pull or push table rows (docs/pipeline.md, limits);"
+            " give the embedding a dense weight (sparse=False), or train the model with ctx.attach() and ctx.step()"
+        )
     if not isinstance(stages, int) or isinstance(stages, bool) or stages < 1:
         raise ConfigError(f"split needs stages >= 1, got {stages!r}")
     children = list(model._modules.items())  # not named_children(): it skips a module listed twice

@@ -243,6 +243,13 @@ def test_split_refusals():
     shared = nn.Linear(3, 3)
     with pytest.raises(ConfigError, match="parameter '2.weight' of stage 1 is '0.weight' of stage 0"):
         split(nn.Sequential(shared, nn.Tanh(), shared), 2, points=[2])
+    # a table would be pulled and never pushed by a stage: refused by name, whichever kind
+    import pdps.nn
+
+    for table in (nn.EmbeddingBag(10, 6, mode="sum", sparse=True), pdps.nn.HashEmbedding(6, mode="sum")):
+        with pytest.raises(ConfigError, match=r"sparse tables \['0.weight'\]: a pipeline stage does not pull or push table rows"):
+            split(nn.Sequential(table, nn.Linear(6, 1)), 2)
+    split(nn.Sequential(nn.EmbeddingBag(10, 6, mode="sum"), nn.Linear(6, 1)), 2)  # a dense embedding is a layer like any
 
 
 def test_runner_refusals_and_bounded_waits():

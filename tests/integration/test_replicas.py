@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -274,3 +275,38 @@ def test_a_job_that_ends_records_no_failover_as_its_pservers_leave(source, mode)
     assert (live.version, live.under_replicated()) == (1, [])
     status = job_status(store, f"ends-{mode}")
     assert status["slot_map"]["under_replicated"] == 0
+
+
+def test_sync_overlap_a_pserver_killed_mid_push_changes_nothing_and_drops_no_step(tmp_path):
+    """``pdps.simulate`` with ``Faults(pservers=1)``, sync, overlap on (each slot pushed
+    as backward reaches it), 2 replicas: the push cut off by the kill is pushed again by
+    the failover's map into the same round, so the job equals a run without the kill
+    bit for bit and every record is in a step that was applied. The overlap pipeline
+    used to turn the refused piece into a stale push and drop the step: one batch never
+    trained, while the audit counted its records (a new user's comparison found it)."""
+    from pdps.adapters.parquet import write_parquet_shards
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(2000, 8)).astype(np.float32)
+    write_parquet_shards({"x": x, "y": (x[:, :4].sum(axis=1) > 0).astype(np.int64)}, f"{tmp_path.as_uri()}/d", shards=4, row_group_size=50)
+
+    def fit(ctx) -> None:
+        g = torch.Generator().manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 2))
+        with torch.no_grad():
+            for p in model.parameters():
+                p.uniform_(-0.3, 0.3, generator=g)
+        model = ctx.attach(model)
+        for b in ctx.batches():
+            ctx.step(torch.nn.functional.cross_entropy(model(b["x"]), b["y"]))
+
+    job = dict(dataset=f"{tmp_path.as_uri()}/d", trainers=1, pservers=2, mode="sync", batch_size=25, replicas=2, overlap="on", timeout=120)
+    clean = pdps.simulate(fit, **job)
+    faulty = pdps.simulate(fit, faults=pdps.Faults(seed=1, pservers=1), **job)
+    (fault,) = faulty.faults
+    assert 0 < fault.done < 40  # killed mid-pass (its seeded moment: 20-80% of the 40 tasks done)
+    for run in (clean, faulty):
+        steps = [s for h in run.history.values() for s in h]
+        assert (run.steps, len(steps), sum(s.end - s.start for s in steps)) == (80, 80, 2000)
+    for name, want in clean.params.items():
+        assert torch.equal(faulty.params[name], want), name

@@ -302,7 +302,8 @@ def test_a_small_model_killed_pserver_under_simulate_changes_nothing(tmp_path):
     job = dict(dataset=f"{tmp_path.as_uri()}/d", trainers=1, pservers=3, replicas=2, batch_size=16, optimizer="Adagrad", optimizer_args={"lr": 0.1})
     clean = pdps.simulate(fit, **job)
     faulty = pdps.simulate(fit, faults=pdps.Faults(pservers=1, seed=1), timeout=120, **job)
-    assert [f.done for f in faulty.faults] == [5]  # killed mid-pass: 5 of its 8 tasks done
+    (fault,) = faulty.faults
+    assert 0 < fault.done < 8  # killed mid-pass (its seeded moment: 20-80% of the 8 tasks done)
     assert (faulty.steps, faulty.tasks_done) == (clean.steps, clean.tasks_done)
     want, got = clean.params["emb.weight"], faulty.params["emb.weight"]
     assert torch.equal(got.ids, want.ids) and len(got.ids) > 100 and torch.equal(got.values, want.values)

@@ -33,10 +33,13 @@ class Pipeline:
     A push-step arms it: as backward accumulates each parameter's gradient, a hook adds
     that parameter's blocks of each pserver to the pserver's bucket; a bucket of
     :data:`BUCKET_NUMEL` elements goes to the pserver's worker thread, which pushes it
-    (``"part": true``) and then zeroes those blocks. The pservers check each piece is
-    finite (the trainer makes no pass of its own over the gradient) and stage it; an
-    async step is applied by a last ``"final"`` message once every piece was accepted
-    everywhere. Async, once the pushes are in, the pull goes out bucket by bucket in
+    (``"part": true``) and, async, then zeroes those blocks. The pservers check each
+    piece is finite (the trainer makes no pass of its own over the gradient) and stage
+    it; an async step is applied by a last ``"final"`` message once every piece was
+    accepted everywhere. Sync, the gradient stays whole until the round is committed: a
+    piece a pserver refused because the slot map moved (a failover, a resize at this
+    round's boundary) comes back as :class:`SlotMapChanged`, and the trainer pushes the
+    whole gradient again by the new map, as it does without overlap. Async, once the pushes are in, the pull goes out bucket by bucket in
     forward order and :meth:`need` (a forward pre-hook) waits for a module's own
     parameters only.
     """
@@ -56,6 +59,7 @@ class Pipeline:
                 self._pieces[i].append((pi, positions))
         self._workers = [ThreadPoolExecutor(1, thread_name_prefix=f"{ctx.trainer_id}-ps{part.index}") for part in self._group.parts]
         self._meta: list[PushRequest] | None = None  # per part, while a push-step's backward runs
+        self._sync = ctx.config.mode is Mode.SYNC  # sync: the trainer zeroes the gradient once the round is committed
         self._sent: set[int] = set()
         self._bucket: list[list[int]] = []  # per part: block positions ready and not yet sent
         self._pushes: list[tuple[int, Future]] = []  # (part position, its reply)
@@ -74,9 +78,10 @@ class Pipeline:
 
     # --- pushes, during backward ----------------------------------------------------
 
-    def push(self, loss: Any, metas: list[PushRequest]) -> list[PushReply | StalePush]:
+    def push(self, loss: Any, metas: list[PushRequest]) -> list[PushReply | StalePush | SlotMapChanged]:
         """``loss.backward()`` with each slot pushed as soon as it is ready; one reply
-        per part (StalePush if it dropped the step), once every piece has been answered.
+        per part (StalePush if it dropped the step; sync, SlotMapChanged if a piece was
+        refused by a map it no longer serves), once every piece has been answered.
         Async, only then, and only if no piece was refused anywhere, does each pserver
         get the step's ``final`` message, which applies what it staged: a refused piece
         raises here and the step changes no parameter anywhere."""
@@ -95,8 +100,8 @@ class Pipeline:
             error = exc
         finally:
             self._meta = None
-        # (the workers zero each piece once pushed: the caller must not zero the buffer
-        # again, and parameters no piece covers hold no gradient anyone reads)
+        # (async, the workers zero each piece once pushed: the caller must not zero the
+        # buffer again, and parameters no piece covers hold no gradient anyone reads)
         results = self._replies(self._pushes)
         if error is not None:
             raise error
@@ -117,7 +122,7 @@ class Pipeline:
             exc = fut.exception()
             if exc is None:
                 reply = fut.result()
-                if isinstance(reply, StalePush) or not isinstance(results[pi], StalePush):
+                if isinstance(reply, (StalePush, SlotMapChanged)) or not isinstance(results[pi], (StalePush, SlotMapChanged)):
                     results[pi] = reply
             else:
                 failures.append(exc)
@@ -153,13 +158,14 @@ class Pipeline:
         request = attrs.evolve(self._meta[pi], blocks=tuple(b.key for b in blocks), part=True, first=first, tensors=tensors)
         self._pushes.append((pi, self._workers[pi].submit(self._push_piece, part, request, blocks)))
 
-    def _push_piece(self, part: Part, request: PushRequest, blocks: list[Block]) -> PushReply | StalePush:
-        """Push one piece (the pserver checks it is finite), then zero its gradient
-        blocks here, off the trainer's thread: the step no longer needs them."""
+    def _push_piece(self, part: Part, request: PushRequest, blocks: list[Block]) -> PushReply | StalePush | SlotMapChanged:
+        """Push one piece (the pserver checks it is finite); async, then zero its
+        gradient blocks here, off the trainer's thread: the step no longer needs them."""
         try:
             return self._call(part, request)
         finally:
-            self._replica.zero_blocks(blocks)
+            if not self._sync:
+                self._replica.zero_blocks(blocks)
 
     def _call(self, part: Part, request: Request, into: Sequence[Any] | None = None) -> Any:
         t0 = time.perf_counter()
@@ -167,10 +173,12 @@ class Pipeline:
             reply = self._group.ask(part, request, into)
         except StalePush as exc:
             return exc
-        except SlotMapChanged as exc:  # a resize moved slots: this step is dropped there, as a stale one
+        except SlotMapChanged as exc:  # a failover or a resize moved slots
             if not isinstance(request, PushRequest):
                 raise
-            return StalePush(f"pserver {part.index} serves a new slot map: {exc}")
+            if self._sync:
+                return exc  # the trainer pushes the step again, by the new map
+            return StalePush(f"pserver {part.index} serves a new slot map: {exc}")  # async: this push is dropped there
         finally:
             self._ctx._time("comm", time.perf_counter() - t0)
         if isinstance(reply, PushReply) and reply.update_s is not None:

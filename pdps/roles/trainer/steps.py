@@ -126,6 +126,13 @@ class SyncRound:
             try:
                 if loss is not None and self._pipeline is not None:
                     replies = self._pipeline.push(loss, [push] * len(self._group.parts))
+                    if any(isinstance(r, SlotMapChanged) for r in replies):
+                        # a failover or a resize at this round's boundary refused a piece: the
+                        # gradient is whole still (sync pieces are not zeroed), so push all of it
+                        # again by the new map, into the same round (staging replaces what the
+                        # pieces staged)
+                        self._follow_map()
+                        replies = self._push_each(push)
                 else:
                     self._replica.check_finite(self.trainer_id)  # all pservers or none: fail before the first push
                     if self._tables is not None:
@@ -146,10 +153,9 @@ class SyncRound:
             self.stale_pushes += 1
         elif refused is None and samples:
             self.pushes += len(self._group.parts)
-        if loss is None or self._pipeline is None:
-            # pushed or refused, the next step starts clean (the pipeline's workers zeroed
-            # each piece they pushed, refused or not)
-            self._zero_grad()
+        # pushed, refused or dropped, the next step starts clean (sync, the overlap
+        # pipeline's workers leave the gradient whole for a push again by a new map)
+        self._zero_grad()
         if stale:
             self._pull_fresh()
         else:

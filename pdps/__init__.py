@@ -97,7 +97,14 @@ __all__ = [
 ]
 
 
+#: submodules a user reaches as ``pdps.<name>`` after a plain ``import pdps`` (imported on
+#: first use: they load torch or the stream adapters)
+_SUBMODULES = frozenset({"nn", "streams", "exports"})
+
+
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"pdps.{name}")  # the import binds it in this module too
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'pdps' has no attribute {name!r}")
@@ -107,4 +114,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    return sorted(set(globals()) | set(_LAZY) | _SUBMODULES)

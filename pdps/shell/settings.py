@@ -145,7 +145,7 @@ SETTINGS: tuple[Setting, ...] = (
     _job("max_in_flight", int, "tasks one trainer may hold at once"),
     _job("lease_ttl", float, "seconds a role's lease lives without keep-alives (how fast a dead role is noticed)"),
     _job("num_slots", int, "slots the parameters are hashed into"),
-    _job("replicas", int, "copies of each slot, each on its own pserver (1: none; at most pservers); sync jobs only; every copy applies every round"),
+    _job("replicas", int, "copies of each slot, each on its own pserver (1: none; at most pservers; async jobs: at most 2, and no pserver resize); every copy applies every update"),
     _job("min_block", int, "fewest elements of a block of a parameter cut across slots (a model smaller than 8 such blocks per pserver is cut finer)"),
     _job("store_outage_deadline", float, "seconds a role rides out an unreachable store before it exits"),
     _job("checkpoint_url", str, "where checkpoints go (file:///abs/dir, s3://bucket/prefix); empty: no checkpoints"),

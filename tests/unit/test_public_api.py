@@ -72,3 +72,20 @@ def test_import_pdps_does_not_import_torch_until_a_name_needs_it():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+def test_the_public_submodules_are_reached_after_a_plain_import_pdps():
+    """docs/online.md and docs/sparse.md write ``pdps.streams.append``, ``pdps.nn.HashEmbedding``,
+    ``pdps.exports``: after ``import pdps`` alone, as a fresh process has it."""
+    code = (
+        "import sys\n"
+        "import pdps\n"
+        "assert 'pdps.streams' not in sys.modules and 'pdps.nn' not in sys.modules\n"
+        "assert {'nn', 'streams', 'exports'} <= set(dir(pdps))\n"
+        "assert callable(pdps.streams.append) and pdps.nn.HashEmbedding and pdps.exports.__name__ == 'pdps.exports'\n"
+        "import pdps.nn\n"
+        "assert pdps.nn is sys.modules['pdps.nn']\n"
+        "print('ok')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr

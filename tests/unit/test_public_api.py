@@ -60,32 +60,29 @@ def test_an_unknown_name_is_an_attribute_error():
         raise AssertionError("pdps.simulte resolved")
 
 
-def test_import_pdps_does_not_import_torch_until_a_name_needs_it():
-    code = (
-        "import sys\n"
-        "import pdps\n"
-        "from pdps import ConfigError, JobConfig, NoSuchJob, open_store\n"
-        "assert 'torch' not in sys.modules, 'import pdps imported torch'\n"
-        "from pdps import simulate, TrainerContext\n"
-        "assert pdps.Killed is not None\n"
-        "print('ok')\n"
-    )
+def in_a_fresh_process(*lines: str) -> None:
+    """Run ``import sys; import pdps`` then ``lines`` in a new interpreter; they must pass."""
+    code = "\n".join(["import sys", "import pdps", *lines, "print('ok')"])
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+def test_import_pdps_does_not_import_torch_until_a_name_needs_it():
+    in_a_fresh_process(
+        "from pdps import ConfigError, JobConfig, NoSuchJob, open_store",
+        "assert 'torch' not in sys.modules, 'import pdps imported torch'",
+        "from pdps import simulate, TrainerContext",
+        "assert pdps.Killed is not None",
+    )
 
 
 def test_the_public_submodules_are_reached_after_a_plain_import_pdps():
     """docs/online.md and docs/sparse.md write ``pdps.streams.append``, ``pdps.nn.HashEmbedding``,
     ``pdps.exports``: after ``import pdps`` alone, as a fresh process has it."""
-    code = (
-        "import sys\n"
-        "import pdps\n"
-        "assert 'pdps.streams' not in sys.modules and 'pdps.nn' not in sys.modules\n"
-        "assert {'nn', 'streams', 'exports'} <= set(dir(pdps))\n"
-        "assert callable(pdps.streams.append) and pdps.nn.HashEmbedding and pdps.exports.__name__ == 'pdps.exports'\n"
-        "import pdps.nn\n"
-        "assert pdps.nn is sys.modules['pdps.nn']\n"
-        "print('ok')\n"
+    in_a_fresh_process(
+        "assert 'pdps.streams' not in sys.modules and 'pdps.nn' not in sys.modules",
+        "assert {'nn', 'streams', 'exports'} <= set(dir(pdps))",
+        "assert callable(pdps.streams.append) and pdps.nn.HashEmbedding and pdps.exports.__name__ == 'pdps.exports'",
+        "import pdps.nn",
+        "assert pdps.nn is sys.modules['pdps.nn']",
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr

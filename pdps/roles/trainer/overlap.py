@@ -39,9 +39,10 @@ class Pipeline:
     accepted everywhere. Sync, the gradient stays whole until the round is committed: a
     piece a pserver refused because the slot map moved (a failover, a resize at this
     round's boundary) comes back as :class:`SlotMapChanged`, and the trainer pushes the
-    whole gradient again by the new map, as it does without overlap. Async, once the pushes are in, the pull goes out bucket by bucket in
-    forward order and :meth:`need` (a forward pre-hook) waits for a module's own
-    parameters only.
+    whole gradient again by the new map, as it does without overlap; it zeroes the
+    gradient itself once the round is committed (``ctx.step`` returns with it zero).
+    Async, once the pushes are in, the pull goes out bucket by bucket in forward order
+    and :meth:`need` (a forward pre-hook) waits for a module's own parameters only.
     """
 
     def __init__(self, ctx: TrainerContext) -> None:

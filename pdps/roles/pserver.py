@@ -1889,6 +1889,13 @@ class Pserver:
         old = self._slot_map
         if old is None or new.version <= old.version or self.index is None:
             return
+        # The shard of ``new`` built ahead, waited for (the lock released meanwhile) before
+        # anything here says ``new`` is served: a migrate call for ``new`` that came in the
+        # wait would otherwise find the map switched and nothing set aside for it yet.
+        self._await_prepared(new.version)
+        old = self._slot_map
+        if old is None or new.version <= old.version:
+            return  # another thread switched while this one waited
         if self._shard is None:
             try:
                 self._ensure_shard()  # the shard of the old map: empty for a pserver the resize adds
@@ -1910,7 +1917,6 @@ class Pserver:
             before = self._shard
             if not before.blocks and not before.initialized and self._store.get(self._keys.initialized) is not None:
                 before.import_blocks({})  # nothing of the model was here: nothing is missing either
-            self._await_prepared(new.version)
             prepared, self._prepared = self._prepared, None
             if prepared is None or prepared[0] != new.version:
                 prepared = None

@@ -279,6 +279,57 @@ def test_a_sync_switch_holds_up_nothing_it_need_not(source, monkeypatch):
         job.close()
 
 
+def test_an_async_source_still_building_its_empty_shard_hands_its_slots_over(source, monkeypatch):
+    """A shrink to one pserver: the leaving pserver builds its (empty) shard of the new map
+    ahead, but the switch does not wait for it (it holds nothing there). Its building is
+    held up 1.5 s, as on a loaded machine, so the new map reaches it mid-build and the
+    receiver's migrate call comes while it waits for the build: the call waits too (the
+    map is not switched until the slots are set aside), and the job goes on with no
+    rollback and every acknowledged push applied."""
+    prepare = Pserver._prepare
+
+    def slow(self, to_map, trainers):
+        if self.index == 1 and to_map.num_pservers == 1:
+            time.sleep(1.5)
+        return prepare(self, to_map, trainers)
+
+    monkeypatch.setattr(Pserver, "_prepare", slow)
+    job = start_job(source, name="elastic-async-build", mode="async", pservers=2, min_block=1, num_slots=16, lease_ttl=2.0,
+                    optimizer_args={"lr": LR}, batch_size=10, passes=1, task_timeout=60.0)
+    everyone = list(job.pservers)
+    errors: list[BaseException] = []
+    steps = [0]
+
+    def train(ctx) -> None:
+        try:
+            model = ctx.attach(make_model())
+            for batch in ctx.batches():
+                ctx.step(F.mse_loss(model(batch["x"]), batch["y"]))
+                steps[0] += 1
+                time.sleep(0.02)
+        except BaseException as exc:  # noqa: BLE001 - the test reports it
+            errors.append(exc)
+
+    ctx = job.trainer("t0")
+    ctx.register()
+    th = threading.Thread(target=train, args=(ctx,), daemon=True)
+    th.start()
+    try:
+        deadline = time.monotonic() + 30
+        while steps[0] < 5 and time.monotonic() < deadline and not errors:
+            time.sleep(0.01)
+        resize(job, 1)
+        th.join(timeout=60)
+        assert not errors and not th.is_alive(), errors
+        assert [ps.epoch for ps in job.pservers] == [0]  # no rollback
+        applied = collections.Counter()
+        for ps in everyone:
+            applied.update(ps.applied_by_slot)
+        assert +applied == +ctx.acknowledged and ctx.acknowledged
+    finally:
+        job.close()
+
+
 @pytest.mark.parametrize("when", ["growing", "migrating"])
 def test_a_master_replaced_in_the_middle_of_a_resize_finishes_it(source, monkeypatch, when):
     """The master stops while a grow waits for its new pserver (``growing``) or while the

@@ -132,6 +132,31 @@ def test_async_pushes_equal_torch_stepping_each_push(rule, args, cls):
     torch.testing.assert_close(r.lookup(torch.arange(N)), emb.weight.detach(), rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
+@pytest.mark.parametrize("maximize", [False, True])
+def test_sgd_rows_move_bit_for_bit_as_torchs_sparse_sgd(dtype, maximize):
+    """SGD adds into the rows where they lie (float32 and float64) or steps the gathered
+    rows with torch.optim.SGD (half precision): either way, the exact bits of torch's
+    own sparse step on the whole table."""
+    spec = TableSpec(name="emb", dim=DIM, dtype=dtype, num_rows=N)
+    rng = np.random.default_rng(3)
+    r = store(spec, "SGD", {"lr": 0.37, "maximize": maximize})
+    assert (r._add_alpha is not None) == (dtype in ("float32", "float64"))
+    emb = torch.nn.Embedding(N, DIM, sparse=True, dtype=getattr(torch, dtype))
+    with torch.no_grad():
+        emb.weight.copy_(torch.from_numpy(init_rows(spec, np.arange(N))))
+    ref = torch.optim.SGD(emb.parameters(), lr=0.37, maximize=maximize)
+    for _ in range(3):
+        ids, g = section(rng, 300)
+        g = g.to(emb.weight.dtype)
+        r.check(ids, g, "t0")
+        r.apply(ids, g)
+        ref.zero_grad()
+        (emb(ids) * g).sum().backward()
+        ref.step()
+    assert torch.equal(r.lookup(torch.arange(N)), emb.weight.detach())
+
+
 def test_a_push_reusing_its_trainers_pull_equals_one_probing_the_index():
     # design §10's lookup token: the pull's positions serve the same trainer's push of the
     # same ids, unless a row left its place since (LFU evictions here), and rows created

@@ -51,6 +51,7 @@ from pdps.core.errors import (
     StoreUnavailable,
     Timeout,
     TransportError,
+    Unauthenticated,
     UnknownSchemeError,
     UnknownTaskError,
 )
@@ -91,7 +92,7 @@ __all__ = [
     "Faults", "FencingError", "GradientRejected", "InvalidTransition", "JobConfig", "Killed", "LeaseExpired", "Loss",
     "MetaError", "MissingExtraError", "Mode", "NoSuchJob", "NoSuchPass", "NotInitialized", "NotReady", "PdpsError",
     "ResizeInProgress", "Session", "SimulationResult", "SlotMapChanged", "StalePush", "StepRecord", "StorageError", "StoreError", "StoreUnavailable", "Timeout",
-    "TrainerContext", "TransportError", "UnknownSchemeError", "UnknownTaskError",
+    "TrainerContext", "TransportError", "Unauthenticated", "UnknownSchemeError", "UnknownTaskError",
     "fetch_parameters", "graph_rule", "open_compute", "open_data_source", "open_storage", "open_store", "open_transport", "scale", "simulate",
     "simulate_control_plane",
 ]

@@ -56,6 +56,7 @@ from pdps.core.errors import (
     StalePush,
     Timeout,
     TransportError,
+    Unauthenticated,
     UnknownTaskError,
     error_classes,
 )
@@ -1177,7 +1178,7 @@ class GrpcChannel:
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
             return Timeout(f"call {where} ran past its {timeout} s deadline")
         if code == grpc.StatusCode.UNAUTHENTICATED:
-            return TransportError(f"authentication failed for {where}: {details} (give both sides the same token)")
+            return Unauthenticated(f"authentication failed for {where}: {details} (give both sides the same token)")
         if code == grpc.StatusCode.UNIMPLEMENTED:
             return TransportError(f"{self.address} has no method {method!r}: {details}")
         if code == grpc.StatusCode.UNAVAILABLE and accepted:
@@ -1255,7 +1256,7 @@ class GrpcChannel:
             return bulk.connect(self._host, port, token=t.token, tls=self._bulk_tls, deadline=deadline)
         except bulk.HelloRefused as exc:
             if exc.status == bulk.HELLO_BAD_TOKEN:
-                raise TransportError(f"authentication failed for the bulk channel of {self.address}: {exc} (give both sides the same token)") from exc
+                raise Unauthenticated(f"authentication failed for the bulk channel of {self.address}: {exc} (give both sides the same token)") from exc
             if exc.status == bulk.HELLO_NOT_BULK:
                 self._bulk_unreachable(port, exc)
             raise _NotRun(str(exc)) from exc

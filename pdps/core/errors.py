@@ -239,6 +239,14 @@ class Timeout(TransportError, TimeoutError):
     code = "timeout"
 
 
+class Unauthenticated(TransportError):
+    """The server refused this side's bearer token (or its lack of one): the two sides
+    were given different ``--token`` / ``PDPS_TOKEN`` values. Permanent: a role that
+    retries unreachable peers does not retry this one."""
+
+    code = "unauthenticated"
+
+
 class NotReady(PdpsError):
     """The callee is up but not ready for this request yet (e.g. parameters not initialized)."""
 

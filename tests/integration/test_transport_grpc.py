@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pdps.adapters import grpc_transport as gt
 from pdps.adapters.grpc_transport import GrpcTransport, TlsConfig
 from pdps.core import wire
-from pdps.core.errors import ConfigError, InvalidTransition, NotReady, StalePush, Timeout, TransportError
+from pdps.core.errors import ConfigError, InvalidTransition, NotReady, StalePush, Timeout, TransportError, Unauthenticated
 from pdps.ports.transport import ChannelStats, ConcurrentCalls, Message
 from pdps.roles import calls
 from tests.tls import make_tls
@@ -395,13 +395,32 @@ def test_unreachable_address_is_named_after_bounded_retries():
 def test_token_required_wrong_and_right(serve):
     calls = []
     ep = serve({"echo": lambda req: calls.append(1) or echo(req)}, GrpcTransport(token="s3cret"))
-    with pytest.raises(TransportError, match="authentication failed.*no bearer token"):
+    with pytest.raises(Unauthenticated, match="authentication failed.*no bearer token"):
         GrpcTransport().connect(ep.address).call("echo", Message({}, [torch.ones(3)]))
-    with pytest.raises(TransportError, match="authentication failed.*wrong bearer token"):
+    with pytest.raises(Unauthenticated, match="authentication failed.*wrong bearer token"):
         GrpcTransport(token="guess").connect(ep.address).call("echo", Message({}, [torch.ones(3)]))
     assert calls == []
     reply = GrpcTransport(token="s3cret").connect(ep.address).call("echo", Message({"ok": 1}))
     assert reply.meta == {"echo": {"ok": 1}} and calls == [1]
+
+
+def test_a_trainer_does_not_retry_a_wrong_token(serve):
+    """A wrong token stays wrong: the trainer's master client raises Unauthenticated at
+    its first call, where an unreachable master is looked up again for 120 s."""
+    from pdps.adapters.memory_store import MemoryStore
+    from pdps.core.job import Keys
+    from pdps.core.wire import GetTaskRequest
+    from pdps.roles.trainer.master_client import MasterClient
+
+    calls = []
+    ep = serve({"get_task": lambda req: calls.append(1) or Message({})}, GrpcTransport(token="s3cret"))
+    store, keys = MemoryStore(), Keys("tokens")
+    store.put(keys.master_addr, ep.address.encode())
+    client = MasterClient(store, GrpcTransport(token="guess"), keys, "t0")
+    start = time.monotonic()
+    with pytest.raises(Unauthenticated, match="authentication failed"):
+        client.call(GetTaskRequest(trainer="t0"))
+    assert time.monotonic() - start < 30 and calls == []
 
 
 def test_bad_options_are_config_errors():

@@ -6,7 +6,7 @@ import logging
 from typing import Any
 
 from pdps.core.backoff import Backoff
-from pdps.core.errors import FencingError, Timeout, TransportError
+from pdps.core.errors import FencingError, Timeout, TransportError, Unauthenticated
 from pdps.core.job import Keys
 from pdps.core.wire import GetTaskReply, GetTaskRequest, MasterRequest, ReportReply
 from pdps.ports.coordination import CoordinationStore
@@ -54,7 +54,7 @@ class MasterClient:
             try:
                 return calls.call(channel, request)
             except (TransportError, FencingError) as exc:
-                if isinstance(exc, Timeout) or not retrying.note():
+                if isinstance(exc, (Timeout, Unauthenticated)) or not retrying.note():  # a wrong token stays wrong
                     raise
                 log.warning("trainer %s: master unavailable for %s (%s); looking it up again", self._trainer_id, request.METHOD, exc)
                 channel.close()

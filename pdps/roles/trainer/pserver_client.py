@@ -12,7 +12,7 @@ from typing import Any
 import attrs
 
 from pdps.core.backoff import Backoff
-from pdps.core.errors import ConfigError, CorruptRecord, EpochChanged, NotInitialized, NotReady, PdpsError, SlotMapChanged, StalePush, StoreError, Timeout, TransportError
+from pdps.core.errors import ConfigError, CorruptRecord, EpochChanged, NotInitialized, NotReady, PdpsError, SlotMapChanged, StalePush, StoreError, Timeout, TransportError, Unauthenticated
 from pdps.core.job import JobConfig, Keys, decode_as
 from pdps.core.slots import Block, Layout, ParamSpec, SlotMap
 from pdps.core.wire import Request
@@ -222,7 +222,7 @@ class PserverGroup:
                 error: PdpsError = exc
                 self._map_moved(part, exc)
             except TransportError as exc:
-                if isinstance(exc, Timeout):
+                if isinstance(exc, (Timeout, Unauthenticated)):  # a wrong token stays wrong
                     raise
                 error = exc
                 self._map_moved(part, exc)  # a resize let this pserver go: follow the map, not the pserver

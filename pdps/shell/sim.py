@@ -329,6 +329,35 @@ def _check_arguments(
     require_seconds("timeout", timeout)
 
 
+def serve_address(transport: str | Transport, opened: Transport, *, roles: int, what: str) -> str:
+    """Where ``roles`` roles of a job run in this process serve on ``opened``, the
+    transport the ``transport`` argument names (a URL) or is (an adapter).
+
+    ``inproc://`` in process. Over gRPC, 127.0.0.1, or the host the URL names
+    (``grpc://`` or ``grpc``; ``grpc://HOST``), at port 0: each role binds a free port
+    and publishes it in the store. A URL naming a port other than 0 is refused unless
+    one role serves (two cannot bind one port). Another adapter has no default: ConfigError."""
+    import urllib.parse
+
+    scheme = getattr(opened, "scheme", None)
+    if scheme == "inproc":
+        return "inproc://"
+    if scheme != "grpc":
+        raise ConfigError(f"{what}: no default address to serve at for transport {shown(transport)}: give address=")
+    rest = transport.split("://", 1)[1].strip("/") if isinstance(transport, str) and "://" in transport else ""
+    try:
+        parts = urllib.parse.urlsplit("//" + rest)
+        host, port = parts.hostname or "127.0.0.1", parts.port or 0
+    except ValueError as exc:
+        raise ConfigError(f"{what}: transport {transport!r} is no grpc://HOST[:PORT] URL: {exc}") from exc
+    if port and roles > 1:
+        raise ConfigError(
+            f"{what}: transport {transport!r} names port {port}, but {roles} roles serve in this process, each on a port of its own: "
+            f"give grpc://{host} (each role binds a free port)"
+        )
+    return f"grpc://[{host}]:{port}" if ":" in host else f"grpc://{host}:{port}"
+
+
 def fetch_parameters(store: CoordinationStore, transport: Transport, config: JobConfig) -> dict[str, Any]:
     """The model's current parameters, pulled from the pservers, as ``name -> tensor``;
     each sparse table (:mod:`pdps.nn`) as ``name -> pdps.nn.TableRows``, every row it has."""

@@ -104,7 +104,8 @@ class Session:
 
         ``address`` is where the pservers serve: by default ``inproc://`` in process,
         and over gRPC (``"grpc"``, ``"grpc://"``, ``"grpc://HOST"`` or a gRPC adapter)
-        127.0.0.1 or HOST at a free port each (:func:`pdps.shell.sim.serve_address`). ``settings`` are
+        127.0.0.1 or HOST at a free port each; another adapter at ``<its scheme>://``
+        (:func:`pdps.shell.sim.serve_address`). ``settings`` are
         further :class:`~pdps.core.job.JobConfig` fields (``min_block``, ``lease_ttl``,
         ``name``, ...). The job starts at the first eval, with its model and optimizer.
         """

@@ -227,3 +227,13 @@ def test_a_job_registered_again_with_another_rule_names_the_rules_by_digest():
     text = str(err.value)
     assert len(text) < 1000 and "'nodes'" not in text
     assert all(digest(r["graph"])[:12] in text for r in rules) and "lr=0.002" in text
+
+
+def test_a_job_config_refusing_a_rule_shows_it_by_digest():
+    from pdps.core.job import JobConfig
+
+    _, args = graph_rule(torch.optim.Adam(make_model().parameters(), lr=0.05))
+    graph = dict(args["graph"], state=tuple(args["graph"]["state"]))  # a tuple does not survive JSON as itself
+    with pytest.raises(ConfigError, match="optimizer_args must be JSON-safe") as err:
+        JobConfig(dataset="d", optimizer="graph", optimizer_args={"graph": graph})
+    assert len(str(err.value)) < 1000 and "sha256" in str(err.value)

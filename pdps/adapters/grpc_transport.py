@@ -1127,10 +1127,13 @@ class GrpcChannel:
             retry_until = min(retry_until, deadline)
         unavailable = Retry(RECONNECT, deadline=max(0.0, retry_until - time.monotonic()))
         attempts = 0
+        unreached: str | None = None  # why the last try found no server (None: none failed so)
         while True:
             attempts += 1
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
+                if unreached is not None:  # the deadline ran out while the peer could not be reached
+                    raise self._unreachable(method, timeout, attempts - 1, time.monotonic() - start, unreached)
                 raise Timeout(f"call {method!r} to {self.address} ran past its {timeout} s deadline")
             try:
                 call = self._stream(_frames(header, views, self._transport.chunk_bytes, tally), timeout=remaining, metadata=self._metadata)
@@ -1140,13 +1143,26 @@ class GrpcChannel:
                 return self._seen(method, self._reply(call, method, tally, into))
             except grpc.RpcError as exc:
                 accepted = _metadata_value(call.initial_metadata(), ACCEPTED_KEY) is not None
-                if call.code() == grpc.StatusCode.UNAVAILABLE and not accepted and unavailable.note():
-                    log.debug("%s unavailable (%s); retrying %r (try %d)", self.address, call.details(), method, attempts + 1)
-                    unavailable.pause()
-                    continue
+                code, details, spent = call.code(), call.details() or "", time.monotonic() - start
+                if code == grpc.StatusCode.UNAVAILABLE and not accepted:
+                    unreached = details
+                    if unavailable.note():
+                        log.debug("%s unavailable (%s); retrying %r (try %d)", self.address, details, method, attempts + 1)
+                        unavailable.pause()
+                        continue
+                    if deadline is not None and retry_until >= deadline:  # the call's deadline, not connect_timeout, ended the retries
+                        raise self._unreachable(method, timeout, attempts, spent, details) from exc
+                elif code == grpc.StatusCode.DEADLINE_EXCEEDED and not accepted and unreached is not None:
+                    raise self._unreachable(method, timeout, attempts, spent, unreached) from exc  # still connecting when time ran out
                 remote = _metadata_value(call.trailing_metadata(), ERROR_CODE_KEY)
-                spent = time.monotonic() - start
-                raise self._error(call.code(), call.details() or "", remote, method, timeout, accepted, attempts, spent) from exc
+                raise self._error(code, details, remote, method, timeout, accepted, attempts, spent) from exc
+
+    def _unreachable(self, method: str, timeout: float | None, attempts: int, spent: float, details: str) -> Timeout:
+        """The Timeout of a call whose deadline ran out before any try reached the server."""
+        return Timeout(
+            f"cannot reach {self.address} for {method!r} within its {timeout} s deadline ({attempts} attempts in {spent:.1f} s;"
+            f" is it serving, with TLS on both sides or neither?): {details}"
+        )
 
     def _reply(self, call: Any, method: str, tally: _Tally, into: Sequence[torch.Tensor] | None = None) -> Message:
         frames = iter(call)

@@ -30,9 +30,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pdps.core.errors import ConfigError, GradientRejected, NotReady
+from pdps.core.errors import BadGraph, ConfigError, GradientRejected, NotReady
 from pdps.core.slots import Block, ParamSpec, block_entry, parse_entry
 from pdps.core.tables import TableSpec
+from pdps.core.updategraph import brief_args
 
 if TYPE_CHECKING:
     from pdps.adapters.torch_rows import TorchRows
@@ -142,7 +143,7 @@ def optimizer_kwargs(kwargs: Mapping[str, Any]) -> dict[str, Any]:
             same = False
         if not same:
             raise ConfigError(
-                f"optimizer argument {key!r} = {value!r} is not JSON-safe: use finite numbers, strings, "
+                f"optimizer argument {key!r} = {value!r:.200} is not JSON-safe: use finite numbers, strings, "
                 "booleans, null, and lists or string-keyed objects of them (it travels in the job config)"
             )
         out[key] = _tuples(plain)
@@ -180,18 +181,22 @@ def _check_argument_names(cls: type, name: str, given: Mapping[str, Any]) -> Non
         if key not in known:
             close = difflib.get_close_matches(key, known, n=1)
             hint = f"did you mean {close[0]!r}?" if close else f"it takes {', '.join(known)}"
-            raise ConfigError(f"optimizer {name!r} takes no argument {key!r} ({hint}); optimizer_args given: {dict(given)}")
+            raise ConfigError(f"optimizer {name!r} takes no argument {key!r} ({hint}); optimizer_args given: {brief_args(dict(given))}")
 
 
 def _build(
     cls: type[torch.optim.Optimizer], name: str, params: Sequence[torch.Tensor], kwargs: dict[str, Any], given: Mapping[str, Any]
 ) -> torch.optim.Optimizer:
     """``cls(params, **kwargs)``; a refusal is a ConfigError showing the arguments the user ``given``
-    (``kwargs`` adds the kernel choice)."""
+    (``kwargs`` adds the kernel choice). A graph rule's refusal (BadGraph) is raised as it
+    is: its message names the program, node and operator, and the rule is no argument a
+    user reads."""
     try:
         return cls(list(params), **kwargs)
+    except BadGraph:
+        raise
     except (TypeError, ValueError, RuntimeError) as exc:
-        raise ConfigError(f"optimizer {name!r} refused its arguments {dict(given)}: {exc}") from exc
+        raise ConfigError(f"optimizer {name!r} refused its arguments {brief_args(dict(given))}: {exc}") from exc
 
 
 # --- dtypes and devices -------------------------------------------------------------------
@@ -249,7 +254,9 @@ class TorchCompute:
         return StageRunner(module, stage, stages, link, loss_fn, ranks=ranks, timeout=timeout)
 
     def check_optimizer(self, name: str, kwargs: Mapping[str, Any]) -> None:
-        """ConfigError unless ``name`` is an element-wise rule that accepts ``kwargs``.
+        """ConfigError unless ``name`` is an element-wise rule that accepts ``kwargs``;
+        for ``optimizer="graph"``, the rule's own :class:`~pdps.core.errors.BadGraph` (a
+        ConfigError) as the checker raised it.
 
         Builds the rule on a one-element tensor and takes one step, so arguments torch
         only checks when stepping are caught here too.
@@ -264,8 +271,10 @@ class TorchCompute:
         opt = _build(cls, name, [dummy], args, given)
         try:
             opt.step()
+        except BadGraph:
+            raise
         except (TypeError, ValueError, RuntimeError) as exc:
-            raise ConfigError(f"optimizer {name!r} failed a step with arguments {given}: {exc}") from exc
+            raise ConfigError(f"optimizer {name!r} failed a step with arguments {brief_args(given)}: {exc}") from exc
 
     def replica(self, module: torch.nn.Module) -> TorchReplica:
         return TorchReplica(module, self.device)

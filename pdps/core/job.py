@@ -17,6 +17,7 @@ import attrs
 from pdps.core.errors import ConfigError, CorruptRecord
 from pdps.core.sgd import Cadence, Mode
 from pdps.core.slots import DEFAULT_MIN_BLOCK, DEFAULT_NUM_SLOTS
+from pdps.core.updategraph import brief_args
 
 DEFAULT_JOB = "default"
 #: The schedules a pipeline job may run (``pipeline_schedule``; :mod:`pdps.core.pipeline`).
@@ -68,8 +69,8 @@ def _json_safe(_inst: object, attr: attrs.Attribute, value: Any) -> None:
         ok = json.loads(json.dumps(value)) == value
     except (TypeError, ValueError):
         ok = False
-    if not ok:
-        raise ConfigError(f"{attr.name} must be JSON-safe (numbers, strings, lists, dicts), got {value!r}")
+    if not ok:  # an update rule (optimizer_args' graph) is shown by its digest, not its ~10 KB
+        raise ConfigError(f"{attr.name} must be JSON-safe (numbers, strings, lists, dicts), got {brief_args(value)!r:.300}")
 
 
 def _optimizer_args(value: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -220,6 +220,27 @@ def digest(graph: Mapping[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def brief(graph: Any) -> str:
+    """A rule as a message shows it: its ``about`` line and the start of its digest, never
+    its nodes (a traced Adam is about 10 KB of JSON)."""
+    if not isinstance(graph, Mapping):
+        return f"{graph!r:.80}"
+    about = graph.get("about")
+    about = about[:200] if isinstance(about, str) and about else "an update rule"
+    try:
+        return f"<{about}, sha256 {digest(graph)[:12]}>"
+    except BadGraph:
+        return f"<{about}, not JSON>"
+
+
+def brief_args(args: Any) -> Any:
+    """An optimizer's arguments as a message shows them: a ``graph`` entry (the rule of
+    ``optimizer="graph"``) as :func:`brief` shows it, the others as they are."""
+    if not isinstance(args, Mapping) or "graph" not in args:
+        return args
+    return {k: brief(v) if k == "graph" else v for k, v in args.items()}
+
+
 def _refuse_json(value: Any) -> Any:
     raise BadGraph(f"update rule holds a {type(value).__name__}, which JSON cannot carry", field="graph")
 

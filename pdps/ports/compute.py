@@ -287,7 +287,9 @@ class Compute(Protocol):
 
     def check_optimizer(self, name: str, kwargs: Mapping[str, Any]) -> None:
         """Raise ConfigError unless ``name`` is an element-wise rule and ``kwargs`` are
-        JSON-safe and accepted by it."""
+        JSON-safe and accepted by it; a rule shipped as a graph (``"graph"``) that its
+        checker refuses raises that :class:`~pdps.core.errors.BadGraph` (a ConfigError)
+        as it is, with its own message."""
         ...
 
     def replica(self, module: Any) -> ModelReplica: ...

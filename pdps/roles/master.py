@@ -81,6 +81,7 @@ from pdps.core.tasks import (
 )
 from pdps.core.tasks import State as TaskState
 from pdps.core.txn import Decision, Done, Write
+from pdps.core.updategraph import brief_args
 from pdps.core.wire import (
     CheckpointReply,
     CheckpointRequest,
@@ -142,9 +143,17 @@ def publish_job(store: CoordinationStore, config: JobConfig) -> JobConfig:
     )
     existing = JobConfig.decode(store.get(keys.config).value, keys.config)  # type: ignore[union-attr]
     if existing != config:
-        diff = {k: (v, config.to_json()[k]) for k, v in existing.to_json().items() if config.to_json()[k] != v}
+        given = config.to_json()
+        # an update rule shipped as a graph is shown by its digest, not its ~10 KB of nodes
+        diff = {k: _brief(k, v, given[k]) for k, v in existing.to_json().items() if given[k] != v}
         raise ConfigError(f"job {config.name!r} already exists with other settings (stored, given): {diff}")
     return existing
+
+
+def _brief(name: str, stored: object, given: object) -> tuple[object, object]:
+    if name in ("optimizer_args", "sparse_optimizer_args"):
+        return brief_args(stored), brief_args(given)
+    return stored, given
 
 
 class Master:

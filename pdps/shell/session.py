@@ -102,8 +102,10 @@ class Session:
         """A session whose evals run as a sync job: ``pservers`` pserver roles over
         ``store`` and ``transport`` (a URL or an adapter), ``trainers`` trainer workers.
 
-        ``address`` is where the pservers serve (default ``inproc://``, or
-        ``grpc://127.0.0.1:0`` for a gRPC transport named by URL). ``settings`` are
+        ``address`` is where the pservers serve: by default ``inproc://`` in process,
+        and over gRPC (``"grpc"``, ``"grpc://"``, ``"grpc://HOST"`` or a gRPC adapter)
+        127.0.0.1 or HOST at a free port each; another adapter at ``<its scheme>://``
+        (:func:`pdps.shell.sim.serve_address`). ``settings`` are
         further :class:`~pdps.core.job.JobConfig` fields (``min_block``, ``lease_ttl``,
         ``name``, ...). The job starts at the first eval, with its model and optimizer.
         """
@@ -285,17 +287,11 @@ class _Remote(_Runtime):
         from pdps.registry import connect_store, open_transport
 
         self._own_store = isinstance(store, str) and not (store.startswith("memory://") and store.rstrip("/") != "memory:")
+        from pdps.shell.sim import serve_address
+
         self._transport = open_transport(transport) if isinstance(transport, str) else transport
         if address is None:
-            from pdps.adapters.inproc import InprocTransport
-
-            scheme = transport.split("://")[0] if isinstance(transport, str) else None
-            if scheme == "grpc":
-                address = transport if transport.split("://", 1)[1] else "grpc://127.0.0.1:0"
-            elif scheme == "inproc" or isinstance(self._transport, InprocTransport):
-                address = "inproc://"
-            else:
-                raise ConfigError(f"Session.remote: give address= (where the pservers serve) for transport {transport!r}")
+            address = serve_address(transport, self._transport, roles=pservers, what="Session.remote")
         self._address = address
         self._store = connect_store(store) if isinstance(store, str) else store  # last: nothing to close if an argument is refused
         self._trainers, self._pservers = trainers, pservers

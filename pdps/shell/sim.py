@@ -2,7 +2,8 @@
 
 The composition root for in-process jobs: it builds the roles from adapters
 (``memory://`` store, ``inproc://`` transport and torch compute unless told
-otherwise), runs each trainer's training function on its own thread, follows the
+otherwise; over ``grpc://`` the master and pservers serve real gRPC on 127.0.0.1),
+runs each trainer's training function on its own thread, follows the
 job's desired counts (a resize that wants more trainers or pservers gets new threads
 for them; those it removes end by themselves), and returns the final parameters
 *pulled from the pservers* with the job's counters.
@@ -129,11 +130,13 @@ def simulate(
     if compute is None:
         compute = open_compute("torch")
     compute.check_optimizer(config.optimizer, config.optimizer_args)  # refuse a bad rule before anything starts
+    tr = open_transport(transport) if isinstance(transport, str) else transport
+    # the master and each pserver serve there (over gRPC: each on a free port of 127.0.0.1)
+    address = serve_address(transport, tr, roles=1 + config.pservers, what="simulate")
     st = connect_store(store) if isinstance(store, str) else store
     # a store opened from a URL is closed at the end (its connections, its threads), except a
     # named memory store, which others in this process may share
     own_store = isinstance(store, str) and not (store.startswith("memory://") and store.rstrip("/") != "memory:")
-    tr = open_transport(transport) if isinstance(transport, str) else transport
 
     if st.get(Keys(config.name).config) is not None:
         if own_store:
@@ -148,14 +151,16 @@ def simulate(
 
     def new_master(via: CoordinationStore) -> Master:
         return Master(
-            *adapters("master", via, tr), source, config, checkpoints=open_checkpoint_files(config.checkpoint_url),
+            *adapters("master", via, tr), source, config, address=address, checkpoints=open_checkpoint_files(config.checkpoint_url),
             on_window=hooks, before_job=None if before is None else lambda: run_before_job(via, config, before),
         )  # fmt: skip
 
     def new_pserver(index: int | None) -> Pserver:
         # a replacement at a killed one's index waits for the old claim to run out with its lease
         wait = 0.0 if index is None else CLAIM_WAIT_TTLS * config.lease_ttl
-        return Pserver(*adapters("pserver", st, tr), compute, config, index=index, claim_wait=wait, checkpoints=open_checkpoint_files(config.checkpoint_url))
+        return Pserver(
+            *adapters("pserver", st, tr), compute, config, index=index, address=address, claim_wait=wait, checkpoints=open_checkpoint_files(config.checkpoint_url)
+        )
 
     def new_trainer(trainer_id: str) -> TrainerContext:
         # trainer-0's model is the job's: the others attach after it, so a trainer with another
@@ -327,6 +332,36 @@ def _check_arguments(
             raise ConfigError(f"kill must be a dict of trainer index -> steps: trainer index {shown(index)} is not a whole number")
         require_whole_number(f"kill[{index}]", steps, 0)
     require_seconds("timeout", timeout)
+
+
+def serve_address(transport: str | Transport, opened: Transport, *, roles: int, what: str) -> str:
+    """Where ``roles`` roles of a job run in this process serve on ``opened``, the
+    transport the ``transport`` argument names (a URL) or is (an adapter).
+
+    ``inproc://`` in process. Over gRPC, 127.0.0.1, or the host the URL names
+    (``grpc://`` or ``grpc``; ``grpc://HOST``), at port 0: each role binds a free port
+    and publishes it in the store. A URL naming a port other than 0 is refused unless
+    one role serves (two cannot bind one port). Another adapter serves at ``<its
+    scheme>://``: an empty name, which the transport port says picks a free one."""
+    import urllib.parse
+
+    scheme = getattr(opened, "scheme", None)
+    if not isinstance(scheme, str) or not scheme:
+        raise ConfigError(f"{what}: transport {shown(transport)} has no scheme (the Transport port's `scheme`), so no address to serve at")
+    if scheme != "grpc":
+        return f"{scheme}://"
+    rest = transport.split("://", 1)[1].strip("/") if isinstance(transport, str) and "://" in transport else ""
+    try:
+        parts = urllib.parse.urlsplit("//" + rest)
+        host, port = parts.hostname or "127.0.0.1", parts.port or 0
+    except ValueError as exc:
+        raise ConfigError(f"{what}: transport {transport!r} is no grpc://HOST[:PORT] URL: {exc}") from exc
+    if port and roles > 1:
+        raise ConfigError(
+            f"{what}: transport {transport!r} names port {port}, but {roles} roles serve in this process, each on a port of its own: "
+            f"give grpc://{host} (each role binds a free port)"
+        )
+    return f"grpc://[{host}]:{port}" if ":" in host else f"grpc://{host}:{port}"
 
 
 def fetch_parameters(store: CoordinationStore, transport: Transport, config: JobConfig) -> dict[str, Any]:

@@ -85,9 +85,10 @@ def reference(source: ParquetSource, dtype: torch.dtype, optimizer: str | type[t
     return {name: p.detach() for name, p in model.named_parameters()}
 
 
-def run_sync(source, dtype, optimizer, kwargs, *, pservers=2, min_block=8):
+def run_sync(source, dtype, optimizer, kwargs, *, pservers=2, min_block=8, transport="inproc://"):
     return pdps.simulate(
         train_mse(dtype),
+        transport=transport,
         dataset=source,
         trainers=N,
         pservers=pservers,
@@ -127,6 +128,25 @@ def test_sync_sgd_equals_single_process_training(tmp_path, optimizer, kwargs, dt
         torch.testing.assert_close(got, w, **tol, msg=lambda m, n=name: f"{n}: {m}")
         moved |= not torch.equal(w, make_model(dtype).state_dict()[name])
     assert moved  # training changed the parameters: the comparison is not between two initial states
+
+
+def test_simulate_over_grpc_serves_the_roles_on_loopback_and_trains_the_same(tmp_path, caplog):
+    """transport="grpc://" runs the master and the pservers as gRPC servers on 127.0.0.1
+    (free ports) in this process; the result equals single-process torch as in process."""
+    source = regression_dataset(tmp_path.as_uri(), np.float64)
+    with caplog.at_level(logging.INFO, logger="pdps.roles"):
+        result = run_sync(source, torch.float64, "Adam", {"lr": 0.01}, transport="grpc://")
+    serving = [r.getMessage() for r in caplog.records if " serving at " in r.getMessage()]
+    assert len(serving) == 3 and all(" serving at grpc://127.0.0.1:" in m for m in serving), serving
+    assert result.steps == K
+    want = reference(source, torch.float64, "Adam", {"lr": 0.01})
+    for name, w in want.items():
+        torch.testing.assert_close(result.params[name], w, rtol=1e-9, atol=1e-10)
+
+
+def test_simulate_refuses_one_fixed_port_for_its_roles(tmp_path):
+    with pytest.raises(ConfigError, match="names port 5000, but 3 roles serve"):
+        pdps.simulate(train_mse(torch.float64), dataset=regression_dataset(tmp_path.as_uri(), np.float64), pservers=2, transport="grpc://127.0.0.1:5000")
 
 
 def test_sharding_changes_nothing(tmp_path):

@@ -94,3 +94,21 @@ def test_a_trainer_that_fails_does_not_hang_the_others_and_fails_the_session():
             session.eval([loss, opt], feed(n=7))
         with pytest.raises(pdps.ConfigError, match="failed in an earlier eval"):
             session.eval([loss], feed())
+
+
+@pytest.mark.parametrize("transport", ["grpc", GrpcTransport], ids=["scheme", "adapter"])
+def test_remote_over_grpc_given_without_an_address(transport):
+    """A gRPC transport named by its scheme alone (or given as an adapter) serves the
+    pservers on 127.0.0.1 at free ports, as the docs say; it raised IndexError."""
+    session = pdps.Session.remote(transport=transport if isinstance(transport, str) else transport(), trainers=2, pservers=2, min_block=4)
+    assert session._runtime._address == "grpc://127.0.0.1:0"
+    local = run(pdps.Session.local(), lambda ps: torch.optim.Adam(ps, lr=0.05), evals=2)
+    remote = run(session, lambda ps: torch.optim.Adam(ps, lr=0.05), evals=2)
+    assert local[0] == pytest.approx(remote[0], abs=1e-10, rel=0)
+    for a, b in zip(local[1], remote[1]):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
+
+
+def test_remote_refuses_one_fixed_port_for_several_pservers():
+    with pytest.raises(pdps.ConfigError, match="names port 5000, but 2 roles serve"):
+        pdps.Session.remote(transport="grpc://127.0.0.1:5000", pservers=2)

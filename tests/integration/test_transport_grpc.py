@@ -389,6 +389,16 @@ def test_unreachable_address_is_named_after_bounded_retries():
     assert time.monotonic() - start < 5
 
 
+def test_an_unreachable_address_within_a_call_deadline_is_named_as_such():
+    """A deadline shorter than connect_timeout ends the retries: the Timeout says the peer
+    could not be reached, not only that time ran out."""
+    address = f"grpc://127.0.0.1:{free_port()}"
+    start = time.monotonic()
+    with pytest.raises(Timeout, match=f"cannot reach {address} for 'echo' within its 0.5 s deadline"):
+        GrpcTransport(connect_timeout=30).connect(address).call("echo", Message({}), timeout=0.5)
+    assert time.monotonic() - start < 5
+
+
 # --- token -----------------------------------------------------------------------------
 
 

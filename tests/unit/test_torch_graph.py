@@ -188,3 +188,52 @@ def test_a_hand_written_rule_runs_as_torch_sgd_with_momentum():
         opt.step()
         torch.testing.assert_close(b, a, rtol=0, atol=1e-12)
         torch.testing.assert_close(opt.state[b]["buf"], ref.state[a]["momentum_buffer"], rtol=0, atol=1e-12)
+
+
+def test_a_refused_rule_reaches_the_user_as_bad_graph_with_a_short_message():
+    """What simulate, a pserver and Session.remote check (the compute port's check) raises
+    the rule's own BadGraph, not a ConfigError quoting the ~10 KB rule."""
+    from pdps.registry import open_compute
+
+    _, args = graph_rule(torch.optim.Adam(make_model().parameters(), lr=0.05))
+    broken = json.loads(json.dumps(args["graph"]))
+    broken["step"]["nodes"][0]["args"].append(3)  # refused by the probe step
+    other_dtype = dict(args["graph"], dtype="float32")  # refused by the output check
+    outside = json.loads(json.dumps(args["graph"]))
+    outside["step"]["nodes"][0]["op"] = "atan.default"  # refused by the checker
+    compute = open_compute("torch", device="cpu")
+    for graph in (broken, other_dtype, outside):
+        with pytest.raises(BadGraph) as err:
+            compute.check_optimizer("graph", {"graph": graph})
+        assert type(err.value) is BadGraph
+        assert len(str(err.value)) < 1000 and "'nodes'" not in str(err.value)
+    with pytest.raises(ConfigError, match="takes no argument 'lr'") as err:
+        compute.check_optimizer("graph", {**args, "lr": 0.1})
+    assert "'nodes'" not in str(err.value) and "sha256" in str(err.value)
+
+
+def test_a_job_registered_again_with_another_rule_names_the_rules_by_digest():
+    from pdps.core.job import JobConfig
+    from pdps.core.updategraph import digest
+    from pdps.registry import open_store
+    from pdps.roles.master import publish_job
+
+    rules = [graph_rule(torch.optim.Adam(make_model().parameters(), lr=lr))[1] for lr in (1e-3, 2e-3)]
+    store = open_store("memory://")
+    publish_job(store, JobConfig(name="j", dataset="d", optimizer="graph", optimizer_args=rules[0]))
+    publish_job(store, JobConfig(name="j", dataset="d", optimizer="graph", optimizer_args=rules[0]))  # the same rule: accepted
+    with pytest.raises(ConfigError, match="already exists with other settings") as err:
+        publish_job(store, JobConfig(name="j", dataset="d", optimizer="graph", optimizer_args=rules[1]))
+    text = str(err.value)
+    assert len(text) < 1000 and "'nodes'" not in text
+    assert all(digest(r["graph"])[:12] in text for r in rules) and "lr=0.002" in text
+
+
+def test_a_job_config_refusing_a_rule_shows_it_by_digest():
+    from pdps.core.job import JobConfig
+
+    _, args = graph_rule(torch.optim.Adam(make_model().parameters(), lr=0.05))
+    graph = dict(args["graph"], state=tuple(args["graph"]["state"]))  # a tuple does not survive JSON as itself
+    with pytest.raises(ConfigError, match="optimizer_args must be JSON-safe") as err:
+        JobConfig(dataset="d", optimizer="graph", optimizer_args={"graph": graph})
+    assert len(str(err.value)) < 1000 and "sha256" in str(err.value)

@@ -80,12 +80,8 @@ def open_role_transport(values: Mapping[str, Any]) -> Any:
 
     if values["transport"] == "inproc":
         return open_transport("inproc")
+    check_tls_files(values)
     cert, key, ca = values.get("tls_cert"), values.get("tls_key"), values.get("tls_ca")
-    if bool(cert) != bool(key):
-        raise ConfigError("tls_cert and tls_key go together: give both or neither")
-    for name, path in (("tls_cert", cert), ("tls_key", key), ("tls_ca", ca)):
-        if path and not os.path.isfile(path):
-            raise ConfigError(f"{name} {path} is not a readable file")
     # A call to an unreachable peer fails after connect_timeout; the roles retry above it
     # with the peer's address looked up again in the store (a restarted pserver or master
     # serves elsewhere), so the channel itself only needs to ride out a blip.
@@ -100,6 +96,30 @@ def open_role_transport(values: Mapping[str, Any]) -> Any:
 
         options["tls"] = TlsConfig(cert=cert, key=key, ca=ca)
     return open_transport(values["transport"], **options)
+
+
+def check_tls_files(values: Mapping[str, Any]) -> None:
+    """Raise ConfigError unless the TLS files the settings name are readable files, the
+    certificate and its key given together."""
+    cert, key = values.get("tls_cert"), values.get("tls_key")
+    if bool(cert) != bool(key):
+        raise ConfigError("tls_cert and tls_key go together: give both or neither")
+    for name in ("tls_cert", "tls_key", "tls_ca"):
+        path = values.get(name)
+        if path and not (os.path.isfile(path) and os.access(path, os.R_OK)):
+            raise ConfigError(f"{name} {path} is not a readable file")
+
+
+def check_dataset(url: str) -> None:
+    """Raise a PdpsError (DatasetError, ConfigError) naming ``url`` unless the dataset can
+    be read as the job's master will read it: its source opens and, for a finite dataset,
+    its files exist and their footers parse (a stream may have no data yet)."""
+    from pdps.ports.data import StreamingSource
+    from pdps.registry import open_data_source
+
+    source = open_data_source(url)
+    if not isinstance(source, StreamingSource):
+        source.tasks()
 
 
 def serve_address(values: Mapping[str, Any]) -> str:

@@ -32,7 +32,6 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 from collections import deque
 from collections.abc import Mapping
 from pathlib import Path
@@ -235,6 +234,7 @@ def launch(values: dict[str, Any], *, out: IO[str] = sys.stdout, err: IO[str] = 
 def _run_inproc(fn: Any, values: Mapping[str, Any], config: JobConfig, view: PlainView | LiveView) -> dict[str, Any]:
     """The job in this process (:func:`pdps.simulate`); it serves no metrics."""
     import pdps
+    from pdps.shell.process import function_error
 
     keys = Keys(config.name)
     # opened here, not by simulate: a streaming job's windows are read from it as it runs and after
@@ -262,7 +262,7 @@ def _run_inproc(fn: Any, values: Mapping[str, Any], config: JobConfig, view: Pla
     except Exception as exc:
         # as with trainer processes: the traceback goes to the log, the job ends with an error naming it
         log.error("the training function %s raised", values["target"], exc_info=exc)
-        raise PdpsError(f"the training function {values['target']} raised " + "".join(traceback.format_exception_only(exc)).strip()) from exc
+        raise PdpsError(function_error(values["target"], fn, exc)) from exc
     finally:
         if not values["store"].startswith("memory:"):  # a named memory store may be shared in this process; it holds no connection
             store.close()

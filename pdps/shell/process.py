@@ -24,6 +24,7 @@ import socket
 import sys
 import threading
 import time
+import traceback
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -72,6 +73,18 @@ def load_target(spec: str, what: str = "training target") -> tuple[Callable[...,
     if not callable(fn):
         raise ConfigError(f"{what} {spec!r}: {where} has no function {name!r}")
     return fn, module
+
+
+def function_error(spec: str, fn: Callable[..., Any], exc: BaseException) -> str:
+    """``the training function train.py:train raised ValueError: ... (at train.py:12, in
+    train)``: the exception of the user's ``fn`` (named by ``spec``) and the deepest line of
+    ``fn``'s own file it passed through, which a traceback ending in torch or pdps frames
+    leaves out of its last lines."""
+    raised = "".join(traceback.format_exception_only(exc)).strip()
+    source = getattr(getattr(fn, "__code__", None), "co_filename", None)
+    mine = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == source]
+    where = f" (at {mine[-1].filename}:{mine[-1].lineno}, in {mine[-1].name})" if mine else ""
+    return f"the training function {spec} raised {raised}{where}"
 
 
 def open_role_transport(values: Mapping[str, Any]) -> Any:
@@ -421,8 +434,9 @@ def run_trainer(values: Mapping[str, Any]) -> int:
                 result = fn(ctx)
             except PdpsError:
                 raise
-            except Exception:
+            except Exception as exc:
                 log.exception("trainer %s: the training function %s raised", ctx.trainer_id, values["target"])
+                log.error("trainer %s: %s", ctx.trainer_id, function_error(values["target"], fn, exc))  # the last line, which pdps launch quotes
                 return 1
             finally:
                 ctx.leave()

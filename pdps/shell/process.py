@@ -405,11 +405,13 @@ def run_trainer(values: Mapping[str, Any]) -> int:
     """Run the training function until the job is done (or SIGTERM). Exit code.
 
     The last line of stdout is a JSON object: the trainer's id, its counters, and
-    what the function returned (when it is JSON-safe).
+    what the function returned (when it is JSON-safe). A job that is done already is
+    not trained: 0 at once, the function never called.
     """
     from pdps.adapters.prometheus_metrics import trainer_reading
     from pdps.registry import open_compute, open_data_source
     from pdps.roles.trainer import TrainerContext
+    from pdps.roles.trainer.discovery import job_done
 
     if not values.get("target"):
         raise ConfigError("pdps trainer needs a training function: TARGET (module:function or file.py:function)")
@@ -418,6 +420,10 @@ def run_trainer(values: Mapping[str, Any]) -> int:
     metrics = role_metrics(values, "trainer", trainer_id)
     store, config, st = _join(values, metrics)
     try:
+        if job_done(st, Keys(config.name)):  # its pservers are gone: attach would wait for them in vain
+            log.info("job %r is done: trainer %s has nothing to train", config.name, trainer_id)
+            print(json.dumps({"trainer": trainer_id, "steps": 0, "tasks_done": 0, "stopped": False, "left": False, "result": None}), flush=True)
+            return 0
         ctx = TrainerContext(
             st,
             metrics.transport(open_role_transport(values)),

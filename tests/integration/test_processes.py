@@ -322,6 +322,24 @@ def test_launch_gives_up_on_a_trainer_that_keeps_failing(etcd_server):
     assert "RuntimeError: trainer-0-r2 trips at its 3rd step" in error
 
 
+def test_a_trainer_started_after_the_job_is_done_exits_0_at_once(etcd_server):
+    """Its pservers are gone: it used to wait for them (120 s) and then fail."""
+    from pdps.core.job import JobConfig
+    from pdps.roles.master import publish_job
+
+    job = job_name()
+    store = open_store(etcd_server.url)
+    try:
+        publish_job(store, JobConfig(name=job, dataset="file:///nowhere", pservers=1))
+        store.put(Keys(job).state, b'{"state": "done"}')
+    finally:
+        store.close()
+    proc = run_pdps("trainer", "--store", etcd_server.url, "--job", job, "--trainer-id", "late", f"{TARGETS / 'slow.py'}:train", timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"job {job!r} is done: trainer late has nothing to train" in proc.stderr
+    assert last_json(proc.stdout) == {"trainer": "late", "steps": 0, "tasks_done": 0, "stopped": False, "left": False, "result": None}
+
+
 def test_bad_target_and_missing_store_are_clear_errors(etcd_server):
     proc = run_pdps("trainer", "--store", etcd_server.url, "no_such_module_xyz:train", timeout=60)
     assert proc.returncode == 2 and "cannot import 'no_such_module_xyz'" in proc.stderr

@@ -80,6 +80,8 @@ def _factory(port: str, url: str) -> Any:
 
 def open_store(url: str) -> Any:
     """A :class:`~pdps.ports.coordination.CoordinationStore` for ``url``."""
+    if "://" not in url:  # host:port, as etcdctl and redis-cli take it: not a file, as other ports read it
+        raise UnknownSchemeError(f"coordination store {url!r} has no scheme: give a URL, e.g. etcd://{url} or redis://{url}")
     return _factory("store", url)(url)
 
 

@@ -139,7 +139,7 @@ def build_parser(argv: Sequence[str] = (), env: Mapping[str, str] | None = None)
         help="resize a running job: more or fewer pservers and trainers",
         description="Ask a running job for other pserver and/or trainer counts. The desired counts go into the "
         "store with a resize record; the job's master moves the slots live (docs/elasticity.md). One resize at a "
-        "time: while one is in progress this is refused, naming it, unless --wait.",
+        "time: while one is in progress this is refused, naming it, unless --wait. A job that is done is not resized (exit 1).",
     )
     _add_store_arguments(scale)
     scale.add_argument("--pservers", type=_positive_int, default=None, metavar="M", help="pservers the job should run")

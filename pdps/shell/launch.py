@@ -32,7 +32,6 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 from collections import deque
 from collections.abc import Mapping
 from pathlib import Path
@@ -121,6 +120,39 @@ def prepare(values: dict[str, Any], module: ModuleType, workdir: Path) -> JobCon
     return job_config(values)
 
 
+def check_inputs(values: Mapping[str, Any], config: JobConfig) -> None:
+    """Refuse, before the job is created or any role started, what would otherwise fail
+    only in the roles (each restarted until ``max_restarts`` is used up): a ``memory://``
+    store that role processes cannot share, TLS files that cannot be read, a dataset the
+    master cannot read, an optimizer the pservers do not know."""
+    from pdps.registry import open_compute, scheme_of
+    from pdps.shell.process import check_dataset, check_tls_files
+
+    if values["transport"] != "inproc":
+        if scheme_of(values["store"]) == "memory":
+            raise ConfigError(
+                f"store {values['store']} is in this process's memory, and pdps launch runs each role as a process of its "
+                "own: give an etcd:// or redis:// store (or --transport inproc to run the whole job in this process)"
+            )
+        check_tls_files(values)
+    check_dataset(config.dataset)
+    open_compute("torch").check_optimizer(config.optimizer, config.optimizer_args)
+
+
+def open_job_store(values: Mapping[str, Any], keys: Keys) -> Any:
+    """The job's store, connected, and checked to deliver watches (every role watches it;
+    a Redis without expiry notifications is refused here, not in each role)."""
+    from pdps.registry import connect_store
+
+    store = connect_store(values["store"], timeout=values["connect_timeout"])
+    try:
+        store.watch(keys.root, lambda _event: None).cancel()
+    except BaseException:
+        store.close()
+        raise
+    return store
+
+
 def die_with_launcher() -> None:
     """In a role the launcher started: get SIGTERM when the launcher dies, even by SIGKILL.
 
@@ -173,6 +205,7 @@ def launch(values: dict[str, Any], *, out: IO[str] = sys.stdout, err: IO[str] = 
     workdir = Path(tempfile.mkdtemp(prefix="pdps-launch-"))
     try:
         config = prepare(values, module, workdir)
+        check_inputs(values, config)
         view = open_view(config, err)
         try:
             if values["transport"] == "inproc":
@@ -201,11 +234,11 @@ def launch(values: dict[str, Any], *, out: IO[str] = sys.stdout, err: IO[str] = 
 def _run_inproc(fn: Any, values: Mapping[str, Any], config: JobConfig, view: PlainView | LiveView) -> dict[str, Any]:
     """The job in this process (:func:`pdps.simulate`); it serves no metrics."""
     import pdps
-    from pdps.registry import connect_store
+    from pdps.shell.process import function_error
 
     keys = Keys(config.name)
     # opened here, not by simulate: a streaming job's windows are read from it as it runs and after
-    store = connect_store(values["store"], timeout=values["connect_timeout"])
+    store = open_job_store(values, keys)
 
     def show(p: Mapping[str, Any]) -> None:
         closed = stream_totals(store, keys).get("windows", 0)
@@ -229,7 +262,7 @@ def _run_inproc(fn: Any, values: Mapping[str, Any], config: JobConfig, view: Pla
     except Exception as exc:
         # as with trainer processes: the traceback goes to the log, the job ends with an error naming it
         log.error("the training function %s raised", values["target"], exc_info=exc)
-        raise PdpsError(f"the training function {values['target']} raised " + "".join(traceback.format_exception_only(exc)).strip()) from exc
+        raise PdpsError(function_error(values["target"], fn, exc)) from exc
     finally:
         if not values["store"].startswith("memory:"):  # a named memory store may be shared in this process; it holds no connection
             store.close()
@@ -365,9 +398,8 @@ class Launcher:
 
     def run(self) -> dict[str, Any]:
         from pdps.roles.master import publish_job
-        from pdps.registry import connect_store
 
-        store = connect_store(self.values["store"], timeout=self.values["connect_timeout"])
+        store = open_job_store(self.values, self._keys)
         try:
             if store.get(self._keys.config) is not None:
                 raise ConfigError(f"job {self.config.name!r} already exists in {self.values['store']}; pick another --job")

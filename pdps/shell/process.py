@@ -24,6 +24,7 @@ import socket
 import sys
 import threading
 import time
+import traceback
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -74,18 +75,26 @@ def load_target(spec: str, what: str = "training target") -> tuple[Callable[...,
     return fn, module
 
 
+def function_error(spec: str, fn: Callable[..., Any], exc: BaseException) -> str:
+    """``the training function train.py:train raised ValueError: ... (at train.py:12, in
+    train)``: the exception of the user's ``fn`` (named by ``spec``) and the deepest line of
+    ``fn``'s own file it passed through, which a traceback ending in torch or pdps frames
+    leaves out of its last lines."""
+    raised = "".join(traceback.format_exception_only(exc)).strip()
+    source = getattr(getattr(fn, "__code__", None), "co_filename", None)
+    mine = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == source]
+    where = f" (at {mine[-1].filename}:{mine[-1].lineno}, in {mine[-1].name})" if mine else ""
+    return f"the training function {spec} raised {raised}{where}"
+
+
 def open_role_transport(values: Mapping[str, Any]) -> Any:
     """The transport a role's settings describe (gRPC with its token and TLS files)."""
     from pdps.registry import open_transport
 
     if values["transport"] == "inproc":
         return open_transport("inproc")
+    check_tls_files(values)
     cert, key, ca = values.get("tls_cert"), values.get("tls_key"), values.get("tls_ca")
-    if bool(cert) != bool(key):
-        raise ConfigError("tls_cert and tls_key go together: give both or neither")
-    for name, path in (("tls_cert", cert), ("tls_key", key), ("tls_ca", ca)):
-        if path and not os.path.isfile(path):
-            raise ConfigError(f"{name} {path} is not a readable file")
     # A call to an unreachable peer fails after connect_timeout; the roles retry above it
     # with the peer's address looked up again in the store (a restarted pserver or master
     # serves elsewhere), so the channel itself only needs to ride out a blip.
@@ -100,6 +109,30 @@ def open_role_transport(values: Mapping[str, Any]) -> Any:
 
         options["tls"] = TlsConfig(cert=cert, key=key, ca=ca)
     return open_transport(values["transport"], **options)
+
+
+def check_tls_files(values: Mapping[str, Any]) -> None:
+    """Raise ConfigError unless the TLS files the settings name are readable files, the
+    certificate and its key given together."""
+    cert, key = values.get("tls_cert"), values.get("tls_key")
+    if bool(cert) != bool(key):
+        raise ConfigError("tls_cert and tls_key go together: give both or neither")
+    for name in ("tls_cert", "tls_key", "tls_ca"):
+        path = values.get(name)
+        if path and not (os.path.isfile(path) and os.access(path, os.R_OK)):
+            raise ConfigError(f"{name} {path} is not a readable file")
+
+
+def check_dataset(url: str) -> None:
+    """Raise a PdpsError (DatasetError, ConfigError) naming ``url`` unless the dataset can
+    be read as the job's master will read it: its source opens and, for a finite dataset,
+    its files exist and their footers parse (a stream may have no data yet)."""
+    from pdps.ports.data import StreamingSource
+    from pdps.registry import open_data_source
+
+    source = open_data_source(url)
+    if not isinstance(source, StreamingSource):
+        source.tasks()
 
 
 def serve_address(values: Mapping[str, Any]) -> str:
@@ -372,11 +405,13 @@ def run_trainer(values: Mapping[str, Any]) -> int:
     """Run the training function until the job is done (or SIGTERM). Exit code.
 
     The last line of stdout is a JSON object: the trainer's id, its counters, and
-    what the function returned (when it is JSON-safe).
+    what the function returned (when it is JSON-safe). A job that is done already is
+    not trained: 0 at once, the function never called.
     """
     from pdps.adapters.prometheus_metrics import trainer_reading
     from pdps.registry import open_compute, open_data_source
     from pdps.roles.trainer import TrainerContext
+    from pdps.roles.trainer.discovery import job_done
 
     if not values.get("target"):
         raise ConfigError("pdps trainer needs a training function: TARGET (module:function or file.py:function)")
@@ -385,6 +420,10 @@ def run_trainer(values: Mapping[str, Any]) -> int:
     metrics = role_metrics(values, "trainer", trainer_id)
     store, config, st = _join(values, metrics)
     try:
+        if job_done(st, Keys(config.name)):  # its pservers are gone: attach would wait for them in vain
+            log.info("job %r is done: trainer %s has nothing to train", config.name, trainer_id)
+            print(json.dumps({"trainer": trainer_id, "steps": 0, "tasks_done": 0, "stopped": False, "left": False, "result": None}), flush=True)
+            return 0
         ctx = TrainerContext(
             st,
             metrics.transport(open_role_transport(values)),
@@ -401,8 +440,9 @@ def run_trainer(values: Mapping[str, Any]) -> int:
                 result = fn(ctx)
             except PdpsError:
                 raise
-            except Exception:
+            except Exception as exc:
                 log.exception("trainer %s: the training function %s raised", ctx.trainer_id, values["target"])
+                log.error("trainer %s: %s", ctx.trainer_id, function_error(values["target"], fn, exc))  # the last line, which pdps launch quotes
                 return 1
             finally:
                 ctx.leave()

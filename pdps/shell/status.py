@@ -74,26 +74,14 @@ def job_status(store: CoordinationStore, job: str, *, now: float | None = None) 
     slot_map = None if slots_kv is None else decode_as(slots_kv.value, keys.slotmap, SlotMap.from_json)
     layout = model_layout(store, keys, config, slot_map)
 
-    pass_kv = store.get(keys.pass_no)
-    pass_no = decode_as(pass_kv.value, keys.pass_no, int) if pass_kv is not None else 0
+    for tries in range(READ_TRIES, 0, -1):
+        pass_no, total, stream, counts, corrupt = task_counts(store, keys)
+        # a master moving on meanwhile (the next pass, new tasks of a stream) wrote records
+        # that look impossible next to the pass and task count read before them: read again
+        if tries == 1 or (not corrupt and pass_number(store, keys) == pass_no):
+            break
+        time.sleep(RETRY_PAUSE)
     state = job_state(store, keys)
-    queue_kv = store.get(keys.queue)
-    total = decode_as(queue_kv.value, keys.queue, QueueHeader.from_json).tasks if queue_kv else None
-    stream = stream_status(store, keys)
-    if stream is not None:
-        total = stream["tasks"]  # the tasks cut so far
-
-    counts = {"pending": 0, "done": 0, "failed": 0}
-    corrupt: list[str] = []
-    ids = None if total is None else range(total)
-    for kv in store.range(keys.tasks):
-        try:
-            rec = decode_record(kv, keys, pass_no, ids)
-        except CorruptRecord:
-            corrupt.append(kv.key)
-            continue
-        if rec.pass_no == pass_no and rec.state.value in counts:
-            counts[rec.state.value] += 1
     quarantine = []
     for kv in store.range(keys.quarantine):
         try:
@@ -145,6 +133,43 @@ def job_status(store: CoordinationStore, job: str, *, now: float | None = None) 
         "stream": stream,
         "tables": table_status(store, keys, slot_map),
     }
+
+
+#: How many times :func:`job_status` reads the pass and its task records while what it
+#: reads changes under it (or a record looks corrupt), RETRY_PAUSE seconds apart; a
+#: record still corrupt after the last is reported as such.
+READ_TRIES = 3
+RETRY_PAUSE = 0.1
+
+
+def pass_number(store: CoordinationStore, keys: Keys) -> int:
+    """The job's current pass as stored (0 before it has one)."""
+    kv = store.get(keys.pass_no)
+    return decode_as(kv.value, keys.pass_no, int) if kv is not None else 0
+
+
+def task_counts(store: CoordinationStore, keys: Keys) -> tuple[int, int | None, dict[str, Any] | None, dict[str, int], list[str]]:
+    """The pass, its number of tasks (None: unknown), the stream (None: not streaming),
+    the ``pending``/``done``/``failed`` counts of the pass's task records, and the keys
+    of those that cannot be decoded or are impossible in that pass."""
+    pass_no = pass_number(store, keys)
+    queue_kv = store.get(keys.queue)
+    total = decode_as(queue_kv.value, keys.queue, QueueHeader.from_json).tasks if queue_kv else None
+    stream = stream_status(store, keys)
+    if stream is not None:
+        total = stream["tasks"]  # the tasks cut so far
+    counts = {"pending": 0, "done": 0, "failed": 0}
+    corrupt: list[str] = []
+    ids = None if total is None else range(total)
+    for kv in store.range(keys.tasks):
+        try:
+            rec = decode_record(kv, keys, pass_no, ids)
+        except CorruptRecord:
+            corrupt.append(kv.key)
+            continue
+        if rec.pass_no == pass_no and rec.state.value in counts:
+            counts[rec.state.value] += 1
+    return pass_no, total, stream, counts, corrupt
 
 
 #: the counters of a table's rows that ``pdps status`` sums over the pservers

@@ -83,6 +83,12 @@ def test_status_of_a_job_that_does_not_exist_names_it(real_store):
     assert "job 'nope' does not exist" in out.stderr and out.stdout == ""
 
 
+def test_a_store_given_without_a_scheme_is_a_clear_error_suggesting_one():
+    out = pdps_status("127.0.0.1:2379")
+    assert out.returncode == 2
+    assert out.stderr.strip() == "pdps: error: coordination store '127.0.0.1:2379' has no scheme: give a URL, e.g. etcd://127.0.0.1:2379 or redis://127.0.0.1:2379"
+
+
 def test_status_uses_the_default_job_name(real_store):
     out = pdps_status(real_store.url)
     assert out.returncode == 1 and "job 'default' does not exist" in out.stderr

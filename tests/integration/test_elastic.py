@@ -171,6 +171,28 @@ def test_pdps_scale_command_asks_and_refuses_by_name(etcd_server, source):
     assert bad.returncode == 1 and "at most 8 pservers" in bad.stderr
 
 
+def test_pdps_scale_refuses_a_job_that_is_done(etcd_server, source):
+    """No master is left to carry the resize out: it was written, and --wait waited forever."""
+    import subprocess
+    import sys
+
+    from pdps.registry import connect_store
+    from pdps.roles.master import publish_job
+
+    store = connect_store(etcd_server.url)
+    keys = Keys("scale-done")
+    try:
+        publish_job(store, pdps.JobConfig(name="scale-done", dataset=source.url, pservers=2, num_slots=8))
+        store.put(keys.state, b'{"state": "done"}')
+        argv = [sys.executable, "-m", "pdps", "scale", "--store", etcd_server.url, "--job", "scale-done", "--pservers", "3", "--wait", "--timeout", "5"]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 1, done.stderr
+        assert done.stderr.strip() == "pdps: job 'scale-done' is done: there is nothing to resize (run a new job with the counts you want)"
+        assert store.get(keys.resize) is None and store.get(keys.ps_desired).value == b"2"
+    finally:
+        store.close()
+
+
 def test_fewer_trainers_wanted_the_surplus_gives_its_task_back_and_leaves(source):
     """``pdps.scale(trainers=2)`` on a sync job of 3: the last trainer stops after its
     batch, gives its task back (not a failure) and leaves; the other two finish the

@@ -265,6 +265,22 @@ def test_launch_without_restarts_ends_the_job_with_the_trainers_error(etcd_serve
     assert passes < 40, passes
 
 
+def test_a_launchs_error_names_the_line_of_the_training_function_that_raised_deep_in_torch(etcd_server):
+    """The function feeds its model batches of the wrong width: the traceback's last
+    lines are torch's, so the trainer's last line names the user's own file and line."""
+    target = f"{TARGETS / 'slow.py'}:wrong_input"
+    proc = run_pdps(
+        "launch", "--job", job_name(), "--trainers", "1", "--pservers", "1", "--store", etcd_server.url, "--passes", "1",
+        "--restart", "never", "--json", target,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    error = last_json(proc.stdout)["error"]
+    assert error.startswith("trainer-0 exited with code 1; not restarting it (--restart never)"), error
+    last = error.splitlines()[-1]
+    assert f"the training function {target} raised RuntimeError: mat1 and mat2 shapes cannot be multiplied" in last, error
+    assert re.search(rf"\(at {re.escape(str(TARGETS / 'slow.py'))}:\d+, in wrong_input\)$", last), error
+
+
 def test_inproc_launch_ends_the_job_with_the_training_functions_error(monkeypatch, caplog):
     """``--transport inproc`` (in this process, no role processes): the same error summary."""
     from pdps.shell.launch import launch
@@ -283,6 +299,7 @@ def test_inproc_launch_ends_the_job_with_the_training_functions_error(monkeypatc
     finally:
         signal.signal(signal.SIGTERM, previous)
     assert str(info.value).startswith(f"the training function {target} raised RuntimeError: trainer-1 trips at its 3rd step")
+    assert str(info.value).endswith(", in fail_at_step_3)")  # the line of the user's file that raised
     assert last_json(out.getvalue())["error"] == str(info.value)
     logged = [r for r in caplog.records if r.exc_info and "trips at its 3rd step" in str(r.exc_info[1])]
     assert logged, "the traceback goes to the log"
@@ -303,6 +320,24 @@ def test_launch_gives_up_on_a_trainer_that_keeps_failing(etcd_server):
     error = last_json(proc.stdout)["error"]
     assert error.startswith("trainer-0 exited with code 1 after 2 restarts; giving up (max_restarts is 2)"), error
     assert "RuntimeError: trainer-0-r2 trips at its 3rd step" in error
+
+
+def test_a_trainer_started_after_the_job_is_done_exits_0_at_once(etcd_server):
+    """Its pservers are gone: it used to wait for them (120 s) and then fail."""
+    from pdps.core.job import JobConfig
+    from pdps.roles.master import publish_job
+
+    job = job_name()
+    store = open_store(etcd_server.url)
+    try:
+        publish_job(store, JobConfig(name=job, dataset="file:///nowhere", pservers=1))
+        store.put(Keys(job).state, b'{"state": "done"}')
+    finally:
+        store.close()
+    proc = run_pdps("trainer", "--store", etcd_server.url, "--job", job, "--trainer-id", "late", f"{TARGETS / 'slow.py'}:train", timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"job {job!r} is done: trainer late has nothing to train" in proc.stderr
+    assert last_json(proc.stdout) == {"trainer": "late", "steps": 0, "tasks_done": 0, "stopped": False, "left": False, "result": None}
 
 
 def test_bad_target_and_missing_store_are_clear_errors(etcd_server):

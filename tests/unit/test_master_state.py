@@ -160,6 +160,48 @@ def test_corrupt_job_state_stops_the_master_with_an_error_naming_the_key(key, va
     assert store.get(Keys("job").master_lock) is None  # the lock is given back
 
 
+def test_status_read_while_the_master_starts_the_next_pass_counts_that_pass():
+    """The master moves to pass 1 and leases a task of it between status's read of the pass
+    and its read of the task records: a record of pass 1 next to pass 0 looked corrupt
+    ("a master will quarantine it"); status reads both again instead."""
+    store = MemoryStore()
+    register(store, "t")
+    master = start(store, n=2, passes=2)
+    keys = Keys("job")
+    try:
+        first = call(master, "get_task", trainer="t")
+        call(master, "finish_task", trainer="t", task=first["task"]["id"], attempt=first["attempt"])
+        last = call(master, "get_task", trainer="t")
+
+        def next_pass() -> None:
+            call(master, "finish_task", trainer="t", task=last["task"]["id"], attempt=last["attempt"])
+            assert call(master, "get_task", trainer="t")["pass"] == 1
+
+        racing = RacingStore(store, keys.tasks, next_pass)
+        status = job_status(racing, "job")
+        assert racing.raced
+        assert {k: status[k] for k in ("pass", "todo", "pending", "done", "corrupt")} == {"pass": 1, "todo": 1, "pending": 1, "done": 0, "corrupt": []}
+    finally:
+        master.stop()
+
+
+class RacingStore:
+    """Delegates to a store; runs ``race`` just before the first range read of ``prefix``."""
+
+    def __init__(self, inner: MemoryStore, prefix: str, race) -> None:
+        self.inner, self._prefix, self._race = inner, prefix, race
+        self.raced = False
+
+    def range(self, prefix):
+        if prefix == self._prefix and not self.raced:
+            self.raced = True
+            self._race()
+        return self.inner.range(prefix)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
 def test_a_corrupt_model_or_slot_map_is_reported_with_its_key():
     from pdps.adapters.torch_compute import TorchCompute
     from pdps.roles.pserver import Pserver

@@ -68,3 +68,12 @@ def audited(ctx):
     with open(os.path.join(os.environ["AUDIT_OUT"], f"{ctx.trainer_id}.json"), "w") as f:
         json.dump({str(k): v for k, v in ctx.applied().items()}, f)
     return {"steps": ctx.steps}
+
+
+def wrong_input(ctx):
+    """Feed the model batches of the wrong width: torch raises deep inside the model's
+    forward, many frames below this function."""
+    model = ctx.attach(make_model())
+    for batch in ctx.batches():
+        ctx.step(F.cross_entropy(model(batch["x"][:, :10]), batch["y"]))
+    return {"steps": ctx.steps}

@@ -193,8 +193,12 @@ def _check_stopped() -> None:
         raise Interrupted(f"launcher stopped by {_stopped_by[0]}")
 
 
-def launch(values: dict[str, Any], *, out: IO[str] = sys.stdout, err: IO[str] = sys.stderr) -> int:
-    """Run the job the settings describe; print the summary; the exit code."""
+def launch(values: dict[str, Any], *, out: IO[str] | None = None, err: IO[str] | None = None) -> int:
+    """Run the job the settings describe; print the summary; the exit code. ``out`` and
+    ``err``: where to print (default: ``sys.stdout`` and ``sys.stderr`` as they are at
+    the call, so a caller that swaps them, as pytest's capture does, is followed)."""
+    out = sys.stdout if out is None else out
+    err = sys.stderr if err is None else err
     from pdps.shell.process import load_target
 
     if threading.current_thread() is threading.main_thread():

@@ -4,6 +4,7 @@ roles started, failed, and the job was left behind)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import uuid
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 import redis
 
+import pdps.shell.launch  # noqa: F401  (imported before a test swaps sys.stdout)
 from pdps.adapters.parquet import write_parquet_shards
 from pdps.core.job import Keys
 from pdps.registry import open_store
@@ -97,3 +99,14 @@ def test_a_redis_that_cannot_deliver_watches_is_refused_before_the_job_exists(re
     assert code == 2
     assert error.startswith(f"pdps: error: redis at {redis_server.url} has notify-keyspace-events=''"), error
     assert no_job(redis_server.url, job)
+
+
+def test_launch_called_in_process_prints_where_stdout_is_now(capsys, target, dataset, job):
+    """``cli.main(["launch", ...])`` in a process whose ``sys.stdout`` was swapped after
+    pdps was imported (pytest's capture, a notebook) prints its --json line there."""
+    from pdps.shell import cli
+
+    assert cli.main(["launch", "--store", "memory://", "--job", job, "--dataset", dataset, "--json", target]) == 2
+    out = capsys.readouterr().out
+    line = json.loads(out.strip().splitlines()[-1])
+    assert line["job"] == job and "memory://" in line["error"], out

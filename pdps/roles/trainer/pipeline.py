@@ -172,6 +172,9 @@ class PipelineStage:
         self._keys = ctx._keys
         self.layout = HybridLayout.from_counts(config.trainers, stages)
         parts = compute.split(model, stages, points=points)  # refuses a model that cannot be cut, before anything is claimed
+        for s, part in enumerate(parts):  # every trainer cuts alike: each refuses at once, none waits for a rank never claimed
+            if not any(p.requires_grad for p in part.parameters()):
+                raise ConfigError(f"stage {s} holds no trainable parameter: cut the model elsewhere (points=)")
         ctx.register()
         assert ctx._keeper is not None
         self._lease = ctx._keeper.lease
@@ -193,8 +196,6 @@ class PipelineStage:
                 self._store.commit((), (Delete(key),))
                 ctx._rounds_member = False
             names = [n for n, p in self.module.named_parameters() if p.requires_grad]
-            if not names:
-                raise ConfigError(f"stage {self.stage} holds no trainable parameter: cut the model elsewhere (points=)")
             self._claims = self._wait_for_pipeline()
             if self._claims is not None:
                 ctx.attach(model)

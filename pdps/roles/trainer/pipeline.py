@@ -126,10 +126,14 @@ class WatchedLink:
                 if time.monotonic() >= deadline:
                     raise Timeout(self._p2p._waited(peer, tag, wait)) from None
             claim = self._look(peer)
-            member = self._members(peer)
-            if claim is None or claim.member != member:
-                now = "free" if claim is None else f"held by {claim.member}"
-                raise Timeout(f"rank {self._rank()} waited for {tag!r} from rank {peer} ({member}), which left the pipeline (its rank is {now})")
+            if claim is None or claim.member != self._members(peer):
+                raise Timeout(self.left(peer, tag, claim))
+
+    def left(self, peer: int, tag: str, claim: Any) -> str:
+        """What a wait for ``tag`` from ``peer`` ends with once the peer's rank claim is
+        gone (``claim`` None) or held by another trainer."""
+        now = "free" if claim is None else f"held by {claim.member}"
+        return f"rank {self._rank()} waited for {tag!r} from rank {peer} ({self._members(peer)}), which left the pipeline (its rank is {now})"
 
     def batch_send_recv(self, sends: Sequence[tuple[int, str, Sequence[Any]]], recvs: Sequence[tuple[int, str]], *, timeout: float | None = None) -> list[list[Any]]:
         for peer, tag, tensors in sends:
@@ -384,7 +388,7 @@ class PipelineStage:
             except Timeout:
                 claim = ranks(self._store, self._keys).get(self._first)
                 if claim is None or claim.member != self._lead:
-                    raise
+                    raise Timeout(self._link.left(self._first, tag, claim)) from None
                 continue  # stage 0 is there, waiting for work itself
             return Header.parse([int(v) for v in got[0].tolist()], self._first)
 

@@ -200,3 +200,27 @@ def test_the_guide_example_runs(capsys):
     namespace: dict = {"__name__": "pipeline_guide"}
     exec(compile("\n".join(blocks), "docs/pipeline.md", "exec"), namespace)  # the example asserts its own outcome
     assert "8 tasks; last stages' final losses" in capsys.readouterr().out
+
+
+def test_a_stage_without_parameters_is_refused_by_every_trainer_before_a_rank_is_claimed(tmp_path, monkeypatch):
+    """Every trainer cuts the model alike, so each refuses it at once: the trainer of the
+    stage that has parameters does not wait for the other's rank (it would until the
+    discovery deadline, shortened here so that the old behaviour fails quickly)."""
+    import pdps.roles.trainer.pipeline as pipeline_role
+
+    monkeypatch.setattr(pipeline_role, "DISCOVERY_TIMEOUT", 3.0)
+    write_parquet_shards({"x": np.zeros((8, 6)), "y": np.zeros((8, 2))}, str(tmp_path / "train"), shards=1, row_group_size=8)
+    refused: dict[str, str] = {}
+
+    def train(ctx: pdps.TrainerContext) -> None:
+        model = nn.Sequential(nn.Linear(6, 8), nn.Linear(8, 2), nn.Tanh()).double()  # stage 1: the Tanh alone
+        try:
+            ctx.pipeline(model, F.mse_loss, points=[2])
+        except pdps.ConfigError as exc:
+            refused[ctx.trainer_id] = str(exc)
+            raise
+
+    with pytest.raises(pdps.ConfigError, match="stage 1 holds no trainable parameter"):
+        pdps.simulate(train, dataset=str(tmp_path / "train"), trainers=2, pipeline_stages=2, pservers=1, batch_size=4)
+    assert sorted(refused) == ["trainer-0", "trainer-1"]
+    assert all("stage 1 holds no trainable parameter" in why for why in refused.values())

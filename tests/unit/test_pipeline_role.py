@@ -4,16 +4,19 @@ P2P in process, the rank claims faked)."""
 
 from __future__ import annotations
 
+import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from pdps.adapters.inproc import InprocTransport
+from pdps.adapters.memory_store import MemoryStore
 from pdps.core.errors import ConfigError, Timeout
 from pdps.core.hybrid import RankClaim
-from pdps.core.job import JobConfig
-from pdps.roles.trainer.pipeline import END, STEP, Header, WatchedLink
+from pdps.core.job import JobConfig, Keys
+from pdps.roles.trainer.pipeline import END, STEP, Header, PipelineStage, WatchedLink
 from pdps.runtime.p2p import P2P
 
 
@@ -66,3 +69,24 @@ def test_a_receive_ends_as_soon_as_its_peer_left_and_names_it(monkeypatch):
     finally:
         a.close()
         b.close()
+
+
+def test_a_stage_waiting_for_its_next_header_says_stage_0_left_once_its_claim_is_gone(monkeypatch):
+    """The claim goes between the link's last look and the header wait's own: the wait
+    ends with the same words as a receive whose peer left (naming its trainer), not with
+    a deadline of one look's length."""
+    monkeypatch.setattr("pdps.roles.trainer.pipeline.WATCH_EVERY", 0.01)
+    transport = InprocTransport()
+    follower = P2P(transport, 1, "inproc://", peers={}.__getitem__, timeout=30)
+    store = MemoryStore()
+    stage = object.__new__(PipelineStage)  # only what the wait for a header reads
+    stage._ctx = SimpleNamespace(_stop=threading.Event(), trainer_id="t1")
+    stage._store, stage._keys, stage._first, stage._lead = store, Keys("job"), 0, "t0"
+    stale = RankClaim("t0", "inproc://stage-0")  # what the link last saw; the store holds no claim any more
+    stage._link = WatchedLink(follower, {0: stale}.get, {0: "t0"}.__getitem__, lambda: 1)
+    try:
+        with pytest.raises(Timeout, match=r"^rank 1 waited for 'h/3' from rank 0 \(t0\), which left the pipeline \(its rank is free\)$"):
+            stage._wait_header(3)
+    finally:
+        follower.close()
+        store.close()

@@ -126,10 +126,14 @@ class WatchedLink:
                 if time.monotonic() >= deadline:
                     raise Timeout(self._p2p._waited(peer, tag, wait)) from None
             claim = self._look(peer)
-            member = self._members(peer)
-            if claim is None or claim.member != member:
-                now = "free" if claim is None else f"held by {claim.member}"
-                raise Timeout(f"rank {self._rank()} waited for {tag!r} from rank {peer} ({member}), which left the pipeline (its rank is {now})")
+            if claim is None or claim.member != self._members(peer):
+                raise Timeout(self.left(peer, tag, claim))
+
+    def left(self, peer: int, tag: str, claim: Any) -> str:
+        """What a wait for ``tag`` from ``peer`` ends with once the peer's rank claim is
+        gone (``claim`` None) or held by another trainer."""
+        now = "free" if claim is None else f"held by {claim.member}"
+        return f"rank {self._rank()} waited for {tag!r} from rank {peer} ({self._members(peer)}), which left the pipeline (its rank is {now})"
 
     def batch_send_recv(self, sends: Sequence[tuple[int, str, Sequence[Any]]], recvs: Sequence[tuple[int, str]], *, timeout: float | None = None) -> list[list[Any]]:
         for peer, tag, tensors in sends:
@@ -172,6 +176,9 @@ class PipelineStage:
         self._keys = ctx._keys
         self.layout = HybridLayout.from_counts(config.trainers, stages)
         parts = compute.split(model, stages, points=points)  # refuses a model that cannot be cut, before anything is claimed
+        for s, part in enumerate(parts):  # every trainer cuts alike: each refuses at once, none waits for a rank never claimed
+            if not any(p.requires_grad for p in part.parameters()):
+                raise ConfigError(f"stage {s} holds no trainable parameter: cut the model elsewhere (points=)")
         ctx.register()
         assert ctx._keeper is not None
         self._lease = ctx._keeper.lease
@@ -193,8 +200,6 @@ class PipelineStage:
                 self._store.commit((), (Delete(key),))
                 ctx._rounds_member = False
             names = [n for n, p in self.module.named_parameters() if p.requires_grad]
-            if not names:
-                raise ConfigError(f"stage {self.stage} holds no trainable parameter: cut the model elsewhere (points=)")
             self._claims = self._wait_for_pipeline()
             if self._claims is not None:
                 ctx.attach(model)
@@ -383,7 +388,7 @@ class PipelineStage:
             except Timeout:
                 claim = ranks(self._store, self._keys).get(self._first)
                 if claim is None or claim.member != self._lead:
-                    raise
+                    raise Timeout(self._link.left(self._first, tag, claim)) from None
                 continue  # stage 0 is there, waiting for work itself
             return Header.parse([int(v) for v in got[0].tolist()], self._first)
 

@@ -21,6 +21,17 @@ def test_user_guide_example_runs(capsys):
     assert namespace["result"].tasks_failed == 0
 
 
+def test_readme_example_runs(tmp_path, monkeypatch):
+    blocks = python_blocks(DOCS.parent / "README.md")
+    assert blocks, "the README has no runnable example"
+    monkeypatch.chdir(tmp_path)  # it writes data/train where it runs
+    namespace: dict = {"__name__": "readme_example"}
+    exec(compile(blocks[0], "README.md", "exec"), namespace)
+    result = namespace["result"]
+    assert result.tasks_failed == 0 and result.tasks_done >= 40  # 4 shards x 10 row groups, every pass
+    assert sorted(result.params) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+
+
 def test_user_guide_lists_every_job_setting():
     import attrs
 

@@ -201,6 +201,8 @@ class RemoteTable(nn.Module):
 
     def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None, per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
         spec = self.spec
+        if not self.bag and (offsets is not None or per_sample_weights is not None):  # nn.Embedding.forward has neither
+            raise TypeError(f"table {spec.name!r} is an embedding, not a bag: it takes no offsets or per_sample_weights")
         if input.dtype not in (torch.int64, torch.int32):
             raise ConfigError(f"table {spec.name!r} takes int64 (or int32) ids, got {input.dtype}")
         ids = input.to(torch.int64)

@@ -125,6 +125,10 @@ def test_out_of_range_and_float_ids_are_refused_before_any_pull():
         model.a(torch.tensor([3, 10]))
     with pytest.raises(ConfigError, match="int64"):
         model.a(torch.tensor([1.0]))
+    with pytest.raises(TypeError, match="not a bag"):  # as nn.Embedding, which takes neither
+        model.a(torch.tensor([1, 2]), torch.tensor([0]))
+    with pytest.raises(TypeError, match="not a bag"):
+        model.a(torch.tensor([1, 2]), per_sample_weights=torch.ones(2))
     assert asked == []
 
 

@@ -1478,7 +1478,8 @@ class Pserver:
         if record.checkpoint is not None:
             self._round_checkpoint = (record.round_no, record.checkpoint)
             self._window_wanted = None  # whoever closed the round took the checkpoint a window asked for
-            self._snapshot(record.checkpoint)
+            if self._in_checkpoint(None):
+                self._snapshot(record.checkpoint)
         self._frozen = None  # a round applied after a switch: the frozen shard is past
         if record.map_version is not None and self._slot_map is not None and record.map_version > self._slot_map.version:
             before = (self._slot_map.version, self._shard, self._primary)
@@ -1591,7 +1592,22 @@ class Pserver:
                 return
             if self._shard is None or not self._shard.initialized or self.state is not PserverState.SERVING or self._pending:
                 return
+            if not self._in_checkpoint(info.get("pservers")):
+                return
             self._snapshot(ckpt)
+
+    def _in_checkpoint(self, pservers: object) -> bool:
+        """Whether this pserver writes a part of a checkpoint announced in a slot map of
+        ``pservers`` pservers (None: in this pserver's map, as a sync round's is). One a
+        grow has started, beyond that map, writes none: the checkpoint commits with one
+        part per pserver of its map, no more and no fewer, so an extra part kept every
+        checkpoint from committing (and the resize, which waits for a checkpoint being
+        written, from starting) until the map grew."""
+        if self.index is None:
+            return False
+        if not isinstance(pservers, int) or isinstance(pservers, bool):
+            pservers = None if self._slot_map is None else self._slot_map.num_pservers
+        return pservers is None or self.index < pservers
 
     def _snapshot(self, ckpt_id: str) -> None:
         """Copy this shard's state now (lock held) and write it in the background."""
@@ -2185,11 +2201,20 @@ class Pserver:
         """One migrate call to pserver ``src`` (over ``connection``), retried while it is
         unreachable or has not switched yet: its reply; None once this pserver's epoch
         or map has moved on; _LOST when the source restarted without the slots, or has
-        been gone SOURCE_GONE lease TTLs (then the job must roll back). ``row_offset``:
+        been gone SOURCE_GONE lease TTLs (then the job must roll back) and no replacement
+        of it would roll the job back by itself. ``row_offset``:
         a page of the one slot's rows (:meth:`_fetch_rows`)."""
         request = MigrateRequest(f"pserver-{self.index}", epoch=epoch, version=version, slots=tuple(slots), row_offset=row_offset)
         waiting = Retry(MIGRATE_BACKOFF)
         unregistered_since: float | None = None
+        with self._cond:
+            # A source the new map keeps, each of whose slots has one copy: its replacement
+            # rolls the job back when it starts (and nothing trains without it meanwhile),
+            # so its absence is waited out, not answered with a rollback of this pserver's
+            # own: both would run when the replacement takes longer than SOURCE_GONE TTLs
+            # to start (a busy machine), costing the job a second rollback for one death.
+            m = self._slot_map
+            restarts_roll_back = m is not None and m.version == version and m.replicas == 1 and src < m.num_pservers and bool(m.held_by(src))
         while True:
             gone = False
             with self._cond:
@@ -2218,7 +2243,7 @@ class Pserver:
                 unregistered_since = time.monotonic()
             elif not gone:
                 unregistered_since = None
-            if unregistered_since is not None and time.monotonic() - unregistered_since > SOURCE_GONE * self.config.lease_ttl:
+            if unregistered_since is not None and not restarts_roll_back and time.monotonic() - unregistered_since > SOURCE_GONE * self.config.lease_ttl:
                 log.error("pserver %s cannot receive slots %s: pserver %d has been gone for %.0fs", self.index, slots[:8], src, time.monotonic() - unregistered_since)
                 return _LOST
 

@@ -402,3 +402,102 @@ def test_a_master_replaced_in_the_middle_of_a_resize_finishes_it(source, monkeyp
     finally:
         standby.stop()
         job.close()
+
+
+def test_a_source_killed_mid_migration_costs_one_rollback_however_late_its_replacement(source, tmp_path, monkeypatch):
+    """Growing 2 -> 3 (sync, one copy of each slot), pserver 0 is crashed while the
+    migrate calls are held, and its replacement starts only after SOURCE_GONE lease TTLs
+    (as on a busy machine: a fresh-clone run saw it take 5.5 s). The receiver waits for
+    it rather than rolling the job back itself, since the replacement rolls back anyway:
+    one rollback for one death, onto the new map, every record trained once."""
+    from pdps.roles.pserver import MIGRATE_DELAY_ENV, SOURCE_GONE
+    from pdps.runtime import recovery
+    from pdps.shell.status import pass_audit
+
+    monkeypatch.setenv(MIGRATE_DELAY_ENV, "1.5")
+    step = pdps.TrainerContext.step
+
+    def paced(self, *args, **kwargs):
+        time.sleep(0.05)  # steps as long as the resize needs to flip before the job ends
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(pdps.TrainerContext, "step", paced)
+    ttl = 0.5
+    job = start_job(source, name="elastic-late-source", mode="sync", pservers=2, min_block=1, num_slots=16, lease_ttl=ttl,
+                    optimizer_args={"lr": LR}, batch_size=10, passes=2, keep_rounds=100000, task_timeout=60.0,
+                    checkpoint_url=f"{tmp_path.as_uri()}/ckpt", checkpoint_every=4)  # fmt: skip
+    keys = Keys(job.config.name)
+
+    def kill_a_source_mid_migration(_) -> None:
+        asked = request_resize(job.store, keys, pservers=3, by="test")
+        add_pserver(job)
+        deadline = time.monotonic() + 30
+        while read_map(job.store, keys).version < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert read_map(job.store, keys).num_pservers == 3  # flipped: the slots are on their way
+        time.sleep(0.3)  # into the held calls
+        job.pservers[0].crash()
+        time.sleep(ttl + SOURCE_GONE * ttl + 1.0)  # its claim gone, and SOURCE_GONE TTLs more
+        replacement = Pserver(job.store, job.transport, job.compute, job.config, index=0, claim_wait=10.0,
+                              checkpoints=open_checkpoint_files(job.config.checkpoint_url))  # fmt: skip
+        replacement.start()
+        job.pservers[0] = replacement
+        done = wait_resized(job.store, keys, asked.id, deadline=time.monotonic() + 60)
+        assert done.state is ResizeState.DONE and read_map(job.store, keys).num_pservers == 3
+
+    try:
+        train_recording(job, 2, steps_before=6, during=kill_a_source_mid_migration)
+        epoch, _ = recovery.read_epoch(job.store, keys)
+        assert epoch.epoch == 1 and "pserver 0 restarted" in epoch.reason, epoch
+        for pass_no in range(2):
+            summary = pass_audit(job.store, job.config.name, pass_no)["summary"]
+            assert summary["records_trained"] == 600 and summary["records_trained_more_than_once"] == 0 and summary["failed"] == 0, summary
+    finally:
+        job.close()
+
+
+def test_a_pserver_that_claims_its_index_while_a_checkpoint_holds_the_grow_writes_no_part(source, tmp_path, monkeypatch):
+    """A grow is asked while a checkpoint is being written (here one that never ends:
+    announced, no part), so it waits in ``requested``; its new pserver starts at once,
+    claims index 2 and takes its place in the rounds, holding nothing. The checkpoints
+    taken meanwhile, in the 2-pserver map, commit all the same: it writes no part of
+    them (a checkpoint commits with one part per pserver of its map, no more: with its
+    part none ever did, and the grow waited CHECKPOINT_PATIENCE, 120 s, for them). The
+    first commit deletes the stuck one, and the grow then goes on."""
+    from pdps.runtime import recovery
+
+    step = pdps.TrainerContext.step
+
+    def paced(self, *args, **kwargs):
+        time.sleep(0.05)
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(pdps.TrainerContext, "step", paced)
+    job = start_job(source, name="elastic-early-pserver", mode="sync", pservers=2, min_block=1, num_slots=16, lease_ttl=2.0,
+                    optimizer_args={"lr": LR}, batch_size=10, passes=2, keep_rounds=100000, task_timeout=60.0,
+                    checkpoint_url=f"{tmp_path.as_uri()}/ckpt", checkpoint_every=2)  # fmt: skip
+    keys = Keys(job.config.name)
+
+    def grow_behind_a_checkpoint(_) -> None:
+        stuck = recovery.announce(keys, recovery.new_checkpoint_id(0, 1), 0, 1, "sync", 2)
+        job.store.put(stuck.key, stuck.value)
+        asked = request_resize(job.store, keys, pservers=3, by="test")
+        spare = add_pserver(job)
+        assert spare.index == 2 and read_map(job.store, keys).num_pservers == 2
+        placed = max(ps.round_no for ps in job.pservers)
+        deadline = time.monotonic() + 30
+        pointer = None
+        while time.monotonic() < deadline:
+            pointer, _ = recovery.read_pointer(job.store, keys)
+            if pointer is not None and pointer.round > placed + 4:
+                break
+            time.sleep(0.02)
+        assert pointer is not None and pointer.round > placed + 4, (pointer, placed)
+        done = wait_resized(job.store, keys, asked.id, deadline=time.monotonic() + 30)
+        assert done.state is ResizeState.DONE and read_map(job.store, keys).num_pservers == 3
+
+    try:
+        train_recording(job, 2, steps_before=4, during=grow_behind_a_checkpoint)
+        assert [ps.epoch for ps in job.pservers] == [0, 0, 0]  # no rollback
+    finally:
+        job.close()

@@ -264,10 +264,17 @@ def say_live(mib: int, mode: str, row: dict[str, Any]) -> None:
 
 
 def restart_row(before: int, after: int, ckpt: dict[str, Any], last_held: float, parts: dict[str, float]) -> dict[str, Any]:
-    """The baseline's figures: ``parts`` are the monotonic times of its stages, the last the first step."""
+    """The baseline's figures: ``parts`` are the monotonic times of its stages, the last the first step.
+    Each stage counts as ended no earlier than the one before it and the last step the
+    checkpoint holds: the bench may see the checkpoint's pointer before a trainer has
+    logged the step the checkpoint holds (the commit does not wait for the trainer)."""
+    ended, at = {}, last_held
+    for stage, t in parts.items():
+        at = max(at, t)
+        ended[stage] = at - last_held
     return {
         "from": before, "to": after, "checkpoint": ckpt["id"], "checkpoint_round": int(ckpt["round"]),
-        "pause_s": parts["first step"] - last_held, "parts_s": {k: v - last_held for k, v in parts.items()},
+        "pause_s": ended["first step"], "parts_s": ended,
     }  # fmt: skip
 
 

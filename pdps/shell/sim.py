@@ -20,7 +20,7 @@ from typing import Any
 
 import attrs
 
-from pdps.core.errors import ConfigError, PdpsError, Timeout
+from pdps.core.errors import ConfigError, PdpsError, SlotMapChanged, Timeout
 from pdps.core.headcount import Desired, leaves, to_start
 from pdps.core.job import JobConfig, Keys, decode_as, decode_json, require_seconds, require_whole_number, shown
 from pdps.core.lifecycle import HALTED
@@ -371,7 +371,27 @@ def fetch_parameters(store: CoordinationStore, transport: Transport, config: Job
 
 
 def fetch_model(store: CoordinationStore, transport: Transport, config: JobConfig) -> tuple[dict[str, Any], int]:
-    """The model's current parameters and the updates applied by the busiest pserver."""
+    """The model's current parameters and the updates applied by the busiest pserver.
+    A resize or a failover that moves slots while they are read (a replenish still
+    running when the job finishes, say) starts the read again on the new slot map."""
+    for attempt in range(1, FETCH_ATTEMPTS + 1):
+        try:
+            return _fetch_model_once(store, transport, config)
+        except SlotMapChanged as exc:
+            if attempt == FETCH_ATTEMPTS:
+                raise SlotMapChanged(
+                    f"job {config.name!r}: the slot map changed under each of {FETCH_ATTEMPTS} reads of the model; the last: {exc}",
+                    sent=exc.sent, current=exc.current,
+                ) from exc
+            log.info("the slot map changed while the model was read (%s); reading it again", exc)
+    raise AssertionError("unreachable")
+
+
+#: reads of the model :func:`fetch_model` starts over when a resize moves slots under it
+FETCH_ATTEMPTS = 10
+
+
+def _fetch_model_once(store: CoordinationStore, transport: Transport, config: JobConfig) -> tuple[dict[str, Any], int]:
     import torch
 
     keys = Keys(config.name)

@@ -253,6 +253,39 @@ def test_a_job_with_no_trainer_left_is_resized_and_keeps_its_parameters(source, 
         job.close()
 
 
+def test_a_model_read_while_a_resize_moves_its_slots_starts_over_on_the_new_map(source, monkeypatch):
+    """``pdps.fetch_parameters`` of a job whose slots move under it (a replenish still
+    running as ``simulate`` finishes, say): the pserver refuses the read computed for the
+    old map, and the read starts over on the new one. Here the resize runs between the
+    read's first request being computed and its being sent."""
+    from pdps.roles.trainer.pserver_client import PserverGroup
+
+    job = start_job(source, name="elastic-fetch", mode="sync", pservers=2, min_block=1, num_slots=8, lease_ttl=2.0, optimizer_args={"lr": LR})
+    try:
+        ctx = job.trainer("t0")
+        model = ctx.attach(make_model())
+        x = torch.randn(5, 4, dtype=torch.float64)
+        for _ in range(3):
+            ctx.step(F.mse_loss(model(x), torch.zeros(5, 2, dtype=torch.float64)), samples=5)
+        ctx.leave()
+        job.trainers.clear()
+        before = pdps.fetch_parameters(job.store, job.transport, job.config)
+        ask, asked = PserverGroup.ask, []
+
+        def resized_first(self, part, request, into=None):
+            if not asked:
+                asked.append(request.version)
+                resize(job, 3)  # the slots move after the request was computed for the old map
+            return ask(self, part, request, into)
+
+        monkeypatch.setattr(PserverGroup, "ask", resized_first)
+        after = pdps.fetch_parameters(job.store, job.transport, job.config)
+        assert asked == [1] and read_map(job.store, Keys(job.config.name)).version == 2
+        assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    finally:
+        job.close()
+
+
 def test_a_sync_switch_holds_up_nothing_it_need_not(source, monkeypatch):
     """What a sync resize's switch costs the trainers, by the store's own order of
     events: every pserver of the new map says its shard is built (``resize_ready``)

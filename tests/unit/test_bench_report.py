@@ -948,3 +948,16 @@ def test_the_fresh_flag_reaches_run_bench(monkeypatch):
         args = cli.build_parser(argv).parse_args(argv)
         args.argv = argv
         assert cli.cmd_bench(args) == 0 and seen[-1]["fresh"] is fresh and seen[-1]["suites"] == ["master"]
+
+
+def test_a_restart_stage_seen_before_the_last_held_step_was_logged_counts_as_no_time():
+    """bench/elastic.py's baseline: the bench may see the checkpoint's pointer a moment
+    before a trainer process logs the step that checkpoint holds (the commit does not
+    wait for the trainer), which once made the first stage -1 ms. Stages end in order,
+    none before the last held step."""
+    from bench.elastic import restart_row
+
+    parts = {"checkpoint committed": 9.999, "job stopped": 12.5, "new job attached": 14.0, "restored": 13.9, "first step": 15.0}
+    row = restart_row(2, 3, {"id": "c1", "round": 3}, 10.0, parts)
+    assert row["parts_s"] == {"checkpoint committed": 0.0, "job stopped": 2.5, "new job attached": 4.0, "restored": 4.0, "first step": 5.0}
+    assert row["pause_s"] == 5.0 and (row["checkpoint"], row["checkpoint_round"]) == ("c1", 3)

@@ -259,6 +259,8 @@ def resolve(
                 s = mine[name]
                 if isinstance(value, str) and s.parse not in (str, str.upper):
                     value = _parse(s, value, f"{path}: {name}")
+                elif not s.job:  # a job setting is checked as JobConfig checks it; a role setting here
+                    value = _typed(s, value, f"{path}: {name}")
                 values[name] = _check(s, value, f"{path}: {name}")
             # a setting of another command is allowed in a shared file, and ignored here
     known_env = {s.env for s in SETTINGS} | {ENV_PREFIX + "CONFIG"}
@@ -284,6 +286,22 @@ def resolve(
     if not values.get("store"):
         raise ConfigError(f"pdps {command} needs a coordination store: --store URL, {ENV_PREFIX}STORE or store = \"...\" in a settings file")
     return values
+
+
+def _typed(s: Setting, value: Any, origin: str) -> Any:
+    """A role setting's TOML value, refused unless it has its setting's type (a count an
+    int, seconds an int or a float, a flag a bool, text a string; a bool is no number)."""
+    if s.parse in (int, _optional_int, _port_or_none):
+        ok, what = isinstance(value, int) and not isinstance(value, bool), "a whole number"
+    elif s.parse is float:
+        ok, what = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
+    elif s.parse is _bool:
+        ok, what = isinstance(value, bool), "true or false"
+    else:
+        ok, what = isinstance(value, str), "a string"
+    if not ok:
+        raise ConfigError(f"{origin} must be {what}, got {value!r} ({type(value).__name__})")
+    return _parse(s, str(value), origin) if s.parse is _port_or_none else value
 
 
 def _parse(s: Setting, text: str, origin: str) -> Any:

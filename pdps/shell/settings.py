@@ -257,7 +257,7 @@ def resolve(
                 raise ConfigError(f"{path}: unknown setting {name!r}; known settings: {', '.join(sorted(BY_NAME))}")
             if name in mine:
                 s = mine[name]
-                if isinstance(value, str) and s.parse not in (str, str.upper):
+                if isinstance(value, str) and s.parse is not str:  # log_level = "info" as PDPS_LOG_LEVEL=info
                     value = _parse(s, value, f"{path}: {name}")
                 elif not s.job:  # a job setting is checked as JobConfig checks it; a role setting here
                     value = _typed(s, value, f"{path}: {name}")

@@ -92,6 +92,12 @@ def test_role_settings_of_their_toml_type_pass(tmp_path):
     assert (values["grace"], values["timeout"], values["max_restarts"], values["json"], values["metrics_port"]) == (5, 2.5, 2, True, 9100)
 
 
+def test_log_level_is_read_in_any_case_from_a_file_as_from_the_environment(tmp_path):
+    cfg = write(tmp_path, 'store = "memory://"\nlog_level = "debug"\n')
+    assert resolve("master", {"config": cfg}, {})["log_level"] == "DEBUG"
+    assert resolve("master", {}, {"PDPS_STORE": "memory://", "PDPS_LOG_LEVEL": "debug"})["log_level"] == "DEBUG"
+
+
 def test_bad_files_and_missing_store(tmp_path):
     with pytest.raises(ConfigError, match="cannot read settings file"):
         resolve("master", {"config": str(tmp_path / "missing.toml")}, {})

@@ -514,6 +514,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             die_with_launcher()
             args.values = _settings(args)
+            if args.command != "launch":
+                from pdps.shell.process import check_shared
+
+                check_shared(args.command, args.values)
             logging.basicConfig(level=args.values["log_level"], format=fmt, stream=sys.stderr)
         else:
             logging.basicConfig(level=getattr(args, "log_level", "WARNING"), format=fmt, stream=sys.stderr)

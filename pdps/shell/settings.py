@@ -201,12 +201,25 @@ def add_flags(
         if s.parse is _bool:
             kw["action"] = "store_true"
         else:
-            kw["type"] = s.parse
+            kw["type"] = _flag_parser(s)
             kw["metavar"] = s.name.upper()
             if s.choices:
                 kw["choices"] = s.choices
                 kw.pop("metavar")
         parser.add_argument(s.flag, **kw)
+
+
+def _flag_parser(s: Setting) -> Callable[[str], Any]:
+    """``s.parse`` for argparse: a value it cannot read is refused as its variable is
+    (``argument --trainers: cannot read trainers from '3.0': ...``), not by a helper's name."""
+
+    def parse(text: str) -> Any:
+        try:
+            return s.parse(text)
+        except (ValueError, TypeError) as exc:
+            raise argparse.ArgumentTypeError(f"cannot read {s.name} from {text!r}: {exc}") from None
+
+    return parse
 
 
 def _load_toml(path: str) -> dict[str, Any]:

@@ -288,6 +288,10 @@ def resolve(
         if name not in mine:
             raise ConfigError(f"pdps {command} takes no setting {name!r}")
         values[name] = _check(mine[name], value, BY_NAME[name].flag)
+    for name, s in mine.items():  # a role's counts, ports and seconds: never below 0 (a job's: JobConfig checks them)
+        value = values[name]
+        if not s.job and s.parse in (int, float, _optional_int) and value is not None and not value >= 0:  # NaN too
+            raise ConfigError(f"{name} must be 0 or more, got {value!r}")
     if values.get("token") is None and values.get("token_file"):
         try:
             with open(values["token_file"], encoding="utf-8") as f:

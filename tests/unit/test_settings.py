@@ -98,6 +98,18 @@ def test_log_level_is_read_in_any_case_from_a_file_as_from_the_environment(tmp_p
     assert resolve("master", {}, {"PDPS_STORE": "memory://", "PDPS_LOG_LEVEL": "debug"})["log_level"] == "DEBUG"
 
 
+@pytest.mark.parametrize(
+    "command,name,value",
+    [("launch", "timeout", -1.0), ("launch", "max_restarts", -1), ("master", "connect_timeout", float("nan")), ("pserver", "index", -2), ("trainer", "grace", -5.0)],
+)
+def test_a_negative_count_or_duration_of_a_role_is_refused(command, name, value):
+    with pytest.raises(ConfigError, match=rf"{name} must be 0 or more, got {value!r}"):
+        resolve(command, {"store": "memory://", name: value}, {})
+    env = {"PDPS_STORE": "memory://", f"PDPS_{name.upper()}": str(value)}
+    with pytest.raises(ConfigError, match=rf"{name} must be 0 or more"):
+        resolve(command, {}, env)
+
+
 def test_bad_files_and_missing_store(tmp_path):
     with pytest.raises(ConfigError, match="cannot read settings file"):
         resolve("master", {"config": str(tmp_path / "missing.toml")}, {})

@@ -64,6 +64,11 @@ def _text(_inst: object, attr: attrs.Attribute, value: Any) -> None:
         raise ConfigError(f"{attr.name} must be a string, got {shown(value)}")
 
 
+def _flag(_inst: object, attr: attrs.Attribute, value: Any) -> None:
+    if not isinstance(value, bool):  # "yes", 1: a TOML or env value reaches here parsed, so only a caller's slip does
+        raise ConfigError(f"{attr.name} must be True or False, got {shown(value)}")
+
+
 def _json_safe(_inst: object, attr: attrs.Attribute, value: Any) -> None:
     try:
         ok = json.loads(json.dumps(value)) == value
@@ -102,7 +107,7 @@ class JobConfig:
     optimizer_args: dict[str, Any] = attrs.field(factory=lambda: {"lr": 0.01}, converter=_optimizer_args, validator=_json_safe)
     # sparse tables (pdps.nn): the row rule the pservers apply ("": the row rule of
     # `optimizer`), its arguments ({}: `optimizer_args`), the most ids one request may carry
-    sparse_optimizer: str = attrs.field(default="", validator=attrs.validators.instance_of(str))
+    sparse_optimizer: str = attrs.field(default="", validator=_text)
     sparse_optimizer_args: dict[str, Any] = attrs.field(factory=dict, converter=_optimizer_args, validator=_json_safe)
     sparse_max_ids: int = attrs.field(default=1 << 20, validator=_whole_number(1))
     batch_size: int = attrs.field(default=32, validator=_whole_number(1))
@@ -162,7 +167,7 @@ class JobConfig:
     export_keep: int = attrs.field(default=0, validator=_whole_number(0))  # 0: keep every export
     # speculative execution: a backup attempt races a task running speculation_multiplier x
     # the median time per record (after speculation_min_finished finishes); first commit wins
-    speculation: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+    speculation: bool = attrs.field(default=False, validator=_flag)
     speculation_multiplier: float = attrs.field(default=1.5, validator=_seconds())
     speculation_min_finished: int = attrs.field(default=8, validator=_whole_number(1))
     # user functions as "module:function": run once before the first task; run after each window

@@ -58,6 +58,8 @@ def _whole_number(minimum: int, what: str, hint: str = ""):
 
 
 _positive_int = _whole_number(1, "a whole number")
+# pdps scale's counts: any whole number here; pdps.scale refuses one out of bounds (exit 1, naming the bound)
+_count = _whole_number(-sys.maxsize, "a whole number")
 _pass_number = _whole_number(0, "a pass number", " (0 is the first pass)")
 _window_number = _whole_number(0, "a window number", " (0 is the first window)")
 
@@ -142,8 +144,8 @@ def build_parser(argv: Sequence[str] = (), env: Mapping[str, str] | None = None)
         "time: while one is in progress this is refused, naming it, unless --wait. A job that is done is not resized (exit 1).",
     )
     _add_store_arguments(scale)
-    scale.add_argument("--pservers", type=_positive_int, default=None, metavar="M", help="pservers the job should run")
-    scale.add_argument("--trainers", type=_positive_int, default=None, metavar="N", help="trainers the job should run")
+    scale.add_argument("--pservers", type=_count, default=None, metavar="M", help="pservers the job should run")
+    scale.add_argument("--trainers", type=_count, default=None, metavar="N", help="trainers the job should run")
     scale.add_argument("--wait", action="store_true", help="queue behind a resize in progress, and wait until this one is done")
     scale.add_argument("--timeout", type=float, default=None, metavar="SECONDS", help="with --wait: give up after this long")
     scale.set_defaults(func=cmd_scale, parser=scale)
@@ -512,6 +514,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             die_with_launcher()
             args.values = _settings(args)
+            if args.command != "launch":
+                from pdps.shell.process import check_shared
+
+                check_shared(args.command, args.values)
             logging.basicConfig(level=args.values["log_level"], format=fmt, stream=sys.stderr)
         else:
             logging.basicConfig(level=getattr(args, "log_level", "WARNING"), format=fmt, stream=sys.stderr)

@@ -111,6 +111,23 @@ def open_role_transport(values: Mapping[str, Any]) -> Any:
     return open_transport(values["transport"], **options)
 
 
+def check_shared(command: str, values: Mapping[str, Any]) -> None:
+    """Refuse a role process (``pdps master|pserver|trainer``) the other roles could never
+    reach: an ``inproc`` transport or a ``memory://`` store lives in this process only."""
+    from pdps.registry import scheme_of
+
+    if values["transport"] == "inproc":
+        raise ConfigError(
+            f"pdps {command} runs one role, in a process of its own, and transport inproc lives in one process: "
+            "use --transport grpc (inproc is for pdps launch, which then runs the whole job in its own process)"
+        )
+    if scheme_of(values["store"]) == "memory":
+        raise ConfigError(
+            f"store {values['store']} is in this process's memory, where no other role can find this {command}: "
+            "give an etcd:// or redis:// store"
+        )
+
+
 def check_tls_files(values: Mapping[str, Any]) -> None:
     """Raise ConfigError unless the TLS files the settings name are readable files, the
     certificate and its key given together."""

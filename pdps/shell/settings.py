@@ -201,12 +201,25 @@ def add_flags(
         if s.parse is _bool:
             kw["action"] = "store_true"
         else:
-            kw["type"] = s.parse
+            kw["type"] = _flag_parser(s)
             kw["metavar"] = s.name.upper()
             if s.choices:
                 kw["choices"] = s.choices
                 kw.pop("metavar")
         parser.add_argument(s.flag, **kw)
+
+
+def _flag_parser(s: Setting) -> Callable[[str], Any]:
+    """``s.parse`` for argparse: a value it cannot read is refused as its variable is
+    (``argument --trainers: cannot read trainers from '3.0': ...``), not by a helper's name."""
+
+    def parse(text: str) -> Any:
+        try:
+            return s.parse(text)
+        except (ValueError, TypeError) as exc:
+            raise argparse.ArgumentTypeError(f"cannot read {s.name} from {text!r}: {exc}") from None
+
+    return parse
 
 
 def _load_toml(path: str) -> dict[str, Any]:
@@ -257,8 +270,10 @@ def resolve(
                 raise ConfigError(f"{path}: unknown setting {name!r}; known settings: {', '.join(sorted(BY_NAME))}")
             if name in mine:
                 s = mine[name]
-                if isinstance(value, str) and s.parse not in (str, str.upper):
+                if isinstance(value, str) and s.parse is not str:  # log_level = "info" as PDPS_LOG_LEVEL=info
                     value = _parse(s, value, f"{path}: {name}")
+                elif not s.job:  # a job setting is checked as JobConfig checks it; a role setting here
+                    value = _typed(s, value, f"{path}: {name}")
                 values[name] = _check(s, value, f"{path}: {name}")
             # a setting of another command is allowed in a shared file, and ignored here
     known_env = {s.env for s in SETTINGS} | {ENV_PREFIX + "CONFIG"}
@@ -273,6 +288,10 @@ def resolve(
         if name not in mine:
             raise ConfigError(f"pdps {command} takes no setting {name!r}")
         values[name] = _check(mine[name], value, BY_NAME[name].flag)
+    for name, s in mine.items():  # a role's counts, ports and seconds: never below 0 (a job's: JobConfig checks them)
+        value = values[name]
+        if not s.job and s.parse in (int, float, _optional_int) and value is not None and not value >= 0:  # NaN too
+            raise ConfigError(f"{name} must be 0 or more, got {value!r}")
     if values.get("token") is None and values.get("token_file"):
         try:
             with open(values["token_file"], encoding="utf-8") as f:
@@ -284,6 +303,22 @@ def resolve(
     if not values.get("store"):
         raise ConfigError(f"pdps {command} needs a coordination store: --store URL, {ENV_PREFIX}STORE or store = \"...\" in a settings file")
     return values
+
+
+def _typed(s: Setting, value: Any, origin: str) -> Any:
+    """A role setting's TOML value, refused unless it has its setting's type (a count an
+    int, seconds an int or a float, a flag a bool, text a string; a bool is no number)."""
+    if s.parse in (int, _optional_int, _port_or_none):
+        ok, what = isinstance(value, int) and not isinstance(value, bool), "a whole number"
+    elif s.parse is float:
+        ok, what = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
+    elif s.parse is _bool:
+        ok, what = isinstance(value, bool), "true or false"
+    else:
+        ok, what = isinstance(value, str), "a string"
+    if not ok:
+        raise ConfigError(f"{origin} must be {what}, got {value!r} ({type(value).__name__})")
+    return _parse(s, str(value), origin) if s.parse is _port_or_none else value
 
 
 def _parse(s: Setting, text: str, origin: str) -> Any:

@@ -268,7 +268,7 @@ def simulate(
             tasks_failed=failed,
             steps=max(ps.steps for ps in pservers),
             seconds=seconds,
-            trainers=results,
+            trainers={ctx.trainer_id: results.get(ctx.trainer_id) for ctx in contexts},  # a killed one's: None
             killed=tuple(sorted(killed)),
             config=config,
             history={ctx.trainer_id: tuple(ctx.history) for ctx in contexts},

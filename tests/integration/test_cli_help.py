@@ -111,3 +111,31 @@ def test_store_and_target_may_come_from_the_environment_or_a_settings_file(tmp_p
     # a settings file without the store: the error names every place it may come from
     result = probe("pserver", "--config", str(tmp_path / "pdps.toml"), "--store", "")
     assert result["code"] == 2 and "needs a coordination store" in result["stderr"], result
+
+
+@pytest.mark.parametrize(
+    "args,expect",
+    [
+        (["master", "--store", "memory://"], "store memory:// is in this process's memory, where no other role can find this master"),
+        (["trainer", "--store", "memory://x", "pkg:train"], "no other role can find this trainer"),
+        (["pserver", "--store", "etcd://127.0.0.1:1", "--transport", "inproc"], "pdps pserver runs one role, in a process of its own, and transport inproc"),
+    ],
+)
+def test_a_role_process_nobody_could_reach_is_refused_at_once(args, expect):
+    """inproc and memory:// live in one process: a role started with them waited for
+    peers that could never find it (the setting says: launch only)."""
+    result = probe(*args)
+    assert result["code"] == 2 and expect in result["stderr"] and result["stderr"].startswith("pdps: error: "), result
+
+
+@pytest.mark.parametrize(
+    "args,expect",
+    [
+        (["launch", "--store", "etcd://127.0.0.1:1", "--optimizer-args", "{bad", "pkg:train"], "argument --optimizer-args: cannot read optimizer_args from '{bad'"),
+        (["master", "--store", "etcd://127.0.0.1:1", "--metrics-port", "70000"], "argument --metrics-port: cannot read metrics_port from '70000': a port is 0 to 65535"),
+        (["launch", "--store", "etcd://127.0.0.1:1", "--trainers", "3.0", "pkg:train"], "argument --trainers: cannot read trainers from '3.0'"),
+    ],
+)
+def test_a_flag_value_that_cannot_be_read_names_the_setting_as_its_variable_would(args, expect):
+    result = probe(*args)
+    assert result["code"] == 2 and expect in result["stderr"] and not result["torch"], result

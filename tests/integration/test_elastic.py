@@ -169,6 +169,9 @@ def test_pdps_scale_command_asks_and_refuses_by_name(etcd_server, source):
     assert again.returncode == 1 and record["id"] in again.stderr and "in progress" in again.stderr
     bad = run("--pservers", "9")
     assert bad.returncode == 1 and "at most 8 pservers" in bad.stderr
+    for flag, bound in (("--pservers", "at least 1 pserver"), ("--trainers", "at least 1 trainer")):  # out of bounds below too: exit 1
+        zero = run(flag, "0")
+        assert zero.returncode == 1 and bound in zero.stderr, zero.stderr
 
 
 def test_pdps_scale_refuses_a_job_that_is_done(etcd_server, source):

@@ -262,6 +262,7 @@ def test_a_crashed_trainer_loses_no_task(tmp_path, mode):
         optimizer="SGD", optimizer_args={"lr": 0.1}, lease_ttl=1.0, task_timeout=60.0, kill={1: 3},
     )
     assert result.killed == ("trainer-1",)
+    assert list(result.trainers) == ["trainer-0", "trainer-1", "trainer-2"] and result.trainers["trainer-1"] is None  # killed: None
     assert result.passes == 2
     assert result.tasks_done == 2 * n_tasks and result.tasks_failed == 0
     assert sum(v for v in result.trainers.values() if v is not None) == result.tasks_done - 0  # survivors did all

@@ -40,6 +40,9 @@ def _train(ctx):  # never runs: every call below is refused first
         ({"optimizer_args": 0.1}, r"optimizer_args must be a dict of the optimizer's keyword arguments, got 0.1 \(float\)"),
         ({"optimizer_args": [("lr", 0.1)]}, r"optimizer_args must be a dict"),
         ({"mode": 1}, r"mode must be 'sync' or 'async', got 1"),
+        ({"speculation": "yes"}, r"speculation must be True or False, got 'yes' \(str\)"),
+        ({"speculation": 1}, r"speculation must be True or False, got 1 \(int\)"),
+        ({"sparse_optimizer": None}, r"sparse_optimizer must be a string, got None"),
     ],
 )
 def test_a_wrong_type_or_range_is_a_config_error_naming_setting_value_and_expectation(settings, expect):
@@ -92,6 +95,7 @@ def test_from_json_suggests_too():
         ({"transport": None}, r"transport must be a URL \(str\) or a Transport, got None"),
         ({"progress": "print"}, r"progress must be a callable or None, got 'print' \(str\)"),
         ({"compute": "cpu"}, r"compute must be a Compute or None, got 'cpu' \(str\)"),
+        ({"speculation": "true"}, r"speculation must be True or False, got 'true' \(str\)"),
     ],
 )
 def test_simulate_checks_its_arguments_before_anything_starts(kwargs, expect):

@@ -69,6 +69,47 @@ def test_a_shared_file_may_hold_other_commands_settings(tmp_path):
     assert "index" not in values and "trainer_id" not in values
 
 
+@pytest.mark.parametrize(
+    "line,expect",
+    [
+        ("grace = [1]", r"pdps.toml: grace must be a number, got \[1\] \(list\)"),
+        ("grace = true", r"pdps.toml: grace must be a number, got True \(bool\)"),
+        ("max_restarts = 2.5", r"pdps.toml: max_restarts must be a whole number, got 2.5 \(float\)"),
+        ("json = 1", r"pdps.toml: json must be true or false, got 1 \(int\)"),
+        ("job = 7", r"pdps.toml: job must be a string, got 7 \(int\)"),
+        ("metrics_port = 70000", r"pdps.toml: metrics_port: cannot read metrics_port from '70000'"),
+    ],
+)
+def test_a_role_setting_of_the_wrong_toml_type_is_refused(tmp_path, line, expect):
+    cfg = write(tmp_path, f'store = "memory://"\n{line}\n')
+    with pytest.raises(ConfigError, match=expect):
+        resolve("launch", {"config": cfg}, {})
+
+
+def test_role_settings_of_their_toml_type_pass(tmp_path):
+    cfg = write(tmp_path, 'store = "memory://"\ngrace = 5\ntimeout = 2.5\nmax_restarts = 2\njson = true\nmetrics_port = 9100\n')
+    values = resolve("launch", {"config": cfg}, {})
+    assert (values["grace"], values["timeout"], values["max_restarts"], values["json"], values["metrics_port"]) == (5, 2.5, 2, True, 9100)
+
+
+def test_log_level_is_read_in_any_case_from_a_file_as_from_the_environment(tmp_path):
+    cfg = write(tmp_path, 'store = "memory://"\nlog_level = "debug"\n')
+    assert resolve("master", {"config": cfg}, {})["log_level"] == "DEBUG"
+    assert resolve("master", {}, {"PDPS_STORE": "memory://", "PDPS_LOG_LEVEL": "debug"})["log_level"] == "DEBUG"
+
+
+@pytest.mark.parametrize(
+    "command,name,value",
+    [("launch", "timeout", -1.0), ("launch", "max_restarts", -1), ("master", "connect_timeout", float("nan")), ("pserver", "index", -2), ("trainer", "grace", -5.0)],
+)
+def test_a_negative_count_or_duration_of_a_role_is_refused(command, name, value):
+    with pytest.raises(ConfigError, match=rf"{name} must be 0 or more, got {value!r}"):
+        resolve(command, {"store": "memory://", name: value}, {})
+    env = {"PDPS_STORE": "memory://", f"PDPS_{name.upper()}": str(value)}
+    with pytest.raises(ConfigError, match=rf"{name} must be 0 or more"):
+        resolve(command, {}, env)
+
+
 def test_bad_files_and_missing_store(tmp_path):
     with pytest.raises(ConfigError, match="cannot read settings file"):
         resolve("master", {"config": str(tmp_path / "missing.toml")}, {})

@@ -147,5 +147,9 @@ class WindowHooks:
         if not isinstance(metrics, dict):
             raise ConfigError(f"the evaluate function returned {type(metrics).__name__}; return a number or a dict of numbers")
         record = {"window": window.no, "metrics": metrics, "updates": updates, "at": time.time()}
-        self._store.put(self._keys.evaluation(window.no), json.dumps(record).encode())
+        try:  # strict JSON: `pdps status --json` prints the record as it is, for any JSON reader
+            encoded = json.dumps(record, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"the evaluate function returned metrics that are not JSON values ({exc}): {metrics!r:.200}") from exc
+        self._store.put(self._keys.evaluation(window.no), encoded.encode())
         log.info("window %d evaluated: %s", window.no, metrics)

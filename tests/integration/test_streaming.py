@@ -222,6 +222,32 @@ def test_window_settings_on_a_finite_dataset_and_an_endless_simulated_stream_are
         pdps.simulate(follow_train, dataset=stream, windows=2, window_records=4, evaluate="no_such_module:fn", timeout=60)
 
 
+def test_an_evaluation_that_is_not_json_is_logged_and_not_recorded(caplog):
+    """docs/online.md: evaluate returns a number or a dict of JSON values; anything else is
+    logged and nothing is recorded. NaN and infinities are no JSON: recorded, they made
+    `pdps status --json` print `NaN`, which JSON readers refuse."""
+    stream = stream_url("memory-stream:/")
+    streams.append(stream, {"x": np.zeros((12, 3)), "y": np.zeros(12)})
+    answers = [float("nan"), {"loss": float("inf")}]  # then {"loss": 0.5}
+    calls = []
+
+    def evaluate(params: dict) -> object:
+        calls.append(len(calls))
+        return answers[len(calls) - 1] if len(calls) <= len(answers) else {"loss": 0.5}
+
+    store = MemoryStore()
+    with caplog.at_level(logging.ERROR, logger="pdps"):
+        result = pdps.simulate(
+            follow_train, dataset=stream, store=store, windows=3, window_records=4, task_records=4, evaluate=evaluate, timeout=60
+        )
+    # windows closing faster than their work are passed over: which windows ran is not fixed
+    evals = [json.loads(kv.value) for kv in store.range(f"/pdps/{result.config.name}/evals/")]
+    assert calls and [e["metrics"] for e in evals] == [{"loss": 0.5}] * max(0, len(calls) - 2)
+    failed = [r for r in caplog.records if "post-window work" in r.getMessage() and r.exc_info and "not JSON values" in str(r.exc_info[1])]
+    assert len(failed) == min(len(calls), 2)
+    json.loads(json.dumps(job_status(store, result.config.name)), parse_constant=lambda c: pytest.fail(f"{c} in the status"))
+
+
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_checkpoint_windows_takes_a_checkpoint_after_every_kth_window(tmp_path, mode):
     """checkpoint_windows=2 and no other trigger: the job's checkpoints are taken after

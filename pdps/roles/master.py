@@ -183,6 +183,7 @@ class Master:
         self._speculation = Speculation(config.speculation, config.speculation_multiplier, config.speculation_min_finished)
         self._stream_pos: dict = {}  # {cursor, next_id, records, ended} as in the store's `stream`
         self._lag: dict = {}
+        self._polled: dict = {}  # what the newest poll said of the source: records_untasked, stalled
         self._files = recovery.files_for(config, checkpoints)
         self._epoch = 0  # the job's epoch whose queue this master serves (see recovery)
         self._snapshots: set[str] = set()
@@ -591,7 +592,9 @@ class Master:
             else:
                 ops.append(Put(self._keys.state, json.dumps({"state": "done", "passes": self.passes_completed}).encode()))
                 if self._windows is not None:  # the lag's last word, with the job's: nothing is left untrained
-                    self._lag = dict(self._lag, tasks_untrained=0, records_untrained=0, backpressure=False, at=self._wall())
+                    # the newest poll's word on the source too: the job may end before the next
+                    # measure (about once a second), and nothing is polled after it
+                    self._lag = dict(self._lag, **self._polled, tasks_untrained=0, records_untrained=0, backpressure=False, at=self._wall())
                     ops.append(Put(self._keys.stream_lag, json.dumps(self._lag).encode()))
                 after.append(self.done.set)  # "done" is said only once it is durable
 
@@ -1173,6 +1176,7 @@ class Master:
     def _add_tasks(self, arrivals) -> None:
         """Add the tasks ``arrivals`` cut, with the new cursor and the windows they fill (lock held)."""
         assert self._queue is not None and self._windows is not None
+        self._polled = {"records_untasked": arrivals.backlog, "stalled": arrivals.stalled}
         changes: list[Change] = self._queue.add_tasks([(c.location, c.part, c.records) for c in arrivals.cuts])
         added = [s for ch in changes if isinstance(ch, TasksAdded) for s in ch.specs]
         windows = self._windows.added(added, self._wall())

@@ -222,6 +222,19 @@ def test_window_settings_on_a_finite_dataset_and_an_endless_simulated_stream_are
         pdps.simulate(follow_train, dataset=stream, windows=2, window_records=4, evaluate="no_such_module:fn", timeout=60)
 
 
+def test_a_finished_jobs_records_untasked_are_those_after_its_last_window():
+    """docs/online.md: records that arrived after the last window stay in the source,
+    shown as `records_untasked`. The master measures the lag about once a second; a job
+    that ends sooner showed the first poll's backlog (80 here) for good."""
+    stream = stream_url("memory-stream:/")
+    streams.append(stream, {"x": np.zeros((130, 3)), "y": np.zeros(130)})
+    store = MemoryStore()
+    result = pdps.simulate(follow_train, dataset=stream, store=store, windows=2, window_records=50, task_records=25, batch_size=25, timeout=60)
+    st = job_status(store, result.config.name)["stream"]
+    assert st["ended"] and st["records"] == 100 and st["windows_closed"] == 2
+    assert (st["records_untasked"], st["tasks_untrained"], st["records_untrained"], st["backpressure"]) == (30, 0, 0, False)
+
+
 def test_an_evaluation_that_is_not_json_is_logged_and_not_recorded(caplog):
     """docs/online.md: evaluate returns a number or a dict of JSON values; anything else is
     logged and nothing is recorded. NaN and infinities are no JSON: recorded, they made

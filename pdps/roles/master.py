@@ -235,7 +235,7 @@ class Master:
                     f"the dataset {self.config.dataset!r} is a stream: give the job windows (window_records and/or window_seconds)"
                 )
         else:
-            streaming_only = [n for n in ("window_records", "window_seconds", "windows", "export_url", "evaluate") if getattr(self.config, n)]
+            streaming_only = [n for n in ("window_records", "window_seconds", "windows", "checkpoint_windows", "export_url", "evaluate") if getattr(self.config, n)]
             if streaming_only:
                 raise ConfigError(
                     f"{', '.join(streaming_only)} are for a streaming dataset (redis-stream://, memory-stream://, a Parquet "

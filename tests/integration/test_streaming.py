@@ -207,7 +207,8 @@ def test_a_stream_job_rolls_back_across_a_window_close_and_survives_a_master_fai
 def test_window_settings_on_a_finite_dataset_and_an_endless_simulated_stream_are_refused(tmp_path):
     url = (tmp_path / "d").as_uri()
     write_parquet_shards({"x": np.zeros((8, 3)), "y": np.zeros(8)}, url, shards=1, row_group_size=8)
-    for settings in ({"window_records": 10, "windows": 2}, {"export_url": (tmp_path / "m").as_uri()}):
+    checkpoints = {"checkpoint_url": (tmp_path / "ck").as_uri(), "checkpoint_windows": 1}  # would never be taken
+    for settings in ({"window_records": 10, "windows": 2}, {"export_url": (tmp_path / "m").as_uri()}, checkpoints):
         with pytest.raises(pdps.ConfigError, match="are for a streaming dataset .* is a finite one"):
             pdps.simulate(follow_train, dataset=url, timeout=60, **settings)
     with pytest.raises(pdps.ConfigError, match="evaluate runs after each window of a streaming job"):

@@ -1132,7 +1132,7 @@ class Master:
             try:
                 if self.done.is_set() and lag_due:
                     lag_due = 0.0
-                    self._write_lag(arrivals, False)  # the job's last word on its lag: nothing untrained
+                    self._write_lag(arrivals)  # the job's last word on its lag: nothing untrained
                 if self.done.is_set() or not self.leading.is_set():
                     continue
                 with self._locked():
@@ -1161,7 +1161,7 @@ class Master:
                     partial_since = (partial_since or self._clock()) if waiting else None
                 if self._clock() >= lag_due:
                     lag_due = self._clock() + 1.0
-                    self._write_lag(arrivals, budget <= 0)
+                    self._write_lag(arrivals)
             except StoreUnavailable as exc:
                 self._fail(exc)
             except FencingError:
@@ -1211,16 +1211,21 @@ class Master:
             self._transition_ops(changes, ops, after)
         self._store.wait(self._store.stage(ops, fence=self._fence, after=after))
 
-    def _write_lag(self, arrivals, backpressure: bool) -> None:
+    def _write_lag(self, arrivals) -> None:
         """``stream/lag``: what the job has not trained yet (for pdps status)."""
         with self._locked():
             assert self._queue is not None
             untrained = [(self._queue.spec(r.id).records - r.offset) for r in self._queue.records() if r.state in (TaskState.TODO, TaskState.PENDING)]
+            # held back now: stream_max_tasks unfinished, with data still to cut (a poll that
+            # filled the queue up is backpressure too, not only a turn that could not poll)
+            backpressure = (
+                self._queue.open and len(untrained) >= self.config.stream_max_tasks and (arrivals is None or arrivals.backlog != 0)
+            )
             lag = {
                 "records_untasked": None if arrivals is None else arrivals.backlog,
                 "tasks_untrained": len(untrained),
                 "records_untrained": sum(untrained),
-                "backpressure": backpressure,
+                "backpressure": bool(backpressure),
                 "stalled": None if arrivals is None else arrivals.stalled,
                 "windows_closed": 0 if self._windows is None else self._windows.closed,
                 "at": self._wall(),

@@ -17,6 +17,7 @@ import attrs
 from pdps.core.errors import ConfigError, CorruptRecord
 from pdps.core.sgd import Cadence, Mode
 from pdps.core.slots import DEFAULT_MIN_BLOCK, DEFAULT_NUM_SLOTS
+from pdps.core.speculation import RING
 from pdps.core.updategraph import brief_args
 
 DEFAULT_JOB = "default"
@@ -221,6 +222,11 @@ class JobConfig:
             value = getattr(self, name)
             if value and not _is_import_path(value):
                 raise ConfigError(f"{name} must name a function as 'module:function' or 'path/to/file.py:function' (found where the master runs), got {value!r}")
+        if self.speculation_min_finished > RING:  # the median is over the last RING finishes: more would never be counted
+            raise ConfigError(
+                f"speculation_min_finished must be between 1 and {RING} (the median is taken over the last {RING} finished tasks), "
+                f"got {self.speculation_min_finished}"
+            )
         if self.replicas > 2 and self.mode is not Mode.SYNC:
             raise ConfigError(
                 f"replicas = {self.replicas} in {self.mode.value} mode: this version keeps at most 2 copies of an async job's slots "

@@ -183,6 +183,7 @@ class Master:
         self._speculation = Speculation(config.speculation, config.speculation_multiplier, config.speculation_min_finished)
         self._stream_pos: dict = {}  # {cursor, next_id, records, ended} as in the store's `stream`
         self._lag: dict = {}
+        self._polled: dict = {}  # what the newest poll said of the source: records_untasked, stalled
         self._files = recovery.files_for(config, checkpoints)
         self._epoch = 0  # the job's epoch whose queue this master serves (see recovery)
         self._snapshots: set[str] = set()
@@ -234,7 +235,7 @@ class Master:
                     f"the dataset {self.config.dataset!r} is a stream: give the job windows (window_records and/or window_seconds)"
                 )
         else:
-            streaming_only = [n for n in ("window_records", "window_seconds", "windows", "export_url", "evaluate") if getattr(self.config, n)]
+            streaming_only = [n for n in ("window_records", "window_seconds", "windows", "checkpoint_windows", "export_url", "evaluate") if getattr(self.config, n)]
             if streaming_only:
                 raise ConfigError(
                     f"{', '.join(streaming_only)} are for a streaming dataset (redis-stream://, memory-stream://, a Parquet "
@@ -591,7 +592,9 @@ class Master:
             else:
                 ops.append(Put(self._keys.state, json.dumps({"state": "done", "passes": self.passes_completed}).encode()))
                 if self._windows is not None:  # the lag's last word, with the job's: nothing is left untrained
-                    self._lag = dict(self._lag, tasks_untrained=0, records_untrained=0, backpressure=False, at=self._wall())
+                    # the newest poll's word on the source too: the job may end before the next
+                    # measure (about once a second), and nothing is polled after it
+                    self._lag = dict(self._lag, **self._polled, tasks_untrained=0, records_untrained=0, backpressure=False, at=self._wall())
                     ops.append(Put(self._keys.stream_lag, json.dumps(self._lag).encode()))
                 after.append(self.done.set)  # "done" is said only once it is durable
 
@@ -1129,7 +1132,7 @@ class Master:
             try:
                 if self.done.is_set() and lag_due:
                     lag_due = 0.0
-                    self._write_lag(arrivals, False)  # the job's last word on its lag: nothing untrained
+                    self._write_lag(arrivals)  # the job's last word on its lag: nothing untrained
                 if self.done.is_set() or not self.leading.is_set():
                     continue
                 with self._locked():
@@ -1158,7 +1161,7 @@ class Master:
                     partial_since = (partial_since or self._clock()) if waiting else None
                 if self._clock() >= lag_due:
                     lag_due = self._clock() + 1.0
-                    self._write_lag(arrivals, budget <= 0)
+                    self._write_lag(arrivals)
             except StoreUnavailable as exc:
                 self._fail(exc)
             except FencingError:
@@ -1173,6 +1176,7 @@ class Master:
     def _add_tasks(self, arrivals) -> None:
         """Add the tasks ``arrivals`` cut, with the new cursor and the windows they fill (lock held)."""
         assert self._queue is not None and self._windows is not None
+        self._polled = {"records_untasked": arrivals.backlog, "stalled": arrivals.stalled}
         changes: list[Change] = self._queue.add_tasks([(c.location, c.part, c.records) for c in arrivals.cuts])
         added = [s for ch in changes if isinstance(ch, TasksAdded) for s in ch.specs]
         windows = self._windows.added(added, self._wall())
@@ -1207,16 +1211,21 @@ class Master:
             self._transition_ops(changes, ops, after)
         self._store.wait(self._store.stage(ops, fence=self._fence, after=after))
 
-    def _write_lag(self, arrivals, backpressure: bool) -> None:
+    def _write_lag(self, arrivals) -> None:
         """``stream/lag``: what the job has not trained yet (for pdps status)."""
         with self._locked():
             assert self._queue is not None
             untrained = [(self._queue.spec(r.id).records - r.offset) for r in self._queue.records() if r.state in (TaskState.TODO, TaskState.PENDING)]
+            # held back now: stream_max_tasks unfinished, with data still to cut (a poll that
+            # filled the queue up is backpressure too, not only a turn that could not poll)
+            backpressure = (
+                self._queue.open and len(untrained) >= self.config.stream_max_tasks and (arrivals is None or arrivals.backlog != 0)
+            )
             lag = {
                 "records_untasked": None if arrivals is None else arrivals.backlog,
                 "tasks_untrained": len(untrained),
                 "records_untrained": sum(untrained),
-                "backpressure": backpressure,
+                "backpressure": bool(backpressure),
                 "stalled": None if arrivals is None else arrivals.stalled,
                 "windows_closed": 0 if self._windows is None else self._windows.closed,
                 "at": self._wall(),

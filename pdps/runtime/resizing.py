@@ -86,9 +86,16 @@ def request_resize(
     """
     current = read_map(store, keys)
     check_counts(pservers, trainers, current.num_slots, current.replicas)
+    found = store.get(keys.config)
+    job = None if found is None else JobConfig.decode(found.value, keys.config)
+    if job is not None and job.pipeline_stages > 1 and trainers is not None:
+        if trainers != job.trainers:  # its ranks are laid out for the configured count (docs/pipeline.md, limits)
+            raise ConfigError(
+                f"job {keys.job!r} runs pipelines of {job.pipeline_stages} stages on {job.trainers} trainers: "
+                f"this version cannot change a pipeline job's trainer count; change --pservers only"
+            )
     if pservers is not None and pservers != current.num_pservers and current.replicas > 1:
-        config = store.get(keys.config)
-        if config is not None and JobConfig.decode(config.value, keys.config).mode is Mode.ASYNC:
+        if job is not None and job.mode is Mode.ASYNC:
             raise ConfigError(
                 f"job {keys.job!r} is async with replicas = {current.replicas}: this version cannot change its pserver count "
                 f"(a primary moving while its forwards are on their way could leave its copies apart); change --trainers only"

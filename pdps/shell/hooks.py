@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import json
 import logging
+import numbers
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
+
+import numpy as np
 
 from pdps.core.errors import ConfigError
 from pdps.core.job import JobConfig, Keys
@@ -142,10 +145,14 @@ class WindowHooks:
     def _evaluate_window(self, evaluate: Evaluate, params: dict[str, Any], updates: int, window: Window) -> None:
         """Record ``evaluate(params)`` at ``evals/<window>``."""
         metrics = evaluate(params)
-        if isinstance(metrics, (int, float)) and not isinstance(metrics, bool):
+        if isinstance(metrics, numbers.Real) and not isinstance(metrics, (bool, np.bool_)):  # numpy's scalars too
             metrics = {"metric": float(metrics)}
         if not isinstance(metrics, dict):
             raise ConfigError(f"the evaluate function returned {type(metrics).__name__}; return a number or a dict of numbers")
         record = {"window": window.no, "metrics": metrics, "updates": updates, "at": time.time()}
-        self._store.put(self._keys.evaluation(window.no), json.dumps(record).encode())
+        try:  # strict JSON: `pdps status --json` prints the record as it is, for any JSON reader
+            encoded = json.dumps(record, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"the evaluate function returned metrics that are not JSON values ({exc}): {metrics!r:.200}") from exc
+        self._store.put(self._keys.evaluation(window.no), encoded.encode())
         log.info("window %d evaluated: %s", window.no, metrics)

@@ -124,8 +124,10 @@ def check_inputs(values: Mapping[str, Any], config: JobConfig) -> None:
     """Refuse, before the job is created or any role started, what would otherwise fail
     only in the roles (each restarted until ``max_restarts`` is used up): a ``memory://``
     store that role processes cannot share, TLS files that cannot be read, a dataset the
-    master cannot read, an optimizer the pservers do not know."""
+    master cannot read, an optimizer the pservers do not know, a hook (``before_job``,
+    ``evaluate``) that cannot be imported here, where the master will run."""
     from pdps.registry import open_compute, scheme_of
+    from pdps.shell.hooks import user_function
     from pdps.shell.process import check_dataset, check_tls_files
 
     if values["transport"] != "inproc":
@@ -137,6 +139,9 @@ def check_inputs(values: Mapping[str, Any], config: JobConfig) -> None:
         check_tls_files(values)
     check_dataset(config.dataset)
     open_compute("torch").check_optimizer(config.optimizer, config.optimizer_args)
+    for hook in ("before_job", "evaluate"):
+        if getattr(config, hook):
+            user_function(getattr(config, hook), hook)
 
 
 def open_job_store(values: Mapping[str, Any], keys: Keys) -> Any:

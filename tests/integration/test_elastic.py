@@ -146,6 +146,24 @@ def test_one_resize_at_a_time_and_counts_in_bounds(source):
     assert store.get(keys.ps_desired).value == b"3"
 
 
+def test_a_pipeline_jobs_trainer_count_is_not_resized(source):
+    """docs/pipeline.md: a pipeline job's trainers are its ranks (P x D, laid out when the
+    job starts), so another trainer count is refused, nothing written; its pservers may
+    still be asked for."""
+    from pdps.adapters.memory_store import MemoryStore
+    from pdps.core.errors import ConfigError
+    from pdps.roles.master import publish_job
+
+    store = MemoryStore()
+    publish_job(store, pdps.JobConfig(name="pipes", dataset=source.url, trainers=4, pipeline_stages=2, pservers=2, num_slots=4))
+    keys = Keys("pipes")
+    for trainers in (2, 6, 3):
+        with pytest.raises(ConfigError, match="cannot change a pipeline job's trainer count"):
+            pdps.scale(store, job="pipes", pservers=3, trainers=trainers)
+    assert store.get(keys.resize) is None and store.get(keys.trainers_desired) is None
+    assert pdps.scale(store, job="pipes", pservers=3, trainers=4)["pservers"] == 3
+
+
 def test_pdps_scale_command_asks_and_refuses_by_name(etcd_server, source):
     import json
     import subprocess

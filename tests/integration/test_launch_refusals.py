@@ -110,3 +110,20 @@ def test_launch_called_in_process_prints_where_stdout_is_now(capsys, target, dat
     out = capsys.readouterr().out
     line = json.loads(out.strip().splitlines()[-1])
     assert line["job"] == job and "memory://" in line["error"], out
+
+
+@pytest.mark.parametrize("hook", ["before-job", "evaluate"])
+def test_a_hook_that_cannot_be_imported_is_refused_before_the_job_exists(etcd_server, job, target, tmp_path, hook):
+    """docs/online.md: a hook that cannot be imported is a ConfigError naming it, raised
+    before the master starts (the master process would fail on it, restarted until
+    max_restarts ran out)."""
+    landing = tmp_path / "landing"
+    landing.mkdir()
+    code, error = launch(
+        "--store", etcd_server.url, "--job", job, "--dataset", f"{landing.as_uri()}?follow=1", "--window-records", "10",
+        "--windows", "1", f"--{hook}", "no_such_module_xyz:fn", target,
+    )  # fmt: skip
+    name = hook.replace("-", "_")
+    assert code == 2
+    assert error.startswith(f"pdps: error: {name} 'no_such_module_xyz:fn': cannot import 'no_such_module_xyz'"), error
+    assert no_job(etcd_server.url, job)

@@ -64,3 +64,45 @@ def test_a_pass_audit_of_a_streaming_job_points_to_its_windows(finished):
     store, job = finished
     with pytest.raises(NoSuchPass, match=r"reads a stream: it has windows, not passes \(pdps status --window N\)"):
         pass_audit(store, job, 0)
+
+
+def test_backpressure_is_told_whenever_the_master_holds_stream_max_tasks_with_data_left_to_cut():
+    """docs/online.md: `backpressure` is true while the master holds stream_max_tasks
+    unfinished tasks and cuts no more. A master whose poll had just filled the queue up
+    again (a task finished since its last turn) reported it false, so a job held back the
+    whole time by a fast producer mostly showed no backpressure."""
+    import threading
+    import time
+
+    url = f"memory-stream://pressure-{uuid.uuid4().hex[:8]}"
+    streams.append(url, {"x": np.zeros((600, 3)), "y": np.zeros(600)})
+
+    def slow_train(ctx: pdps.TrainerContext) -> None:
+        model = ctx.attach(torch.nn.Linear(3, 1).double())
+        for batch in ctx.batches():
+            ctx.step(F.mse_loss(model(batch["x"]).squeeze(1), batch["y"]))
+            time.sleep(0.02)  # a task of one step finishes within the master's turn (50 ms)
+
+    store, seen, stop = MemoryStore(), {}, threading.Event()
+
+    def watch() -> None:
+        while not stop.wait(0.1):
+            for job in {kv.key.split("/")[2] for kv in store.range("/pdps/")}:
+                lag = store.get(Keys(job).stream_lag)
+                if lag is not None:
+                    got = json.loads(lag.value)
+                    seen[got["at"]] = got
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        pdps.simulate(
+            slow_train, dataset=url, store=store, batch_size=10, window_records=300, windows=2, task_records=10, stream_max_tasks=2, timeout=60
+        )
+    finally:
+        stop.set()
+        watcher.join()
+    held = [lag for lag in seen.values() if lag["tasks_untrained"] == 2 and lag["records_untasked"]]
+    assert held, seen  # the master measured at least once while held back
+    assert all(lag["backpressure"] for lag in held), held
+    assert not any(lag["backpressure"] for lag in seen.values() if lag["tasks_untrained"] < 2 or not lag["records_untasked"]), seen

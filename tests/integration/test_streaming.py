@@ -207,7 +207,8 @@ def test_a_stream_job_rolls_back_across_a_window_close_and_survives_a_master_fai
 def test_window_settings_on_a_finite_dataset_and_an_endless_simulated_stream_are_refused(tmp_path):
     url = (tmp_path / "d").as_uri()
     write_parquet_shards({"x": np.zeros((8, 3)), "y": np.zeros(8)}, url, shards=1, row_group_size=8)
-    for settings in ({"window_records": 10, "windows": 2}, {"export_url": (tmp_path / "m").as_uri()}):
+    checkpoints = {"checkpoint_url": (tmp_path / "ck").as_uri(), "checkpoint_windows": 1}  # would never be taken
+    for settings in ({"window_records": 10, "windows": 2}, {"export_url": (tmp_path / "m").as_uri()}, checkpoints):
         with pytest.raises(pdps.ConfigError, match="are for a streaming dataset .* is a finite one"):
             pdps.simulate(follow_train, dataset=url, timeout=60, **settings)
     with pytest.raises(pdps.ConfigError, match="evaluate runs after each window of a streaming job"):
@@ -220,6 +221,47 @@ def test_window_settings_on_a_finite_dataset_and_an_endless_simulated_stream_are
         pdps.simulate(follow_train, dataset=stream, windows=2, timeout=60)
     with pytest.raises(pdps.ConfigError, match="^evaluate 'no_such_module:fn': cannot import"):
         pdps.simulate(follow_train, dataset=stream, windows=2, window_records=4, evaluate="no_such_module:fn", timeout=60)
+
+
+def test_a_finished_jobs_records_untasked_are_those_after_its_last_window():
+    """docs/online.md: records that arrived after the last window stay in the source,
+    shown as `records_untasked`. The master measures the lag about once a second; a job
+    that ends sooner showed the first poll's backlog (80 here) for good."""
+    stream = stream_url("memory-stream:/")
+    streams.append(stream, {"x": np.zeros((130, 3)), "y": np.zeros(130)})
+    store = MemoryStore()
+    result = pdps.simulate(follow_train, dataset=stream, store=store, windows=2, window_records=50, task_records=25, batch_size=25, timeout=60)
+    st = job_status(store, result.config.name)["stream"]
+    assert st["ended"] and st["records"] == 100 and st["windows_closed"] == 2
+    assert (st["records_untasked"], st["tasks_untrained"], st["records_untrained"], st["backpressure"]) == (30, 0, 0, False)
+
+
+def test_an_evaluation_that_is_not_json_is_logged_and_not_recorded(caplog):
+    """docs/online.md: evaluate returns a number or a dict of JSON values; anything else is
+    logged and nothing is recorded. NaN and infinities are no JSON: recorded, they made
+    `pdps status --json` print `NaN`, which JSON readers refuse. A number is any real
+    number, numpy's scalars included (np.float32 was refused as no number)."""
+    stream = stream_url("memory-stream:/")
+    streams.append(stream, {"x": np.zeros((12, 3)), "y": np.zeros(12)})
+    # a number numpy computed (recorded as a float), then no JSON twice, then numbers again
+    answers = [np.float32(0.5), float("nan"), {"loss": float("inf")}]
+    calls = []
+
+    def evaluate(params: dict) -> object:
+        calls.append(len(calls))
+        return answers[len(calls) - 1] if len(calls) <= len(answers) else np.float64(0.5)
+
+    store = MemoryStore()
+    with caplog.at_level(logging.ERROR, logger="pdps"):
+        result = pdps.simulate(
+            follow_train, dataset=stream, store=store, windows=3, window_records=4, task_records=4, evaluate=evaluate, timeout=60
+        )
+    # windows closing faster than their work are passed over: which windows ran is not fixed
+    evals = [json.loads(kv.value) for kv in store.range(f"/pdps/{result.config.name}/evals/")]
+    assert calls and [e["metrics"] for e in evals] == [{"metric": 0.5}] * (1 + max(0, len(calls) - 3))
+    failed = [r for r in caplog.records if "post-window work" in r.getMessage() and r.exc_info and "not JSON values" in str(r.exc_info[1])]
+    assert len(failed) == min(len(calls) - 1, 2)
+    json.loads(json.dumps(job_status(store, result.config.name)), parse_constant=lambda c: pytest.fail(f"{c} in the status"))
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

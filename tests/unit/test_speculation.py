@@ -180,3 +180,14 @@ def test_speculation_settings_are_checked():
         Speculation(multiplier=0)
     with pytest.raises(ConfigError, match="speculation_min_finished"):
         Speculation(min_finished=0)
+
+
+def test_a_min_finished_the_median_never_holds_is_refused_when_the_job_is_made():
+    """The master keeps the last RING finishes: a job asking for more would fail when its
+    master starts (after `pdps launch` started every role); it is refused up front."""
+    from pdps.core.job import JobConfig
+    from pdps.core.speculation import RING
+
+    assert JobConfig(speculation_min_finished=RING).speculation_min_finished == RING
+    with pytest.raises(ConfigError, match=f"speculation_min_finished must be between 1 and {RING}"):
+        JobConfig(speculation_min_finished=RING + 1)

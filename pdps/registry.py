@@ -36,7 +36,7 @@ _REGISTRY: dict[str, dict[str, tuple[str, str | None]]] = {
     "data": {
         "file": ("pdps.adapters.parquet:open_parquet_source", "parquet"),
         "memory": ("pdps.adapters.parquet:open_parquet_source", "parquet"),
-        "s3": ("pdps.adapters.parquet:open_parquet_source", "parquet"),
+        "s3": ("pdps.adapters.parquet:open_parquet_source", "parquet,s3"),  # pyarrow, and s3fs to reach the bucket
         "redis-stream": ("pdps.adapters.redis_stream:RedisStreamSource", "redis"),
         "memory-stream": ("pdps.adapters.memory_stream:MemoryStreamSource", None),
     },

@@ -60,6 +60,17 @@ def _whole_number(minimum: int, what: str, hint: str = ""):
 _positive_int = _whole_number(1, "a whole number")
 # pdps scale's counts: any whole number here; pdps.scale refuses one out of bounds (exit 1, naming the bound)
 _count = _whole_number(-sys.maxsize, "a whole number")
+def _seconds(text: str) -> float:
+    """An argparse type: seconds, 0 or more (``--connect-timeout -1`` is refused, not read as "give up at once")."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not value >= 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"seconds must be 0 or more, got {text}")
+    return value
+
+
 _pass_number = _whole_number(0, "a pass number", " (0 is the first pass)")
 _window_number = _whole_number(0, "a window number", " (0 is the first window)")
 
@@ -147,7 +158,7 @@ def build_parser(argv: Sequence[str] = (), env: Mapping[str, str] | None = None)
     scale.add_argument("--pservers", type=_count, default=None, metavar="M", help="pservers the job should run")
     scale.add_argument("--trainers", type=_count, default=None, metavar="N", help="trainers the job should run")
     scale.add_argument("--wait", action="store_true", help="queue behind a resize in progress, and wait until this one is done")
-    scale.add_argument("--timeout", type=float, default=None, metavar="SECONDS", help="with --wait: give up after this long")
+    scale.add_argument("--timeout", type=_seconds, default=None, metavar="SECONDS", help="with --wait: give up after this long")
     scale.set_defaults(func=cmd_scale, parser=scale)
 
     checkpoint = sub.add_parser(
@@ -265,7 +276,7 @@ def _add_store_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--job", default=DEFAULT_JOB, help="job name (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument(
-        "--connect-timeout", type=float, default=10.0, help="seconds to keep retrying an unreachable store (default: %(default)s)"
+        "--connect-timeout", type=_seconds, default=10.0, help="seconds to keep retrying an unreachable store (default: %(default)s)"
     )
 
 

@@ -139,3 +139,20 @@ def test_a_role_process_nobody_could_reach_is_refused_at_once(args, expect):
 def test_a_flag_value_that_cannot_be_read_names_the_setting_as_its_variable_would(args, expect):
     result = probe(*args)
     assert result["code"] == 2 and expect in result["stderr"] and not result["torch"], result
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["status", "etcd://127.0.0.1:1", "--connect-timeout", "-1"],
+        ["checkpoint", "list", "etcd://127.0.0.1:1", "--connect-timeout", "nan"],
+        ["scale", "etcd://127.0.0.1:1", "--pservers", "3", "--wait", "--timeout", "-5"],
+    ],
+    ids=" ".join,
+)
+def test_seconds_below_0_are_refused_by_the_store_commands_as_by_the_roles(args):
+    """A negative --connect-timeout was taken as "give up at once" (the role commands
+    refuse it: operations.md); now status, checkpoint and scale refuse it too, before
+    reaching for the store."""
+    result = probe(*args)
+    assert result["code"] == 2 and "seconds must be 0 or more" in result["stderr"] and not result["torch"], result

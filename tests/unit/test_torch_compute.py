@@ -745,3 +745,13 @@ class TestShardPieces:
 def test_threads_is_a_declared_capability():
     compute = TorchCompute("cpu")
     assert isinstance(compute, ThreadedCompute) and compute.threads == torch.get_num_threads()
+
+
+def test_an_s3_dataset_names_both_extras_it_needs():
+    """An s3:// dataset needs pyarrow (pdps[parquet]) and s3fs (pdps[s3]): the hint of an
+    unknown scheme names both, as operations.md's storage table says of s3://."""
+    from pdps.registry import open_data_source
+
+    with pytest.raises(UnknownSchemeError) as caught:
+        open_data_source("nosuch://x")
+    assert "s3:// (pip install 'pdps[parquet,s3]')" in str(caught.value)

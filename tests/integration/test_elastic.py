@@ -247,6 +247,17 @@ def test_fewer_trainers_wanted_the_surplus_gives_its_task_back_and_leaves(source
     assert len(result.history["trainer-2"]) < len(result.history["trainer-0"])
 
 
+def train_and_leave(job) -> None:
+    """Three steps of one trainer, which then leaves the job: no trainer is left."""
+    ctx = job.trainer("t0")
+    model = ctx.attach(make_model())
+    x = torch.randn(5, 4, dtype=torch.float64)
+    for _ in range(3):
+        ctx.step(F.mse_loss(model(x), torch.zeros(5, 2, dtype=torch.float64)), samples=5)
+    ctx.leave()
+    job.trainers.clear()
+
+
 @pytest.mark.parametrize("mode,wire", [("sync", "inproc"), ("async", "grpc")])
 def test_a_job_with_no_trainer_left_is_resized_and_keeps_its_parameters(source, mode, wire):
     """No trainer to close a round: the master switches the map itself, the slots move
@@ -257,13 +268,7 @@ def test_a_job_with_no_trainer_left_is_resized_and_keeps_its_parameters(source, 
     job = start_job(source, name=f"idle-{mode}", mode=mode, pservers=2, min_block=1, num_slots=8, lease_ttl=2.0, optimizer="Adam",
                     optimizer_args={"lr": 0.01}, **over)
     try:
-        ctx = job.trainer("t0")
-        model = ctx.attach(make_model())
-        x = torch.randn(5, 4, dtype=torch.float64)
-        for _ in range(3):
-            ctx.step(F.mse_loss(model(x), torch.zeros(5, 2, dtype=torch.float64)), samples=5)
-        ctx.leave()
-        job.trainers.clear()
+        train_and_leave(job)
         before = pdps.fetch_parameters(job.store, job.transport, job.config)
         resize(job, 3)
         after = pdps.fetch_parameters(job.store, job.transport, job.config)
@@ -283,13 +288,7 @@ def test_a_model_read_while_a_resize_moves_its_slots_starts_over_on_the_new_map(
 
     job = start_job(source, name="elastic-fetch", mode="sync", pservers=2, min_block=1, num_slots=8, lease_ttl=2.0, optimizer_args={"lr": LR})
     try:
-        ctx = job.trainer("t0")
-        model = ctx.attach(make_model())
-        x = torch.randn(5, 4, dtype=torch.float64)
-        for _ in range(3):
-            ctx.step(F.mse_loss(model(x), torch.zeros(5, 2, dtype=torch.float64)), samples=5)
-        ctx.leave()
-        job.trainers.clear()
+        train_and_leave(job)
         before = pdps.fetch_parameters(job.store, job.transport, job.config)
         ask, asked = PserverGroup.ask, []
 
